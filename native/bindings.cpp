@@ -1,0 +1,125 @@
+// pybind11 module nvmeio._native: raw pointers and paths in, no torch.
+//
+// Every call that can touch a file releases the GIL. Native IoErrors become
+// nvmeio.errors exceptions (OSError subclasses) built by Python code, so the
+// error classes are defined in one place.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+
+#include "engines/engine.h"
+#include "file.h"
+#include "handle.h"
+#include "locked.h"
+
+namespace py = pybind11;
+using namespace nvmeio;
+
+namespace {
+
+char* as_ptr(uintptr_t p) { return reinterpret_cast<char*>(p); }
+
+// Address and size of a C-contiguous buffer-protocol object. The caller keeps
+// the object (a memoryview) alive while the I/O runs.
+py::tuple buffer_address(py::handle obj, bool writable) {
+  Py_buffer view;
+  int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &view, flags) != 0) throw py::error_already_set();
+  py::tuple out = py::make_tuple(reinterpret_cast<uintptr_t>(view.buf), view.len);
+  PyBuffer_Release(&view);
+  return out;
+}
+
+py::dict stats_dict(const WorkerStats& s) {
+  py::dict d;
+  d["requests"] = s.requests;
+  d["bytes"] = s.bytes;
+  d["bounced"] = s.bounced;
+  d["buffered"] = s.buffered;
+  d["submit_calls"] = s.submit_calls;
+  d["reap_calls"] = s.reap_calls;
+  d["slices"] = s.slices;
+  d["max_inflight"] = s.max_inflight;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "nvmeio native I/O core (kernel AIO by syscall, psync fallback)";
+  m.attr("DIRECT_ALIGNMENT") = kDirectAlign;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      py::object make = py::module_::import("nvmeio.errors").attr("make_error");
+      py::object exc = make(e.err(), e.what(), e.path(), e.offset(), e.length());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  m.def("available_backends", [] {
+    std::vector<std::string> out;
+    for (EngineKind k : available_engines()) out.push_back(engine_name(k));
+    return out;
+  }, "Backends this build compiled and this kernel accepts, fastest first.");
+  m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));
+
+  py::class_<Handle>(m, "Handle")
+      .def(py::init([](int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,
+                       int intra_op_parallelism, const std::string& backend, bool direct_io) {
+             HandleConfig c;
+             c.block_size = block_size;
+             c.queue_depth = queue_depth;
+             c.single_submit = single_submit;
+             c.overlap_events = overlap_events;
+             c.intra_op_parallelism = intra_op_parallelism;
+             c.engine = engine_from_name(backend);
+             c.direct_io = direct_io;
+             return std::make_unique<Handle>(c);
+           }),
+           py::arg("block_size"), py::arg("queue_depth"), py::arg("single_submit"),
+           py::arg("overlap_events"), py::arg("intra_op_parallelism"), py::arg("backend"),
+           py::arg("direct_io"))
+      .def("submit",
+           [](Handle& h, bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
+              int64_t offset) { h.submit(write, as_ptr(ptr), nbytes, path, offset); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("submit_fd",
+           [](Handle& h, bool write, uintptr_t ptr, int64_t nbytes, int fd, int64_t offset) {
+             h.submit_fd(write, as_ptr(ptr), nbytes, fd, offset);
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait",
+           [](Handle& h) {
+             WaitResult r;
+             {
+               py::gil_scoped_release release;
+               r = h.wait();
+             }
+             if (r.error) throw *r.error;
+             return r.completed;
+           })
+      .def("pending", &Handle::pending)
+      .def("refused_direct", &Handle::refused_direct)
+      .def_property_readonly("block_size", [](Handle& h) { return h.config().block_size; })
+      .def("stats", [](Handle& h) {
+        py::list out;
+        for (const WorkerStats& s : h.stats()) out.append(stats_dict(s));
+        return out;
+      });
+
+  py::class_<LockedBuffer>(m, "LockedBuffer", py::buffer_protocol())
+      .def(py::init<int64_t, bool>(), py::arg("nbytes"), py::arg("try_lock"))
+      .def_property_readonly("ptr", [](LockedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_property_readonly("nbytes", &LockedBuffer::nbytes)
+      .def_property_readonly("locked", &LockedBuffer::locked)
+      .def_property_readonly("lock_error", &LockedBuffer::lock_error)
+      .def("unlock", &LockedBuffer::unlock)
+      .def_buffer([](LockedBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {b.nbytes()}, {1}, /*readonly=*/false);
+      });
+}

@@ -1,0 +1,39 @@
+#include "engines/engine.h"
+
+#include <stdexcept>
+
+#include "engines/aio.h"
+#include "engines/psync.h"
+
+namespace nvmeio {
+
+std::unique_ptr<Engine> make_engine(EngineKind kind, int depth) {
+  switch (kind) {
+    case EngineKind::kAio: return make_aio_engine(depth);
+    case EngineKind::kPsync: return make_psync_engine(depth);
+  }
+  throw std::invalid_argument("unknown engine kind");
+}
+
+const char* engine_name(EngineKind kind) {
+  switch (kind) {
+    case EngineKind::kAio: return "aio";
+    case EngineKind::kPsync: return "psync";
+  }
+  return "?";
+}
+
+EngineKind engine_from_name(const std::string& name) {
+  for (EngineKind k : {EngineKind::kAio, EngineKind::kPsync})
+    if (name == engine_name(k)) return k;
+  throw std::invalid_argument("unknown backend '" + name + "'");
+}
+
+std::vector<EngineKind> available_engines() {
+  std::vector<EngineKind> out;
+  if (aio_available()) out.push_back(EngineKind::kAio);
+  out.push_back(EngineKind::kPsync);
+  return out;
+}
+
+}  // namespace nvmeio

@@ -1,0 +1,69 @@
+// File: the open file behind one op (RAII for its descriptors).
+//
+// [Note: two descriptors per file]
+// The aligned middle of an op goes through an O_DIRECT descriptor; the
+// unaligned head and tail (at most one alignment unit each) go through a
+// second, buffered descriptor, byte-exact. Padding the tail to a full block
+// instead would write past offset+nbytes, racing with a neighbouring op on
+// the same file and leaving the file too long. The kernel keeps the two views
+// coherent: direct reads write back dirty cached pages of their range first,
+// direct writes invalidate them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace nvmeio {
+
+// O_DIRECT alignment for file offsets, lengths and memory. 4096 is safe for
+// both 512-byte and 4Kn devices on every Linux file system.
+constexpr int64_t kDirectAlign = 4096;
+
+enum class OpenMode { kRead, kWrite };
+
+class File {
+ public:
+  // Opens `path` for one op covering [offset, offset + nbytes).
+  //  - reads: the file must exist, be a regular file and hold the whole range.
+  //  - writes: created with mode 0600 if missing (and removed again if the op
+  //    fails, so a failed write never leaves a half-written new file).
+  // `want_direct`: try O_DIRECT; a file system that refuses it (EINVAL) gives
+  // a buffered file (direct() == false) and the op fdatasyncs at the end.
+  // `need_buffered`: also open the buffered descriptor for unaligned parts.
+  static std::shared_ptr<File> open(const std::string& path, OpenMode mode, int64_t offset,
+                                    int64_t nbytes, bool want_direct, bool need_buffered);
+  // Wraps a caller's open descriptor (dup'ed, so the caller may close theirs).
+  static std::shared_ptr<File> from_fd(int fd, OpenMode mode);
+
+  ~File();
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const { return path_; }
+  bool direct() const { return direct_; }
+  bool refused_direct() const { return refused_direct_; }
+  // Descriptor for aligned requests (O_DIRECT when direct()).
+  int direct_fd() const { return direct_fd_; }
+  // Descriptor for byte-exact requests (buffered).
+  int buffered_fd() const { return buffered_fd_ >= 0 ? buffered_fd_ : direct_fd_; }
+  bool created() const { return created_; }
+
+  // Called once when the op that opened the file failed: removes a file the
+  // op created.
+  void discard_created();
+  // fdatasync, for writes that went through the page cache.
+  void sync(int64_t offset, int64_t length);
+
+ private:
+  File() = default;
+  std::string path_;
+  int direct_fd_ = -1;
+  int buffered_fd_ = -1;
+  bool direct_ = false;
+  bool refused_direct_ = false;
+  bool created_ = false;
+  bool write_ = false;
+};
+
+}  // namespace nvmeio

@@ -1,0 +1,70 @@
+// Handle: the native side of nvmeio.aio_handle.
+//
+// Owns intra_op_parallelism workers. submit() opens the file, splits the op
+// into alignment-respecting slices and hands them to workers; wait() blocks
+// until every submitted op is done and reports the first error.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engines/engine.h"
+#include "op.h"
+#include "worker.h"
+
+namespace nvmeio {
+
+struct HandleConfig {
+  int64_t block_size = 1 << 20;
+  int queue_depth = 128;
+  bool single_submit = false;
+  bool overlap_events = false;
+  int intra_op_parallelism = 1;
+  EngineKind engine = EngineKind::kAio;
+  bool direct_io = true;  // false: buffered I/O everywhere (NVMEIO_DIRECT_IO=0)
+};
+
+struct WaitResult {
+  int64_t completed = 0;
+  std::optional<IoError> error;
+};
+
+class Handle final : public OpSink {
+ public:
+  explicit Handle(const HandleConfig& cfg);
+  ~Handle() override;  // waits for ops in flight (their buffers are the caller's)
+
+  // Starts one op. Errors found before any I/O (bad path, file too short)
+  // are thrown here and the op is not counted.
+  void submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset);
+  void submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset);
+  WaitResult wait();
+
+  const HandleConfig& config() const { return cfg_; }
+  int64_t pending();
+  // True once any file refused O_DIRECT and was done buffered instead.
+  bool refused_direct();
+  std::vector<WorkerStats> stats();
+
+  void op_done(const std::shared_ptr<Op>& op) override;
+
+ private:
+  void start(std::shared_ptr<Op> op);
+
+  HandleConfig cfg_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t pending_ = 0;      // guarded by mu_
+  int64_t completed_ = 0;    // guarded by mu_, since the last wait()
+  std::optional<IoError> first_error_;  // guarded by mu_
+  bool refused_direct_ = false;         // guarded by mu_
+  unsigned next_worker_ = 0;            // guarded by mu_
+};
+
+}  // namespace nvmeio

@@ -1,0 +1,254 @@
+#include "worker.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+namespace nvmeio {
+
+// Progress of one slice on this worker.
+struct Worker::SliceState {
+  Slice slice;
+  int64_t pos = 0;      // next op-buffer byte to request from the engine
+  int64_t mid_end = 0;  // end of what goes through the engine
+  int outstanding = 0;  // requests in flight
+  bool finished = false;
+};
+
+// Context of one request in flight; its address is the request tag.
+struct Worker::Inflight {
+  SliceState* s = nullptr;
+  int64_t pos = 0;           // op-buffer offset of the request
+  int64_t len = 0;
+  char* bounce = nullptr;    // staging buffer, or null when on user memory
+};
+
+Worker::Worker(const WorkerConfig& cfg, OpSink* sink)
+    : cfg_(cfg), sink_(sink), engine_(make_engine(cfg.engine, cfg.queue_depth)),
+      slots_(static_cast<size_t>(cfg.queue_depth)) {
+  for (auto& s : slots_) free_slots_.push_back(&s);
+  // Bounce memory is capped at ~16 MiB a worker: enough to keep the queue
+  // busy for unaligned buffers without pinning queue_depth x block_size.
+  int64_t cap = (16 << 20) / cfg.block_size;
+  bounce_limit_ = static_cast<int>(std::clamp<int64_t>(cap, 2, cfg.queue_depth));
+  thread_ = std::thread([this] { run(); });
+}
+
+Worker::~Worker() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  thread_.join();
+}
+
+void Worker::enqueue(Slice s) {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    wake = queue_.empty();
+    queue_.push_back(std::move(s));
+  }
+  // The worker only sleeps when its queue is empty, so only the first
+  // enqueue after that needs a wake-up.
+  if (wake) cv_.notify_one();
+}
+
+WorkerStats Worker::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+char* Worker::take_bounce() {
+  if (free_bounce_.empty()) {
+    if (static_cast<int>(bounce_mem_.size()) >= bounce_limit_) return nullptr;
+    bounce_mem_.push_back(aligned_alloc_bytes(cfg_.block_size, kDirectAlign));
+    free_bounce_.push_back(bounce_mem_.back().get());
+  }
+  char* b = free_bounce_.back();
+  free_bounce_.pop_back();
+  return b;
+}
+
+// Byte-exact blocking I/O on the buffered descriptor: unaligned heads and
+// tails, and the rest of a partial transfer.
+void Worker::run_sync(SliceState* s, int fd, int64_t pos, int64_t len, char* mem) {
+  Op& op = *s->slice.op;
+  ++local_.buffered;
+  while (len > 0) {
+    int64_t off = op.offset + pos;
+    ssize_t r = op.write ? ::pwrite(fd, mem, static_cast<size_t>(len), off)
+                         : ::pread(fd, mem, static_cast<size_t>(len), off);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      op.fail(make_io_error(errno, op.file->path(), off, len, op.write ? "write" : "read"));
+      return;
+    }
+    if (r == 0) {
+      op.fail(op.write ? make_io_error(EIO, op.file->path(), off, len, "write (no progress)")
+                       : IoError(kShortReadErrno, op.file->path(), off, len,
+                                 "short read: the file ended at offset " + std::to_string(off) +
+                                     " (it was shortened while being read)"));
+      return;
+    }
+    pos += r;
+    mem += r;
+    len -= r;
+  }
+}
+
+bool Worker::next_request(Request* out) {
+  for (auto& sp : active_) {
+    SliceState* s = sp.get();
+    Op& op = *s->slice.op;
+    if (s->pos >= s->mid_end || op.failed.load(std::memory_order_acquire)) continue;
+    int64_t len = std::min(cfg_.block_size, s->mid_end - s->pos);
+    char* mem = op.buf + s->pos;
+    char* bounce = nullptr;
+    bool direct = op.file->direct();
+    if (direct && !is_aligned(mem, kDirectAlign)) {
+      bounce = take_bounce();
+      if (!bounce) return false;  // wait for a completion to free one
+      if (op.write) std::memcpy(bounce, mem, static_cast<size_t>(len));
+      ++local_.bounced;
+    }
+    Inflight* f = free_slots_.back();
+    free_slots_.pop_back();
+    *f = Inflight{s, s->pos, len, bounce};
+    *out = Request{direct ? op.file->direct_fd() : op.file->buffered_fd(), op.write,
+                   bounce ? bounce : mem, len, op.offset + s->pos, f};
+    s->pos += len;
+    ++s->outstanding;
+    return true;
+  }
+  return false;
+}
+
+void Worker::complete(Inflight* f, int64_t result) {
+  SliceState* s = f->s;
+  Op& op = *s->slice.op;
+  char* mem = op.buf + f->pos;
+  char* data = f->bounce ? f->bounce : mem;
+  int64_t off = op.offset + f->pos;
+  if (result < 0) {
+    op.fail(make_io_error(static_cast<int>(-result), op.file->path(), off, f->len,
+                          op.write ? "write" : "read"));
+  } else {
+    if (result < f->len) {
+      // A partial transfer (rare on regular files): finish it byte-exact.
+      run_sync(s, op.file->buffered_fd(), f->pos + result, f->len - result, data + result);
+    }
+    if (!op.write && f->bounce && !op.failed.load(std::memory_order_acquire))
+      std::memcpy(mem, f->bounce, static_cast<size_t>(f->len));
+    ++local_.requests;
+    local_.bytes += static_cast<uint64_t>(f->len);
+  }
+  if (f->bounce) free_bounce_.push_back(f->bounce);
+  free_slots_.push_back(f);
+  --s->outstanding;
+  --inflight_;
+}
+
+void Worker::finish_slice_if_done(SliceState* s) {
+  Op& op = *s->slice.op;
+  bool issuing = s->pos < s->mid_end && !op.failed.load(std::memory_order_acquire);
+  if (s->finished || issuing || s->outstanding > 0) return;
+  s->finished = true;
+  ++local_.slices;
+  if (op.slices_left.fetch_sub(1, std::memory_order_acq_rel) == 1) sink_->op_done(s->slice.op);
+}
+
+void Worker::run() {
+  std::vector<Completion> events(static_cast<size_t>(cfg_.queue_depth));
+  std::vector<Request> batch;
+  batch.reserve(static_cast<size_t>(cfg_.queue_depth));
+  std::deque<Slice> incoming;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      local_.submit_calls = engine_->submit_calls();
+      stats_ = local_;
+      if (active_.empty() && inflight_ == 0 && unsubmitted_.empty()) {
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stop_ with nothing left to do
+      }
+      incoming.swap(queue_);
+    }
+
+    // Activate new slices: the unaligned head and tail go byte-exact through
+    // the buffered descriptor now; the aligned middle is left for the engine.
+    for (Slice& sl : incoming) {
+      auto st = std::make_unique<SliceState>();
+      Op& op = *sl.op;
+      st->slice = std::move(sl);
+      int64_t begin = st->slice.begin, end = st->slice.end;
+      if (op.file->direct()) {
+        int64_t a = align_up(op.offset + begin, kDirectAlign) - op.offset;
+        int64_t b = align_down(op.offset + end, kDirectAlign) - op.offset;
+        if (a >= b) {
+          a = b = end;
+          run_sync(st.get(), op.file->buffered_fd(), begin, end - begin, op.buf + begin);
+        } else {
+          if (a > begin) run_sync(st.get(), op.file->buffered_fd(), begin, a - begin, op.buf + begin);
+          if (end > b) run_sync(st.get(), op.file->buffered_fd(), b, end - b, op.buf + b);
+        }
+        st->pos = a;
+        st->mid_end = b;
+      } else {
+        st->pos = begin;
+        st->mid_end = end;
+      }
+      active_.push_back(std::move(st));
+    }
+    incoming.clear();
+
+    // Fill the queue: first what the kernel refused last time, then new requests.
+    batch.clear();
+    while (!unsubmitted_.empty() && inflight_ + static_cast<int>(batch.size()) < cfg_.queue_depth) {
+      batch.push_back(unsubmitted_.front());
+      unsubmitted_.pop_front();
+    }
+    Request r;
+    while (inflight_ + static_cast<int>(batch.size()) < cfg_.queue_depth && next_request(&r))
+      batch.push_back(r);
+
+    if (!batch.empty()) {
+      int n = static_cast<int>(batch.size());
+      int accepted = 0;
+      if (cfg_.single_submit) {
+        while (accepted < n && engine_->submit(&batch[accepted], 1) == 1) ++accepted;
+      } else {
+        accepted = engine_->submit(batch.data(), n);
+      }
+      inflight_ += accepted;
+      local_.max_inflight = std::max(local_.max_inflight, inflight_);
+      for (int i = n - 1; i >= accepted; --i) unsubmitted_.push_front(batch[i]);
+    }
+
+    if (inflight_ > 0) {
+      // overlap_events: take whatever has finished and refill at once;
+      // otherwise wait for the whole batch (DeepSpeed's two modes).
+      int min_nr = cfg_.overlap_events ? 1 : inflight_;
+      int got = engine_->reap(events.data(), min_nr, cfg_.queue_depth);
+      ++local_.reap_calls;
+      for (int i = 0; i < got; ++i) complete(static_cast<Inflight*>(events[i].tag), events[i].result);
+    } else if (!unsubmitted_.empty()) {
+      // The kernel refused everything (EAGAIN) with nothing in flight: back off briefly.
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+
+    for (auto& sp : active_) finish_slice_if_done(sp.get());
+    while (!active_.empty() && active_.front()->finished) active_.pop_front();
+    if (active_.size() > 64) {
+      active_.erase(std::remove_if(active_.begin(), active_.end(),
+                                   [](const std::unique_ptr<SliceState>& s) { return s->finished; }),
+                    active_.end());
+    }
+  }
+}
+
+}  // namespace nvmeio

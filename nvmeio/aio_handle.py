@@ -1,0 +1,295 @@
+"""aio_handle: DeepSpeed's DeepNVMe handle API on nvmeio's native core.
+
+Every op moves one buffer to or from one file range. ``async_*`` ops return
+at once; ``wait()`` completes all of them. Until then the buffer belongs to
+the handle: writing into the source of an async write or reading the target
+of an async read before ``wait()`` is a data race. The handle keeps a
+reference to every buffer in flight, so dropping yours is safe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+import warnings
+from typing import Any, Callable
+
+from . import _native
+from .buffers import IoBuffer, as_io_buffer
+from .errors import AioError
+from .locked import LockedTensors
+
+__all__ = ["aio_handle", "available_backends", "ValidationError"]
+
+PathLike = "str | os.PathLike[str] | int"
+
+
+class ValidationError(AioError):
+    """``validate=True`` found the file and the buffer differ."""
+
+
+def available_backends() -> list[str]:
+    """Backends this build has and this kernel allows, fastest first."""
+    return list(_native.available_backends())
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _resolve_backend(backend: str) -> str:
+    available = available_backends()
+    if backend == "auto":
+        return available[0]
+    if backend not in available:
+        raise ValueError(f"backend {backend!r} is not available here; available backends: "
+                         f"{', '.join(available)}")
+    return backend
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
+    """Asynchronous file I/O handle (DeepSpeed ``aio_handle`` compatible).
+
+    Args:
+        block_size: bytes per I/O request (rounded up to 4096).
+        queue_depth: requests kept in flight per worker thread.
+        single_submit: submit one request per syscall instead of batches.
+        overlap_events: reap completions while submitting instead of waiting
+            for each whole batch.
+        intra_op_parallelism: worker threads; one op is split across them.
+        backend: "auto" (fastest available), "aio" (kernel AIO) or "psync".
+
+    Environment: ``NVMEIO_DIRECT_IO=0`` turns O_DIRECT off (buffered I/O +
+    fdatasync, as on a file system that refuses O_DIRECT); ``NVMEIO_MLOCK=0``
+    makes ``new_cpu_locked_tensor`` skip mlock.
+    """
+
+    def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
+                 single_submit: bool = False, overlap_events: bool = False,
+                 intra_op_parallelism: int = 1, backend: str = "auto"):
+        self._block_size = _positive_int("block_size", block_size)
+        self._queue_depth = _positive_int("queue_depth", queue_depth)
+        self._intra_op_parallelism = _positive_int("intra_op_parallelism", intra_op_parallelism)
+        self._single_submit = bool(single_submit)
+        self._overlap_events = bool(overlap_events)
+        self._backend = _resolve_backend(backend)
+        self._native = _native.Handle(
+            block_size=self._block_size, queue_depth=self._queue_depth,
+            single_submit=self._single_submit, overlap_events=self._overlap_events,
+            intra_op_parallelism=self._intra_op_parallelism, backend=self._backend,
+            direct_io=_env_flag("NVMEIO_DIRECT_IO", True))
+        self._lock = threading.Lock()
+        self._inflight: list[IoBuffer] = []
+        self._checks: list[Callable[[], None]] = []  # validations run by wait()
+        self._locked = LockedTensors()
+        self._warned_buffered = False
+
+    def __repr__(self) -> str:
+        return (f"aio_handle(block_size={self._block_size}, queue_depth={self._queue_depth}, "
+                f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
+                f"intra_op_parallelism={self._intra_op_parallelism}, backend={self._backend!r})")
+
+    # -- submission -----------------------------------------------------------------
+
+    def _submit(self, write: bool, buffer: Any, filename: Any, file_offset: int,
+                validate: bool = False) -> None:
+        if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
+            raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
+        io = as_io_buffer(buffer, writable=not write)
+        with self._lock:
+            self._inflight.append(io)
+        try:
+            if isinstance(filename, int) and not isinstance(filename, bool):
+                self._native.submit_fd(write, io.ptr, io.nbytes, filename, file_offset)
+                path = None
+            else:
+                path = os.fspath(filename)
+                if not isinstance(path, str):
+                    path = os.fsdecode(path)
+                self._native.submit(write, io.ptr, io.nbytes, path, file_offset)
+        except BaseException:
+            with self._lock:
+                self._inflight.remove(io)
+            raise
+        if validate:
+            if path is None:
+                raise ValueError("validate=True needs a path, not a file descriptor")
+            with self._lock:
+                self._checks.append(lambda: _validate(io, path, file_offset))
+        if not self._warned_buffered and self._native.refused_direct():
+            self._warned_buffered = True
+            warnings.warn(f"nvmeio: the file system of {path or 'the file'!r} refuses O_DIRECT; "
+                          "this handle uses buffered I/O + fdatasync there", RuntimeWarning,
+                          stacklevel=3)
+
+    def async_pread(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
+        """Starts reading ``buffer.nbytes`` bytes at ``file_offset``; returns 0."""
+        self._submit(False, buffer, filename, file_offset)
+        return 0
+
+    def async_pwrite(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
+        """Starts writing ``buffer`` at ``file_offset`` (an open fd works too); returns 0."""
+        self._submit(True, buffer, filename, file_offset)
+        return 0
+
+    def sync_pread(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
+        """Reads and waits; returns the number of ops completed (pending ones included)."""
+        self._submit(False, buffer, filename, file_offset)
+        return self.wait()
+
+    def sync_pwrite(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
+        """Writes and waits; returns the number of ops completed (pending ones included)."""
+        self._submit(True, buffer, filename, file_offset)
+        return self.wait()
+
+    def pread(self, buffer: Any, filename: PathLike, validate: bool = False,
+              async_op: bool = False, file_offset: int = 0, **kwargs: Any) -> int:
+        """DeepSpeed's combined form; the 4th argument (``async`` there) picks async."""
+        async_op = _async_kwarg(async_op, kwargs)
+        self._submit(False, buffer, filename, file_offset, validate)
+        return 0 if async_op else self.wait()
+
+    def pwrite(self, buffer: Any, filename: PathLike, validate: bool = False,
+               async_op: bool = False, file_offset: int = 0, **kwargs: Any) -> int:
+        """DeepSpeed's combined form; the 4th argument (``async`` there) picks async."""
+        async_op = _async_kwarg(async_op, kwargs)
+        self._submit(True, buffer, filename, file_offset, validate)
+        return 0 if async_op else self.wait()
+
+    def read(self, buffer: Any, filename: PathLike, validate: bool = False) -> int:
+        """Reads a whole file whose size must equal the buffer's; returns 0."""
+        io = as_io_buffer(buffer, writable=True)
+        path = os.fspath(filename)
+        size = os.stat(path).st_size
+        if size != io.nbytes:
+            raise ValueError(f"read: {path!r} holds {size} bytes but the buffer has {io.nbytes}; "
+                             "use pread with file_offset to read part of a file")
+        self.pread(buffer, path, validate)
+        return 0
+
+    def write(self, buffer: Any, filename: PathLike, validate: bool = False) -> int:
+        """Replaces a whole file with ``buffer``, atomically; returns 0.
+
+        The bytes go to a temporary file in the same directory that is renamed
+        over ``filename`` only once complete, so a failure never leaves a
+        half-written file under that name.
+        """
+        path = os.fspath(filename)
+        head, tail = os.path.split(path)
+        tmp = os.path.join(head, f".{tail}.nvmeio-{os.getpid()}-{threading.get_ident()}.tmp")
+        try:
+            self.pwrite(buffer, tmp, validate)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        return 0
+
+    # -- completion -----------------------------------------------------------------
+
+    def wait(self) -> int:
+        """Blocks until every submitted op is done.
+
+        Returns the number of ops completed since the last ``wait()`` (0 when
+        nothing was pending) and raises the first error among them.
+        """
+        with self._lock:
+            # Buffers of ops submitted before this call; they stay referenced
+            # until the native wait below has seen them complete.
+            done, self._inflight = self._inflight, []  # noqa: F841
+            checks, self._checks = self._checks, []
+        n = self._native.wait()
+        for check in checks:
+            check()
+        return n
+
+    # -- locked host memory ----------------------------------------------------------
+
+    def new_cpu_locked_tensor(self, num_elem: int, example_tensor):
+        """A 1-D CPU tensor of ``example_tensor.dtype``, page-aligned and mlock'ed."""
+        return self._locked.new(num_elem, example_tensor)
+
+    def free_cpu_locked_tensor(self, tensor) -> None:
+        """Unlocks a tensor from ``new_cpu_locked_tensor`` (see [Note: freeing a locked tensor])."""
+        self._locked.free(tensor)
+
+    def is_pinned(self, tensor) -> bool:
+        """True when ``tensor`` is torch-pinned or inside a locked region of this handle."""
+        try:
+            if tensor.is_pinned():
+                return True
+        except RuntimeError:  # builds without an accelerator may refuse the query
+            pass
+        return self._locked.contains(tensor)
+
+    # -- settings -------------------------------------------------------------------
+
+    def get_block_size(self) -> int:
+        return self._block_size
+
+    def get_queue_depth(self) -> int:
+        return self._queue_depth
+
+    def get_single_submit(self) -> bool:
+        return self._single_submit
+
+    def get_overlap_events(self) -> bool:
+        return self._overlap_events
+
+    def get_intra_op_parallelism(self) -> int:
+        return self._intra_op_parallelism
+
+    def get_alignment(self) -> int:
+        """``intra_op_parallelism * 512``, as DeepSpeed reports it.
+
+        nvmeio accepts any size and offset; buffers sized to a multiple of this
+        split evenly across the worker threads.
+        """
+        return self._intra_op_parallelism * 512
+
+    def get_backend(self) -> str:
+        return self._backend
+
+    def buffered_fallback(self) -> bool:
+        """True once a file system refused O_DIRECT and buffered I/O was used."""
+        return bool(self._native.refused_direct())
+
+    def stats(self) -> list[dict]:
+        """Per worker thread: requests, bytes, bounced, submit/reap calls, max_inflight."""
+        return list(self._native.stats())
+
+
+def _async_kwarg(async_op: bool, kwargs: dict) -> bool:
+    if "async" in kwargs:
+        async_op = kwargs.pop("async")
+    if kwargs:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(kwargs))}")
+    return bool(async_op)
+
+
+def _validate(io: IoBuffer, path: str, offset: int) -> None:
+    """Re-reads the file range through the page cache and compares bytes."""
+    expected = ctypes.string_at(io.ptr, io.nbytes)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        actual = f.read(io.nbytes)
+    if actual != expected:
+        at = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), len(actual))
+        exc = ValidationError(errno.EIO, f"validation failed: file and buffer differ at byte {at}",
+                              path)
+        exc.offset, exc.length = offset, io.nbytes
+        raise exc

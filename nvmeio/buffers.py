@@ -1,0 +1,76 @@
+"""What may be read into or written from: checked before any I/O starts.
+
+The native core takes a raw ``(pointer, nbytes)``; this module is where a
+torch tensor, numpy array or buffer-protocol object becomes one, and where
+wrong input is refused with a message that names the problem.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from . import _native
+
+__all__ = ["IoBuffer", "as_io_buffer"]
+
+
+@dataclass(frozen=True)
+class IoBuffer:
+    ptr: int
+    nbytes: int
+    # Kept referenced until the op completes, so memory cannot be freed under
+    # the I/O even if the caller drops its own reference.
+    keepalive: Any
+
+
+def _from_tensor(torch, t, writable: bool) -> IoBuffer:
+    if t.layout != torch.strided:
+        raise TypeError(f"nvmeio needs a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type != "cpu":
+        if t.device.type == "cuda":
+            raise ValueError(
+                f"tensor is on {t.device}: aio_handle reads and writes CPU tensors in this "
+                "version; copy it with .cpu() or use a CPU buffer")
+        raise ValueError(f"tensor is on device '{t.device}'; nvmeio reads and writes CPU tensors")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"tensor is not contiguous (shape {tuple(t.shape)}, stride {tuple(t.stride())}); "
+            "call .contiguous() first")
+    return IoBuffer(t.data_ptr(), t.numel() * t.element_size(), t)
+
+
+def _from_numpy(a, writable: bool) -> IoBuffer:
+    if not a.flags.c_contiguous:
+        raise ValueError(f"numpy array is not C-contiguous (shape {a.shape}, strides {a.strides}); "
+                         "use numpy.ascontiguousarray first")
+    if writable and not a.flags.writeable:
+        raise TypeError("numpy array is read-only and cannot be the target of a read")
+    return IoBuffer(a.__array_interface__["data"][0], a.nbytes, a)
+
+
+def as_io_buffer(buf: Any, *, writable: bool) -> IoBuffer:
+    """Validates ``buf`` and returns its address and size.
+
+    ``writable``: the buffer is the target of a read. Raises TypeError for an
+    unsupported or read-only object, ValueError for a non-contiguous buffer or
+    one on a device nvmeio cannot address.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        return _from_tensor(torch, buf, writable)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(buf, np.ndarray):
+        return _from_numpy(buf, writable)
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError("expected a torch.Tensor, a numpy array or a buffer-protocol object, "
+                        f"got {type(buf).__name__}") from None
+    if writable and view.readonly:
+        raise TypeError(f"{type(buf).__name__} is read-only and cannot be the target of a read")
+    if not view.c_contiguous:
+        raise ValueError(f"{type(buf).__name__} buffer is not C-contiguous")
+    ptr, nbytes = _native.buffer_address(view, writable)
+    return IoBuffer(ptr, nbytes, view)

@@ -1,0 +1,77 @@
+"""Page-aligned, page-locked host tensors owned by a handle.
+
+[Note: freeing a locked tensor]
+``free_cpu_locked_tensor`` unlocks the pages and forgets the region, but the
+memory itself lives until the last tensor viewing it is garbage collected.
+DeepSpeed frees at once, so a tensor kept by mistake reads freed memory; here
+it stays valid, merely unlocked.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import warnings
+
+from . import _native
+
+__all__ = ["LockedTensors"]
+
+
+def _memlock_limit() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+
+
+class LockedTensors:
+    """The locked regions of one handle, by data pointer."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, _native.LockedBuffer] = {}
+        self._warned = False
+
+    def new(self, num_elem: int, example_tensor):
+        import torch
+
+        if not isinstance(example_tensor, torch.Tensor):
+            raise TypeError("example_tensor must be a torch.Tensor (its dtype is used), "
+                            f"got {type(example_tensor).__name__}")
+        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
+            raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+        dtype = example_tensor.dtype
+        nbytes = num_elem * example_tensor.element_size()
+        region = _native.LockedBuffer(nbytes, os.environ.get("NVMEIO_MLOCK", "1") != "0")
+        if not region.locked and not self._warned:
+            self._warned = True
+            why = region.lock_error or "disabled by NVMEIO_MLOCK=0"
+            warnings.warn(
+                f"nvmeio: could not lock {nbytes} bytes of host memory ({why}; memlock limit "
+                f"{_memlock_limit()}); the tensor is page-aligned but not pinned. "
+                "Raise the limit with `ulimit -l unlimited` (or memlock in "
+                "/etc/security/limits.conf) for full speed.", RuntimeWarning, stacklevel=3)
+        if num_elem == 0:
+            t = torch.empty(0, dtype=dtype)
+        else:
+            # frombuffer keeps `region` alive for as long as the tensor lives.
+            t = torch.frombuffer(region, dtype=dtype, count=num_elem)
+            self._regions[t.data_ptr()] = region
+        return t
+
+    def free(self, t) -> None:
+        if t.numel() == 0:
+            return
+        region = self._regions.pop(t.data_ptr(), None)
+        if region is None:
+            raise ValueError(
+                "free_cpu_locked_tensor: this tensor was not allocated by this handle's "
+                "new_cpu_locked_tensor (or was freed already)")
+        region.unlock()
+
+    def contains(self, t) -> bool:
+        """True when ``t`` lies inside a region of this handle that is locked."""
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        for base, region in self._regions.items():
+            if region.locked and base <= start and end <= base + region.nbytes:
+                return True
+        return False
