@@ -28,10 +28,12 @@ std::string parent_dir(const std::string& path) {
 
 // Opens with O_DIRECT when asked; EINVAL means the file system refuses direct
 // I/O (tmpfs on old kernels, some FUSE and network file systems): retry
-// buffered and tell the caller.
+// buffered and tell the caller. Direct I/O turned off (NVMEIO_DIRECT_IO=0)
+// takes the very same buffered path and is reported the same way.
 int open_maybe_direct(const std::string& path, int flags, bool want_direct, bool* direct,
                       bool* refused) {
   *direct = false;
+  if (!want_direct) *refused = true;
   if (want_direct) {
     int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0600);
     if (fd >= 0) {

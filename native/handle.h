@@ -47,7 +47,8 @@ class Handle final : public OpSink {
 
   const HandleConfig& config() const { return cfg_; }
   int64_t pending();
-  // True once any file refused O_DIRECT and was done buffered instead.
+  // True once an op used buffered I/O instead of O_DIRECT (refused by the
+  // file system, or turned off by NVMEIO_DIRECT_IO=0).
   bool refused_direct();
   std::vector<WorkerStats> stats();
 

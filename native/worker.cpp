@@ -159,6 +159,13 @@ void Worker::finish_slice_if_done(SliceState* s) {
   if (s->finished || issuing || s->outstanding > 0) return;
   s->finished = true;
   ++local_.slices;
+  {
+    // Publish stats before the op can count as done, so a caller that has
+    // waited for it sees this slice's requests.
+    std::lock_guard<std::mutex> lock(mu_);
+    local_.submit_calls = engine_->submit_calls();
+    stats_ = local_;
+  }
   if (op.slices_left.fetch_sub(1, std::memory_order_acq_rel) == 1) sink_->op_done(s->slice.op);
 }
 

@@ -129,9 +129,9 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 self._checks.append(lambda: _validate(io, path, file_offset))
         if not self._warned_buffered and self._native.refused_direct():
             self._warned_buffered = True
-            warnings.warn(f"nvmeio: the file system of {path or 'the file'!r} refuses O_DIRECT; "
-                          "this handle uses buffered I/O + fdatasync there", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"nvmeio: no O_DIRECT for {path or 'the file'!r} (its file system "
+                          "refuses it, or NVMEIO_DIRECT_IO=0): this handle falls back to "
+                          "buffered I/O + fdatasync", RuntimeWarning, stacklevel=3)
 
     def async_pread(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
         """Starts reading ``buffer.nbytes`` bytes at ``file_offset``; returns 0."""

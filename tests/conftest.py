@@ -1,0 +1,41 @@
+"""Shared fixtures: a directory on a real file system and handle settings."""
+
+import os
+
+import numpy as np
+import pytest
+
+import nvmeio
+
+BACKENDS = nvmeio.available_backends()
+
+
+@pytest.fixture
+def nvme_dir(tmp_path):
+    """A scratch directory (tmp_path is on the machine's ext4 disk)."""
+    return tmp_path
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+def file_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def unaligned_view(n: int, shift: int = 1) -> np.ndarray:
+    """A writable n-byte numpy view whose address is not 4096-aligned."""
+    base = np.empty(n + 4096 + shift, dtype=np.uint8)
+    start = (-base.__array_interface__["data"][0]) % 4096 + shift
+    return base[start:start + n]
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0

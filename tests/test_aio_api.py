@@ -1,0 +1,165 @@
+"""DeepSpeed aio_handle parity: return values, getters, file sizes, the
+combined pread/pwrite forms, whole-file read/write and validate."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import nvmeio
+from conftest import file_bytes, random_bytes
+
+DEEPSPEED_METHODS = ("async_pread async_pwrite free_cpu_locked_tensor get_alignment get_block_size "
+                     "get_intra_op_parallelism get_overlap_events get_queue_depth get_single_submit "
+                     "is_pinned new_cpu_locked_tensor pread pwrite read sync_pread sync_pwrite wait "
+                     "write").split()
+
+
+def test_has_every_deepspeed_method():
+    h = nvmeio.aio_handle()
+    missing = [m for m in DEEPSPEED_METHODS if not callable(getattr(h, m, None))]
+    assert missing == []
+
+
+def test_defaults_and_getters_match_deepspeed():
+    h = nvmeio.aio_handle()
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
+            h.get_overlap_events(), h.get_intra_op_parallelism()) == (1048576, 128, False, False, 1)
+    h = nvmeio.aio_handle(block_size=262144, queue_depth=32, single_submit=True,
+                          overlap_events=True, intra_op_parallelism=8)
+    assert (h.get_block_size(), h.get_queue_depth(), h.get_single_submit(),
+            h.get_overlap_events(), h.get_intra_op_parallelism()) == (262144, 32, True, True, 8)
+    assert h.get_alignment() == 8 * 512
+
+
+def test_async_pwrite_then_wait_returns_one_and_exact_size(nvme_dir):
+    h = nvmeio.aio_handle(queue_depth=32)
+    t = torch.arange(3 * 1048576 + 7, dtype=torch.int8)
+    assert h.async_pwrite(t, nvme_dir / "t.bin") == 0
+    assert h.wait() == 1
+    assert os.path.getsize(nvme_dir / "t.bin") == t.numel() * t.element_size()
+    assert file_bytes(nvme_dir / "t.bin") == t.numpy().tobytes()
+
+
+def test_wait_with_nothing_pending_returns_zero():
+    assert nvmeio.aio_handle().wait() == 0
+
+
+def test_many_async_ops_one_wait_counts_them(nvme_dir):
+    h = nvmeio.aio_handle(intra_op_parallelism=2)
+    bufs = [random_bytes(1000 + 4099 * i, seed=i) for i in range(10)]
+    for i, b in enumerate(bufs):
+        h.async_pwrite(b, nvme_dir / f"{i}.bin")
+    assert h.wait() == 10
+    outs = [np.empty_like(b) for b in bufs]
+    for i, o in enumerate(outs):
+        h.async_pread(o, nvme_dir / f"{i}.bin")
+    assert h.wait() == 10
+    for b, o in zip(bufs, outs):
+        assert np.array_equal(b, o)
+
+
+def test_sync_op_also_counts_earlier_pending_async_ops(nvme_dir):
+    h = nvmeio.aio_handle()
+    a, b = random_bytes(5000, 1), random_bytes(7000, 2)
+    h.async_pwrite(a, nvme_dir / "a.bin")
+    assert h.sync_pwrite(b, nvme_dir / "b.bin") == 2
+    assert file_bytes(nvme_dir / "a.bin") == a.tobytes()
+
+
+def test_pread_pwrite_fourth_positional_argument_is_async(nvme_dir):
+    h = nvmeio.aio_handle()
+    src = random_bytes(123457)
+    assert h.pwrite(src, str(nvme_dir / "p.bin"), False, True) == 0   # async
+    assert h.wait() == 1
+    dst = np.empty_like(src)
+    assert h.pread(dst, str(nvme_dir / "p.bin"), False, False) == 1   # sync
+    assert np.array_equal(src, dst)
+    dst[:] = 0
+    assert h.pread(dst, nvme_dir / "p.bin", **{"async": True}) == 0
+    assert h.wait() == 1 and np.array_equal(src, dst)
+
+
+def test_pwrite_with_file_offset(nvme_dir):
+    h = nvmeio.aio_handle()
+    a, b = random_bytes(10_000, 1), random_bytes(5_000, 2)
+    h.pwrite(a, nvme_dir / "o.bin")
+    h.pwrite(b, nvme_dir / "o.bin", False, False, 3000)
+    expected = bytearray(a.tobytes())
+    expected[3000:8000] = b.tobytes()
+    assert file_bytes(nvme_dir / "o.bin") == bytes(expected)
+
+
+def test_async_pwrite_accepts_an_open_fd(nvme_dir):
+    h = nvmeio.aio_handle()
+    src = random_bytes(70_001)
+    fd = os.open(nvme_dir / "fd.bin", os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        assert h.async_pwrite(src, fd, 100) == 0
+        assert h.wait() == 1
+    finally:
+        os.close(fd)
+    assert file_bytes(nvme_dir / "fd.bin") == b"\0" * 100 + src.tobytes()
+
+
+def test_write_replaces_whole_file_and_read_requires_equal_size(nvme_dir):
+    h = nvmeio.aio_handle()
+    path = nvme_dir / "w.bin"
+    path.write_bytes(b"x" * 1_000_000)             # longer than what we write
+    src = random_bytes(300_001)
+    assert h.write(src, path) == 0
+    assert file_bytes(path) == src.tobytes()        # replaced, not overwritten in place
+    assert sorted(os.listdir(nvme_dir)) == ["w.bin"]  # no temporary left
+    dst = np.empty_like(src)
+    assert h.read(dst, path) == 0 and np.array_equal(src, dst)
+    with pytest.raises(ValueError, match=r"holds 300001 bytes but the buffer has 300002"):
+        h.read(np.empty(300_002, np.uint8), path)
+
+
+def test_validate_passes_for_good_io(nvme_dir):
+    h = nvmeio.aio_handle()
+    src = random_bytes(99_999)
+    assert h.pwrite(src, nvme_dir / "v.bin", True) == 1
+    dst = np.empty_like(src)
+    assert h.pread(dst, nvme_dir / "v.bin", True) == 1
+    assert h.write(src, nvme_dir / "v2.bin", True) == 0
+
+
+def test_validate_raises_when_file_differs(nvme_dir):
+    h = nvmeio.aio_handle()
+    src = random_bytes(50_000)
+    path = nvme_dir / "v.bin"
+    h.pwrite(src, path, True, True)  # async + validate: checked by wait()
+    while h._native.pending():
+        time.sleep(0.001)
+    with open(path, "r+b") as f:       # change a byte behind the handle's back
+        f.seek(12_345)
+        f.write(bytes([src[12_345] ^ 0xFF]))
+    with pytest.raises(nvmeio.ValidationError, match="differ at byte 12345") as e:
+        h.wait()
+    assert e.value.filename == str(path)
+
+
+def test_unknown_keyword_is_a_type_error(nvme_dir):
+    with pytest.raises(TypeError, match="asyn"):
+        nvmeio.aio_handle().pwrite(random_bytes(10), nvme_dir / "k.bin", asyn=True)
+
+
+def test_pathlike_and_bytes_paths(nvme_dir):
+    h = nvmeio.aio_handle()
+    src = random_bytes(4096 * 3)
+    h.sync_pwrite(src, os.fsencode(nvme_dir / "b.bin"))
+    dst = np.empty_like(src)
+    h.sync_pread(dst, nvme_dir / "b.bin")
+    assert np.array_equal(src, dst)
+
+
+def test_bytearray_and_memoryview_buffers(nvme_dir):
+    h = nvmeio.aio_handle()
+    src = bytes(random_bytes(10_007))
+    h.sync_pwrite(src, nvme_dir / "m.bin")            # read-only source is fine
+    dst = bytearray(len(src))
+    h.sync_pread(memoryview(dst), nvme_dir / "m.bin")
+    assert bytes(dst) == src

@@ -1,0 +1,77 @@
+"""new_cpu_locked_tensor / free_cpu_locked_tensor / is_pinned."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nvmeio
+from conftest import is_root
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_locked_tensor_is_aligned_typed_and_pinned(dtype):
+    h = nvmeio.aio_handle()
+    t = h.new_cpu_locked_tensor(12345, torch.empty(3, dtype=dtype))
+    assert t.dtype == dtype and t.shape == (12345,) and t.device.type == "cpu"
+    assert t.data_ptr() % 4096 == 0
+    assert h.is_pinned(t) and h.is_pinned(t[100:200])
+    assert not h.is_pinned(torch.empty(10, dtype=dtype))
+    h.free_cpu_locked_tensor(t)
+    assert not h.is_pinned(t)
+
+
+def test_memory_stays_valid_after_free():
+    h = nvmeio.aio_handle()
+    t = h.new_cpu_locked_tensor(1 << 20, torch.empty(0))
+    t.fill_(2.5)
+    h.free_cpu_locked_tensor(t)
+    t += 1
+    assert torch.all(t == 3.5)
+
+
+def test_double_free_and_foreign_tensor_are_errors():
+    h, other = nvmeio.aio_handle(), nvmeio.aio_handle()
+    t = h.new_cpu_locked_tensor(100, torch.empty(0))
+    with pytest.raises(ValueError, match="not allocated by this handle"):
+        other.free_cpu_locked_tensor(t)
+    h.free_cpu_locked_tensor(t)
+    with pytest.raises(ValueError, match="freed already"):
+        h.free_cpu_locked_tensor(t)
+    with pytest.raises(ValueError, match="not allocated by this handle"):
+        h.free_cpu_locked_tensor(torch.empty(100))
+
+
+def test_bad_arguments():
+    h = nvmeio.aio_handle()
+    with pytest.raises(ValueError, match="num_elem"):
+        h.new_cpu_locked_tensor(-1, torch.empty(0))
+    with pytest.raises(TypeError, match="example_tensor"):
+        h.new_cpu_locked_tensor(10, "float32")
+    assert h.new_cpu_locked_tensor(0, torch.empty(0)).numel() == 0
+
+
+def test_mlock_refused_falls_back_visibly():
+    # Without CAP_IPC_LOCK and with a 1 MiB memlock limit, locking 64 MiB
+    # fails: the tensor still works, is_pinned says False, a warning says why.
+    if not is_root():
+        pytest.skip("needs root to drop CAP_IPC_LOCK from a child process")
+    code = (
+        "import resource, warnings, torch, nvmeio\n"
+        "resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))\n"
+        "h = nvmeio.aio_handle()\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    t = h.new_cpu_locked_tensor(16 << 20, torch.empty(0))\n"
+        "t.fill_(1.0)\n"
+        "print('pinned', h.is_pinned(t), 'sum', int(t.sum()))\n"
+        "print('warning', w[0].message)\n"
+    )
+    out = subprocess.run(["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
+                          sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode and "setpriv" in out.stderr:
+        pytest.skip(f"setpriv cannot drop capabilities here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    assert f"pinned False sum {16 << 20}" in out.stdout
+    assert "could not lock 67108864 bytes" in out.stdout and "memlock limit 1048576 bytes" in out.stdout
