@@ -1,0 +1,242 @@
+"""The pinned buffer pool: the only staging memory of the swapper layer.
+
+[Note: one allocation, handed out whole, never grown]
+The pool makes one page-aligned allocation of ``buffer_count`` buffers at
+construction (locked through ``aio_handle.new_cpu_locked_tensor`` when
+``pin_memory``) and never allocates again: asking for more buffers than exist
+is an error right away, asking for more than are free either errors at once
+(``timeout=0``, the default, right for single-threaded callers, where nobody
+else could free one) or waits for another thread to release some. Each buffer
+starts on a 4096-byte boundary, so a buffer's start is aligned for O_DIRECT in
+any dtype; tensors of other dtypes are laid into buffers through byte views.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional
+
+import torch
+
+from .errors import BufferTooSmallError, InsufficientHostMemoryError, PoolExhaustedError, SwapStateError
+from .host_memory import HostMemory, format_bytes
+
+PAGE_BYTES = 4096
+
+
+def align_up(n: int, alignment: int = PAGE_BYTES) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def as_count(value, name: str) -> int:
+    """``value`` as a positive int; accepts integral floats such as ``1e8`` (DeepSpeed configs)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a 1-D uint8 tensor (no copy)."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return flat.view(torch.uint8)
+
+
+@dataclass(eq=False)
+class PoolBuffer:
+    """One buffer of the pool. ``tensor`` is the whole buffer in the pool's dtype.
+
+    Valid until it is released; the memory is reused by whoever acquires it next.
+    """
+
+    index: int
+    tensor: torch.Tensor
+    holder: Optional[str] = field(default=None, repr=True)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def bytes(self) -> torch.Tensor:
+        return byte_view(self.tensor)
+
+    def view(self, numel: int, dtype: torch.dtype, byte_offset: int = 0) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` starting ``byte_offset`` bytes into the buffer."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        end = byte_offset + numel * itemsize
+        if byte_offset % itemsize or end > self.nbytes:
+            raise BufferTooSmallError(
+                f"{numel} elements of {dtype} at byte {byte_offset} do not fit buffer {self.index} "
+                f"of {self.nbytes} bytes"
+            )
+        return self.bytes()[byte_offset:end].view(dtype)
+
+
+def _free_if_idle(handle, storage: torch.Tensor, out: List[int]) -> None:
+    # Garbage collection of a pool with buffers still out leaves the memory to
+    # the process (a leak) rather than freeing pages that live views point into.
+    if out[0] == 0:
+        handle.free_cpu_locked_tensor(storage)
+
+
+class PinnedBufferPool:
+    """``buffer_count`` aligned buffers of ``buffer_size`` elements of ``dtype``.
+
+    Memory: ``buffer_count × align_up(buffer_size × itemsize, 4096)`` bytes, locked
+    when ``pin_memory`` (page-locked, so the kernel can DMA into it and never swaps
+    it out), from the moment of construction until :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        buffer_count: int,
+        buffer_size: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        pin_memory: bool = True,
+        handle=None,
+    ):
+        self.buffer_count = as_count(buffer_count, "buffer_count")
+        self.buffer_size = as_count(buffer_size, "buffer_size")
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.buffer_nbytes = self.buffer_size * self.itemsize
+        self._stride_bytes = align_up(self.buffer_nbytes)
+        self.nbytes = self.buffer_count * self._stride_bytes
+        # Buffers out right now; shared with the finalizer, which must not free
+        # memory that views handed out may still point into.
+        self._out = [0]
+        what = (
+            f"PinnedBufferPool(buffer_count={self.buffer_count}, buffer_size={self.buffer_size}, "
+            f"dtype={dtype})"
+        )
+        refusal = HostMemory.probe().refusal(self.nbytes, what, pin_memory)
+        if refusal is not None:
+            raise InsufficientHostMemoryError(refusal)
+
+        if pin_memory:
+            if handle is None:
+                import nvmeio
+
+                handle = nvmeio.aio_handle()
+            example = torch.empty(0, dtype=torch.uint8)
+            self._storage = handle.new_cpu_locked_tensor(self.nbytes, example)
+            self._finalizer = weakref.finalize(self, _free_if_idle, handle, self._storage, self._out)
+        else:
+            raw = torch.empty(self.nbytes + PAGE_BYTES, dtype=torch.uint8)
+            skip = (-raw.data_ptr()) % PAGE_BYTES
+            self._storage = raw[skip : skip + self.nbytes]
+            self._finalizer = None
+        self._handle = handle
+        self._buffers = [
+            PoolBuffer(
+                index=i,
+                tensor=self._storage[i * self._stride_bytes : i * self._stride_bytes + self.buffer_nbytes].view(dtype),
+            )
+            for i in range(self.buffer_count)
+        ]
+        self._free: List[PoolBuffer] = list(reversed(self._buffers))
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"PinnedBufferPool(buffer_count={self.buffer_count}, buffer_size={self.buffer_size}, "
+            f"dtype={self.dtype}, free={self.free_count}, {format_bytes(self.nbytes)}"
+            f"{', pinned' if self.pin_memory else ''})"
+        )
+
+    @property
+    def free_count(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def holders(self) -> List[str]:
+        """Who holds the buffers that are out, one entry per buffer."""
+        with self._cond:
+            return [b.holder or "?" for b in self._buffers if b not in self._free]
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.buffer_nbytes
+
+    def acquire(self, count: int = 1, *, holder: str = "", timeout: Optional[float] = 0.0) -> List[PoolBuffer]:
+        """Take ``count`` buffers, all or none.
+
+        ``timeout=0`` raises :class:`PoolExhaustedError` at once when fewer are free;
+        a positive timeout waits that many seconds for other threads to release
+        buffers; ``None`` waits without limit. Asking for more buffers than the pool
+        has raises at once whatever the timeout.
+        """
+        if count > self.buffer_count:
+            raise PoolExhaustedError(
+                f"{holder or 'caller'} asks for {count} buffers at once, but the pool has only "
+                f"{self.buffer_count} (buffer_count={self.buffer_count}); raise buffer_count to at "
+                f"least {count}"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._check_open()
+            while len(self._free) < count:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    held = [b.holder or "?" for b in self._buffers if b not in self._free]
+                    raise PoolExhaustedError(
+                        f"{holder or 'caller'} asks for {count} buffers but only {len(self._free)} of "
+                        f"{self.buffer_count} are free"
+                        + (f" after waiting {timeout:g} s" if timeout else "")
+                        + f"; held by: {', '.join(held)}. Release buffers first or raise buffer_count"
+                    )
+                self._cond.wait(remaining)
+                self._check_open()
+            taken = [self._free.pop() for _ in range(count)]
+            self._out[0] += count
+            for b in taken:
+                b.holder = holder or "caller"
+            return taken
+
+    def release(self, buffers: Iterable[PoolBuffer]) -> None:
+        """Give buffers back. Releasing one that is not out is an error."""
+        with self._cond:
+            for b in buffers:
+                if self._buffers[b.index] is not b or b in self._free:
+                    raise SwapStateError(f"buffer {b.index} released twice or not from this pool")
+                b.holder = None
+                self._free.append(b)
+                self._out[0] -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Free the memory. Every buffer must be back: their tensors die with the pool."""
+        with self._cond:
+            if self._closed:
+                return
+            if len(self._free) != self.buffer_count:
+                held = [b.holder or "?" for b in self._buffers if b not in self._free]
+                raise SwapStateError(f"cannot close the pool while buffers are held by: {', '.join(held)}")
+            self._closed = True
+            self._buffers = []
+            self._free = []
+            self._cond.notify_all()
+        self._storage = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SwapStateError("the buffer pool is closed")
+
+    def __enter__(self) -> "PinnedBufferPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

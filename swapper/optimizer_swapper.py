@@ -1,0 +1,567 @@
+"""PartitionedOptimizerSwapper: optimizer state of each sub-group in, step, out.
+
+[Note: one file and one buffer per sub-group]
+A sub-group's fp32 master partition, its optimizer states (``exp_avg``,
+``exp_avg_sq`` for Adam) and, optionally, its gradient are laid out back to
+back in one swap file, ``subgroup<k>.swp``, each region starting on a 4096-byte
+boundary. The same layout in one pool buffer means a swap-in is one read and a
+swap-out one write (the gradient region is read, never written back: the step
+consumes it), so the I/O engine gets the largest requests it can split over its
+threads, and a sub-group needs exactly one buffer. ``buffer_count`` therefore
+counts sub-groups in host memory at once, not tensors as in DeepSpeed: 1 for
+this swapper, up to 3 for the pipelined one; ``None`` (the default) takes what
+the schedule needs and a smaller number is refused when the swapper is made.
+Buffers are sized from the registered sub-groups at first use.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .aio_config import AioConfig
+from .async_swapper import AsyncTensorSwapper, SwapOutTicket, _as_table
+from .buffer_pool import PinnedBufferPool, PoolBuffer, align_up, as_count
+from .checksum import ChecksumAlgorithm, ChecksumTable
+from .errors import BufferTooSmallError, PoolExhaustedError, SwapFileTruncatedError, SwapStateError
+from .io_queue import IoKind, IoQueue
+from .swap_dir import FreeSpaceFn, SwapDirectory
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class SubGroupState(enum.Enum):
+    """Where a sub-group's optimizer state is, and what host memory it holds."""
+
+    UNWRITTEN = "unwritten"
+    """Registered, never initialized; holds nothing."""
+    ON_NVME = "on_nvme"
+    """Only in its swap file; holds no host memory."""
+    READING = "reading"
+    """Read in flight; holds one pool buffer, undefined until the read completes."""
+    AVAILABLE = "available"
+    """In its pool buffer, ready for the step; holds one pool buffer."""
+    WRITING = "writing"
+    """Write in flight; holds one pool buffer, which must not change until the write completes."""
+
+
+@dataclass(frozen=True)
+class SubGroupLayout:
+    """Byte layout of one sub-group, identical in its swap file and in its pool buffer."""
+
+    numel: int
+    dtype: torch.dtype
+    state_names: Tuple[str, ...]
+    with_grad: bool
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def region_bytes(self) -> int:
+        return align_up(self.tensor_bytes)
+
+    def offset(self, index: int) -> int:
+        """Byte offset of region ``index``: 0 master, 1.. states, then the gradient."""
+        return index * self.region_bytes
+
+    @property
+    def written_bytes(self) -> int:
+        """What a swap-out writes: master and states, padding included."""
+        return (1 + len(self.state_names)) * self.region_bytes
+
+    @property
+    def grad_offset(self) -> int:
+        return self.written_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return self.written_bytes + (self.tensor_bytes if self.with_grad else 0)
+
+
+@dataclass
+class SubGroupTensors:
+    """One sub-group in host memory: views of its pool buffer, valid until it is swapped out."""
+
+    sub_group_id: int
+    master: torch.Tensor
+    states: Dict[str, torch.Tensor]
+    grad: Optional[torch.Tensor] = None
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.states["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.states["exp_avg_sq"]
+
+
+StepFn = Callable[[int, SubGroupTensors], None]
+
+
+@dataclass
+class StepStats:
+    """Where the time of one :meth:`step` went (seconds)."""
+
+    sub_groups: int = 0
+    step_seconds: float = 0.0  # inside the caller's step function
+    io_wait_seconds: float = 0.0  # blocked on reads and writes
+    wall_seconds: float = 0.0
+
+
+@dataclass(eq=False)
+class _SubGroup:
+    sub_group_id: int
+    layout: SubGroupLayout
+    file_name: str
+    state: SubGroupState = SubGroupState.UNWRITTEN
+    buffer: Optional[PoolBuffer] = None
+    grad_ranges: List[Tuple[int, int]] = field(default_factory=list)  # element ranges written
+    grad_tickets: List[SwapOutTicket] = field(default_factory=list)
+    read_grad: bool = False  # the buffer holds a gradient read with the state
+
+
+def _covers(ranges: List[Tuple[int, int]], numel: int) -> int:
+    """Elements of [0, numel) covered by ``ranges``."""
+    covered, end = 0, 0
+    for start, stop in sorted(ranges):
+        start = max(start, end)
+        if stop > start:
+            covered += stop - start
+            end = stop
+    return covered
+
+
+class PartitionedOptimizerSwapper:
+    """Per sub-group: master partition, optimizer states (and gradient) in, step, out.
+
+    Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``state_names``
+    defaults to Adam's; ``swap_gradients`` adds a gradient region written with
+    :meth:`swap_out_gradients` (during backward) and read with the state.
+    Not thread-safe: one thread drives a swapper.
+    """
+
+    pipeline_read = False
+    pipeline_write = False
+
+    def __init__(
+        self,
+        nvme_path,
+        aio_config: Union[AioConfig, dict, None] = None,
+        buffer_count: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        state_names: Sequence[str] = ADAM_STATES,
+        swap_gradients: bool = False,
+        job_id: str = "default",
+        rank: int = 0,
+        name: str = "optimizer",
+        checksum: Union[str, ChecksumAlgorithm, ChecksumTable, None] = None,
+        pin_memory: bool = True,
+        free_space_fn: Optional[FreeSpaceFn] = None,
+        remove_stale: bool = False,
+    ):
+        config = AioConfig.coerce(aio_config)
+        needed = self.buffers_needed()
+        if buffer_count is None:
+            buffer_count = needed
+        buffer_count = as_count(buffer_count, "buffer_count")
+        if buffer_count < needed:
+            raise ValueError(
+                f"{type(self).__name__} keeps {needed} sub-groups in host memory at once "
+                f"(pipeline_read={self.pipeline_read}, pipeline_write={self.pipeline_write}) and needs "
+                f"buffer_count >= {needed}, got {buffer_count}; pass buffer_count=None to size it automatically"
+            )
+        if len(set(state_names)) != len(state_names) or "master" in state_names or "grad" in state_names:
+            raise ValueError(f"state_names must be distinct and not 'master' or 'grad', got {state_names!r}")
+        self.buffer_count = buffer_count
+        self.dtype = dtype
+        self.state_names = tuple(state_names)
+        self.swap_gradients = swap_gradients
+        self.pin_memory = pin_memory
+        self._checksums = _as_table(checksum)
+        self._reads = IoQueue(config.make_handle())
+        self._writes = IoQueue(config.make_handle())
+        self._groups: Dict[int, _SubGroup] = {}
+        self._pool: Optional[PinnedBufferPool] = None
+        self._grad_swapper: Optional[AsyncTensorSwapper] = None
+        self._space_checked = 0
+        self._closed = False
+        self.swap_dir = SwapDirectory(
+            nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+        )
+
+    def buffers_needed(self) -> int:
+        """Sub-groups this schedule holds in host memory at once."""
+        return 1 + int(self.pipeline_read) + int(self.pipeline_write)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.swap_dir.path!r}, sub_groups={len(self._groups)}, pool={self._pool!r})"
+
+    # -- registration ------------------------------------------------------------------------
+    def register_sub_group(self, sub_group_id: int, numel: int) -> SubGroupLayout:
+        """Register sub-group ``sub_group_id`` of ``numel`` elements; returns its layout."""
+        self._check_open()
+        if isinstance(sub_group_id, bool) or not isinstance(sub_group_id, int) or sub_group_id < 0:
+            raise ValueError(f"sub_group_id must be a non-negative int, got {sub_group_id!r}")
+        if sub_group_id in self._groups:
+            raise ValueError(f"sub-group {sub_group_id} is registered already")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"numel must be a positive int, got {numel!r}")
+        layout = SubGroupLayout(numel, self.dtype, self.state_names, self.swap_gradients)
+        if self._pool is not None and layout.file_bytes > self._pool.buffer_nbytes:
+            raise BufferTooSmallError(
+                f"sub-group {sub_group_id} needs {layout.file_bytes} bytes per buffer, but the pool was "
+                f"sized at first use for {self._pool.buffer_nbytes}; register every sub-group first"
+            )
+        self._groups[sub_group_id] = _SubGroup(sub_group_id, layout, f"subgroup{sub_group_id}.swp")
+        return layout
+
+    @property
+    def sub_group_ids(self) -> List[int]:
+        return list(self._groups)
+
+    def state(self, sub_group_id: int) -> SubGroupState:
+        return self._group(sub_group_id).state
+
+    @property
+    def pool(self) -> Optional[PinnedBufferPool]:
+        return self._pool
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes the registered sub-groups take on disk."""
+        return sum(g.layout.file_bytes for g in self._groups.values())
+
+    # -- data movement ------------------------------------------------------------------------
+    def initialize(
+        self,
+        sub_group_id: int,
+        master: torch.Tensor,
+        states: Optional[Mapping[str, torch.Tensor]] = None,
+        async_op: bool = False,
+    ) -> None:
+        """Write the first state of a sub-group: ``master`` and ``states`` (zeros if absent)."""
+        g = self._group(sub_group_id)
+        states = dict(states or {})
+        unknown = set(states) - set(self.state_names)
+        if unknown:
+            raise ValueError(f"unknown optimizer states {sorted(unknown)}; this swapper has {self.state_names}")
+        if master.numel() != g.layout.numel:
+            raise ValueError(f"sub-group {sub_group_id} has {g.layout.numel} elements, master {master.numel()}")
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        if g.buffer is None:
+            g.buffer = self._acquire(g)
+        tensors = self._tensors(g, with_grad=False)
+        tensors.master.copy_(master.reshape(-1))
+        for key, t in tensors.states.items():
+            if key in states:
+                t.copy_(states[key].reshape(-1))
+            else:
+                t.zero_()
+        g.state = SubGroupState.AVAILABLE
+        self._begin_write(g)
+        if not async_op:
+            self._wait(self._writes, None)
+
+    def swap_out_gradients(self, sub_group_id: int, grad: torch.Tensor, offset: int = 0) -> List[SwapOutTicket]:
+        """Write ``grad`` as elements ``[offset, offset + grad.numel())`` of the sub-group's gradient.
+
+        Asynchronous; ``grad`` may be reused at once. The next swap-in of the
+        sub-group reads the gradient with its state (it must cover every element
+        by then); the swap-out after the step marks it consumed.
+        """
+        if not self.swap_gradients:
+            raise SwapStateError("this swapper was made with swap_gradients=False")
+        g = self._group(sub_group_id)
+        if offset < 0 or offset + grad.numel() > g.layout.numel:
+            raise ValueError(
+                f"gradient elements [{offset}, {offset + grad.numel()}) fall outside sub-group "
+                f"{sub_group_id} of {g.layout.numel} elements"
+            )
+        self._check_space()
+        self.swap_dir.create(g.file_name)
+        tickets = self._gradients().swap_out(
+            [grad.to(self.dtype) if grad.dtype != self.dtype else grad],
+            [g.file_name],
+            [g.layout.grad_offset + offset * g.layout.itemsize],
+        )
+        g.grad_ranges.append((offset, offset + grad.numel()))
+        g.grad_tickets.extend(tickets)
+        return tickets
+
+    def swap_in(self, sub_group_id: int, async_op: bool = False) -> SubGroupTensors:
+        """Bring a sub-group into a pool buffer; the tensors are valid after :meth:`synchronize`
+        when ``async_op``. Includes the gradient when one was written since the last swap-out."""
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.UNWRITTEN:
+            raise SwapStateError(f"sub-group {sub_group_id} was never initialized")
+        if g.state is SubGroupState.ON_NVME:
+            self._begin_read(g)
+        elif g.state is SubGroupState.WRITING:
+            self._wait(self._writes, None)
+            if g.state is SubGroupState.ON_NVME:
+                self._begin_read(g)
+        if not async_op:
+            self._wait(self._reads, None)
+        return self._tensors(g, with_grad=g.read_grad)
+
+    def swap_out(self, sub_group_id: int, async_op: bool = False) -> None:
+        """Write master and states back; the buffer returns to the pool when the write is done."""
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.READING:
+            self._wait(self._reads, None)
+        if g.state is not SubGroupState.AVAILABLE:
+            raise SwapStateError(f"sub-group {sub_group_id} is {g.state.value}, not in host memory")
+        self._begin_write(g)
+        if not async_op:
+            self._wait(self._writes, None)
+
+    def release(self, sub_group_id: int) -> None:
+        """Give a swapped-in sub-group's buffer back without writing (changes are dropped)."""
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.READING:
+            self._wait(self._reads, None)
+        if g.state is SubGroupState.AVAILABLE:
+            self._drop_buffer(g)
+            g.state = SubGroupState.ON_NVME
+
+    def synchronize(self) -> None:
+        """Complete every read and write in flight; raise the first error after all are done."""
+        try:
+            self._reads.drain()
+        finally:
+            self._writes.drain()
+
+    def step(self, step_fn: StepFn, sub_group_ids: Optional[Sequence[int]] = None) -> StepStats:
+        """For each sub-group in order: swap in, ``step_fn(sub_group_id, tensors)``, swap out.
+
+        ``step_fn`` updates the tensors in place. If the step function or a read
+        raises, I/O in flight is completed and buffers are returned without
+        writing: each sub-group's file then holds its state from before or from
+        after this step, never a mix (a failed write, which raises an
+        ``OSError`` naming its file, leaves that file undefined).
+        """
+        ids = self._step_ids(sub_group_ids)
+        stats = StepStats(sub_groups=len(ids))
+        start = time.perf_counter()
+        try:
+            for sg in ids:
+                g = self._group(sg)
+                if g.state is SubGroupState.ON_NVME:
+                    self._begin_read(g)
+                self._wait(self._reads, stats)
+                self._run_step(step_fn, g, stats)
+                self._begin_write(g)
+                self._wait(self._writes, stats)
+        except BaseException:
+            self._abort()
+            raise
+        stats.wall_seconds = time.perf_counter() - start
+        return stats
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Finish I/O, free the pool, delete every swap file and the swap directory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:
+            for g in self._groups.values():
+                self._drop_buffer(g)
+            self._groups.clear()
+            if self._pool is not None:
+                self._pool.close()
+            self.swap_dir.cleanup()
+
+    close = cleanup
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    # -- internals shared with the pipelined swapper -----------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SwapStateError("the swapper was cleaned up")
+
+    def _group(self, sub_group_id: int) -> _SubGroup:
+        self._check_open()
+        try:
+            return self._groups[sub_group_id]
+        except KeyError:
+            raise KeyError(f"sub-group {sub_group_id!r} is not registered") from None
+
+    def _step_ids(self, sub_group_ids: Optional[Sequence[int]]) -> List[int]:
+        ids = list(self._groups) if sub_group_ids is None else list(sub_group_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"sub-group ids repeat in {ids}")
+        for sg in ids:
+            g = self._group(sg)
+            if g.state is SubGroupState.UNWRITTEN:
+                raise SwapStateError(f"sub-group {sg} was never initialized")
+            if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+                self.synchronize()
+        return ids
+
+    def _ensure_pool(self) -> PinnedBufferPool:
+        if self._pool is None:
+            largest = max(g.layout.file_bytes for g in self._groups.values())
+            itemsize = torch.empty(0, dtype=self.dtype).element_size()
+            self._pool = PinnedBufferPool(
+                self.buffer_count,
+                math.ceil(largest / itemsize),
+                self.dtype,
+                pin_memory=self.pin_memory,
+                handle=self._reads.handle,
+            )
+        return self._pool
+
+    def _gradients(self) -> AsyncTensorSwapper:
+        if self._grad_swapper is None:
+            self._grad_swapper = AsyncTensorSwapper(
+                self.swap_dir,
+                self._ensure_pool(),
+                checksum=self._checksums,
+                writes=self._writes,
+                reads=self._reads,
+                holder="gradients",
+            )
+        return self._grad_swapper
+
+    def _acquire(self, g: _SubGroup) -> PoolBuffer:
+        pool = self._ensure_pool()
+        holder = f"sub-group {g.sub_group_id}"
+        try:
+            return pool.acquire(1, holder=holder)[0]
+        except PoolExhaustedError:
+            if not len(self._writes):
+                raise
+        self._writes.drain()  # completed writes return their buffers
+        return pool.acquire(1, holder=holder)[0]
+
+    def _drop_buffer(self, g: _SubGroup) -> None:
+        if g.buffer is not None:
+            self._pool.release([g.buffer])
+            g.buffer = None
+            g.read_grad = False
+
+    def _tensors(self, g: _SubGroup, with_grad: bool) -> SubGroupTensors:
+        lay, buf = g.layout, g.buffer
+        if buf is None:
+            raise SwapStateError(f"sub-group {g.sub_group_id} is {g.state.value}, not in host memory")
+        states = {n: buf.view(lay.numel, lay.dtype, lay.offset(1 + i)) for i, n in enumerate(lay.state_names)}
+        grad = buf.view(lay.numel, lay.dtype, lay.grad_offset) if with_grad else None
+        return SubGroupTensors(g.sub_group_id, buf.view(lay.numel, lay.dtype, 0), states, grad)
+
+    def _check_space(self) -> None:
+        total = self.nvme_bytes
+        if total <= self._space_checked:
+            return
+        on_disk = sum(self.swap_dir.size(g.file_name) for g in self._groups.values())
+        self.swap_dir.check_free_space(total - on_disk, f"{len(self._groups)} optimizer sub-groups")
+        self._space_checked = total
+
+    def _begin_read(self, g: _SubGroup) -> None:
+        """Take a buffer for ``g`` and submit its read (state, and gradient if one was written)."""
+        lay = g.layout
+        with_grad = bool(g.grad_ranges)
+        if with_grad:
+            covered = _covers(g.grad_ranges, lay.numel)
+            if covered != lay.numel:
+                raise SwapStateError(
+                    f"the gradient of sub-group {g.sub_group_id} covers {covered} of {lay.numel} elements"
+                )
+            if any(not t.done for t in g.grad_tickets):
+                self._writes.drain()
+        length = lay.grad_offset + lay.tensor_bytes if with_grad else lay.written_bytes
+        path = self.swap_dir.file(g.file_name)
+        size = self.swap_dir.size(g.file_name)
+        if size < length:
+            error = SwapFileTruncatedError(
+                f"swap file {path} of sub-group {g.sub_group_id} is {size} bytes, expected at least "
+                f"{length}: it was truncated behind the swapper's back"
+            )
+            error.filename = path
+            raise error
+        g.buffer = self._acquire(g)
+        g.state, g.read_grad = SubGroupState.READING, with_grad
+        view = g.buffer.bytes()[:length]
+
+        def on_done(error: Optional[BaseException]) -> None:
+            if error is None and self._checksums is not None:
+                try:
+                    self._checksums.verify(path, 0, view)
+                except BaseException:
+                    self._drop_buffer(g)
+                    g.state = SubGroupState.ON_NVME
+                    raise
+            if error is not None:
+                self._drop_buffer(g)
+                g.state = SubGroupState.ON_NVME
+            else:
+                g.state = SubGroupState.AVAILABLE
+
+        self._reads.submit(IoKind.READ, view, path, 0, on_done)
+
+    def _begin_write(self, g: _SubGroup) -> None:
+        """Submit the write of master and states; the buffer is released when it completes."""
+        self._check_space()
+        path = self.swap_dir.create(g.file_name)
+        lay = g.layout
+        if self._checksums is not None:
+            tensors = self._tensors(g, with_grad=False)
+            self._checksums.record(path, 0, tensors.master)
+            for i, t in enumerate(tensors.states.values()):
+                self._checksums.record(path, lay.offset(1 + i), t)
+        g.state = SubGroupState.WRITING
+
+        def on_done(error: Optional[BaseException]) -> None:
+            if error is not None:  # the state is still in the buffer: keep it for a retry
+                g.state = SubGroupState.AVAILABLE
+                return
+            self._drop_buffer(g)
+            g.state = SubGroupState.ON_NVME
+            g.grad_ranges.clear()  # consumed by the step that preceded this write
+            g.grad_tickets.clear()
+
+        self._writes.submit(IoKind.WRITE, g.buffer.bytes()[: lay.written_bytes], path, 0, on_done)
+
+    def _run_step(self, step_fn: StepFn, g: _SubGroup, stats: StepStats) -> None:
+        t0 = time.perf_counter()
+        step_fn(g.sub_group_id, self._tensors(g, with_grad=g.read_grad))
+        stats.step_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _wait(queue: IoQueue, stats: Optional[StepStats]) -> None:
+        t0 = time.perf_counter()
+        queue.drain()
+        if stats is not None:
+            stats.io_wait_seconds += time.perf_counter() - t0
+
+    def _abort(self) -> None:
+        """After a failure inside a step: finish I/O, return buffers without writing."""
+        for queue in (self._reads, self._writes):
+            try:
+                queue.drain()
+            except BaseException:  # noqa: BLE001 - the original error is the one to raise
+                pass
+        for g in self._groups.values():
+            if g.state in (SubGroupState.AVAILABLE, SubGroupState.READING):
+                self._drop_buffer(g)
+                g.state = SubGroupState.ON_NVME

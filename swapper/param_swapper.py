@@ -1,0 +1,496 @@
+"""PartitionedParamSwapper: parameter partitions between pool buffers and NVMe, by stable id.
+
+[Note: a partition lives in one pool buffer while in host memory]
+As in DeepSpeed, a swapped-in partition occupies one whole pool buffer, so
+``buffer_count`` bounds how many NVMe-resident partitions can be in memory at
+once and ``buffer_size`` must hold the largest one. Unlike DeepSpeed, running
+short is never an assert: ``buffer_size=None`` sizes the buffers from the
+partitions registered before the first swap (the largest one), an explicit
+``buffer_size`` too small for a partition is refused when that partition is
+registered (naming both sizes), and a swap-in that finds no free buffer first
+completes the writes in flight (which return theirs) and otherwise raises
+:class:`PoolExhaustedError` naming the partitions that hold the buffers.
+The first ``max_in_cpu`` elements registered (first fit, in registration
+order) stay in ordinary host memory for good and never touch NVMe. Swap files
+are named after the caller's ids (``param_<id>.swp``), which must therefore be
+stable across runs: a parameter's name or its index, never ``id()``.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Union
+from urllib.parse import quote
+
+import torch
+
+from .aio_config import AioConfig
+from .async_swapper import _as_table
+from .buffer_pool import PinnedBufferPool, PoolBuffer, as_count
+from .checksum import ChecksumAlgorithm, ChecksumTable
+from .errors import (
+    BufferTooSmallError,
+    PoolExhaustedError,
+    SwapFileTruncatedError,
+    SwapStateError,
+    add_note,
+)
+from .io_queue import IoKind, IoQueue
+from .swap_dir import FreeSpaceFn, SwapDirectory
+
+ParamId = Union[int, str]
+
+
+class PartitionState(enum.Enum):
+    """Where a registered partition's data is, and what host memory it holds."""
+
+    UNWRITTEN = "unwritten"
+    """Registered, no data anywhere yet; holds nothing."""
+    AVAILABLE = "available"
+    """Data valid in its pool buffer; holds one pool buffer (``buffer_size`` elements)."""
+    READING = "reading"
+    """Read from NVMe in flight; holds one pool buffer, undefined until ``synchronize()``."""
+    WRITING = "writing"
+    """Write to NVMe in flight; holds one pool buffer, which must not change until ``synchronize()``."""
+    ON_NVME = "on_nvme"
+    """Data only in its swap file; holds no host memory."""
+    IN_CPU = "in_cpu"
+    """Kept in host memory within ``max_in_cpu``: ``numel × itemsize`` bytes of ordinary
+    (pageable) memory for its whole life; never on NVMe."""
+
+
+def swap_file_name(param_id: ParamId) -> str:
+    """The file name of a partition: the id, percent-escaped; long ids end in a digest."""
+    text = quote(str(param_id), safe="")
+    if len(text) > 180:
+        text = text[:160] + "-" + hashlib.sha1(text.encode()).hexdigest()[:16]
+    return f"param_{text}.swp"
+
+
+@dataclass(eq=False)
+class _Partition:
+    param_id: ParamId
+    numel: int
+    dtype: torch.dtype
+    file_name: str
+    state: PartitionState
+    buffer: Optional[PoolBuffer] = None
+    cpu_tensor: Optional[torch.Tensor] = None
+    has_data: bool = False  # for IN_CPU partitions: written at least once
+    on_nvme: bool = False  # the swap file holds the current data
+    keep_after_write: bool = False  # swap_in asked for it while its write was in flight
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    def tensor(self) -> torch.Tensor:
+        if self.cpu_tensor is not None:
+            return self.cpu_tensor
+        assert self.buffer is not None
+        return self.buffer.view(self.numel, self.dtype)
+
+
+class PartitionedParamSwapper:
+    """Swaps parameter partitions, registered by stable id, between NVMe and pool buffers.
+
+    Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``aio_config`` is a
+    DeepSpeed ``aio`` dict or :class:`AioConfig`; ``buffer_size`` and ``max_in_cpu``
+    count elements of ``dtype`` (integral floats such as ``1e8`` are accepted).
+    ``checksum`` (``"xxhash"``, ``"crc32c"``, ``"crc32"`` or ``None``) verifies every
+    swap-in. Tensors returned by :meth:`swap_in` / :meth:`get_buffer` view pool
+    memory: they are valid until the partition is released or swapped out.
+    Not thread-safe: one thread drives a swapper.
+    """
+
+    def __init__(
+        self,
+        nvme_path,
+        aio_config: Union[AioConfig, dict, None] = None,
+        buffer_count: int = 5,
+        buffer_size: Optional[int] = int(1e8),
+        max_in_cpu: int = int(1e9),
+        dtype: torch.dtype = torch.float32,
+        *,
+        job_id: str = "default",
+        rank: int = 0,
+        name: str = "params",
+        checksum: Union[str, ChecksumAlgorithm, ChecksumTable, None] = None,
+        pin_memory: bool = True,
+        free_space_fn: Optional[FreeSpaceFn] = None,
+        remove_stale: bool = False,
+    ):
+        config = AioConfig.coerce(aio_config)
+        self.buffer_count = as_count(buffer_count, "buffer_count")
+        self.buffer_size = None if buffer_size is None else as_count(buffer_size, "buffer_size")
+        if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
+            raise ValueError(f"max_in_cpu must be a non-negative integer, got {max_in_cpu!r}")
+        self.max_in_cpu = int(max_in_cpu)
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self._checksums = _as_table(checksum)
+        self._reads = IoQueue(config.make_handle())
+        self._writes = IoQueue(config.make_handle())
+        self._parts: Dict[ParamId, _Partition] = {}
+        self._by_file: Dict[str, ParamId] = {}
+        self._cpu_numel = 0
+        self._nvme_bytes = 0
+        self._space_checked = 0
+        self._pool: Optional[PinnedBufferPool] = None
+        self._closed = False
+        self.swap_dir = SwapDirectory(
+            nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+        )
+        if self.buffer_size is not None:
+            try:
+                self._pool = self._make_pool(self.buffer_size)
+            except BaseException:
+                self.swap_dir.cleanup()
+                raise
+
+    def __repr__(self) -> str:
+        return (
+            f"PartitionedParamSwapper({self.swap_dir.path!r}, partitions={len(self._parts)}, "
+            f"in_cpu={self._cpu_numel} elements, pool={self._pool!r})"
+        )
+
+    # -- registration ------------------------------------------------------------------------
+    def register(self, param_id: ParamId, numel: int, dtype: Optional[torch.dtype] = None) -> PartitionState:
+        """Register a partition of ``numel`` elements; returns ``IN_CPU`` or ``UNWRITTEN`` (NVMe)."""
+        self._check_open()
+        if isinstance(param_id, bool) or not isinstance(param_id, (int, str)):
+            raise TypeError(f"param_id must be an int or a str, got {type(param_id).__name__}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        file_name = swap_file_name(param_id)
+        if param_id in self._parts or file_name in self._by_file:
+            raise ValueError(f"partition id {param_id!r} is registered already")
+        dtype = dtype or self.dtype
+        part = _Partition(param_id, numel, dtype, file_name, PartitionState.UNWRITTEN)
+        if self._cpu_numel + numel <= self.max_in_cpu:
+            part.state = PartitionState.IN_CPU
+            part.cpu_tensor = torch.empty(numel, dtype=dtype)
+            self._cpu_numel += numel
+        else:
+            capacity = self._buffer_nbytes()
+            if capacity is not None and part.nbytes > capacity:
+                origin = "buffer_size" if self.buffer_size is not None else "the pool, sized at first use,"
+                raise BufferTooSmallError(
+                    f"partition {param_id!r} has {numel} elements of {dtype} ({part.nbytes} bytes), but "
+                    f"{origin} holds {capacity} bytes per buffer; set buffer_size >= "
+                    f"{math.ceil(part.nbytes / self._itemsize())} or buffer_size=None to size buffers "
+                    f"from the registered partitions"
+                )
+            self._nvme_bytes += part.nbytes
+        self._parts[param_id] = part
+        self._by_file[file_name] = param_id
+        return part.state
+
+    def remove(self, param_ids: Iterable[ParamId]) -> None:
+        """Forget partitions: their buffers go back to the pool, their files are deleted."""
+        parts = self._lookup(param_ids)
+        if any(p.state in (PartitionState.READING, PartitionState.WRITING) for p in parts):
+            self.synchronize()
+        for p in parts:
+            self._drop_buffer(p)
+            if p.cpu_tensor is not None:
+                self._cpu_numel -= p.numel
+            else:
+                self._nvme_bytes -= p.nbytes
+            self.swap_dir.remove(p.file_name)
+            if self._checksums is not None:
+                self._checksums.forget(self.swap_dir.file(p.file_name))
+            del self._parts[p.param_id]
+            del self._by_file[p.file_name]
+
+    # -- queries ------------------------------------------------------------------------------
+    def state(self, param_id: ParamId) -> PartitionState:
+        return self._lookup([param_id])[0].state
+
+    @property
+    def pool(self) -> Optional[PinnedBufferPool]:
+        """The buffer pool; ``None`` until first needed when ``buffer_size=None``."""
+        return self._pool
+
+    @property
+    def cpu_numel(self) -> int:
+        """Elements kept in host memory under ``max_in_cpu``."""
+        return self._cpu_numel
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes the registered NVMe-resident partitions take on disk."""
+        return self._nvme_bytes
+
+    # -- data movement ------------------------------------------------------------------------
+    def get_buffer(self, param_id: ParamId) -> torch.Tensor:
+        """Memory to write new data of ``param_id`` into (then :meth:`swap_out` it).
+
+        For an NVMe partition this takes a pool buffer without reading the file.
+        """
+        part = self._lookup([param_id])[0]
+        if part.state in (PartitionState.READING, PartitionState.WRITING):
+            self.synchronize()
+        if part.cpu_tensor is not None:
+            part.has_data = True
+        elif part.buffer is None:
+            part.buffer = self._acquire(1, [part], "get_buffer")[0]
+            part.state = PartitionState.AVAILABLE
+        part.on_nvme = False
+        return part.tensor()
+
+    def swap_out_tensors(
+        self, param_ids: Sequence[ParamId], tensors: Sequence[torch.Tensor], async_op: bool = False
+    ) -> None:
+        """Make ``tensors[i]`` the data of ``param_ids[i]`` and write it out.
+
+        The tensors are copied (into pool buffers or the host copy), so they are
+        free to reuse on return; the writes complete by :meth:`synchronize`
+        unless ``async_op`` is false.
+        """
+        if len(param_ids) != len(tensors):
+            raise ValueError(f"swap_out_tensors got {len(param_ids)} ids and {len(tensors)} tensors")
+        parts = self._lookup(param_ids)
+        for part, t in zip(parts, tensors):
+            if t.numel() != part.numel:
+                raise ValueError(f"partition {part.param_id!r} has {part.numel} elements, the tensor {t.numel()}")
+        self._check_space()
+        for part, t in zip(parts, tensors):
+            self.get_buffer(part.param_id).copy_(t.reshape(-1))
+            if part.cpu_tensor is None:
+                self._submit_write(part)
+        if not async_op:
+            self._writes.drain()
+
+    def swap_out(self, param_ids: Iterable[ParamId], async_op: bool = False) -> None:
+        """Write the partitions held in buffers to NVMe; their buffers return to the pool.
+
+        With ``async_op`` the writes complete by :meth:`synchronize`; until then the
+        partitions are ``WRITING`` and their tensors must not be modified.
+        Partitions kept in host memory or already on NVMe are left as they are.
+        """
+        parts = self._lookup(param_ids)
+        for p in parts:
+            if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
+                raise SwapStateError(f"partition {p.param_id!r} has no data to swap out; use get_buffer first")
+        if any(p.state is PartitionState.READING for p in parts):
+            self._reads.drain()
+        self._check_space()
+        for p in parts:
+            if p.state is PartitionState.AVAILABLE:
+                self._submit_write(p)
+        if not async_op:
+            self._writes.drain()
+
+    def swap_in(self, param_ids: Sequence[ParamId], async_op: bool = False) -> List[torch.Tensor]:
+        """Bring partitions into host memory; returns one tensor per id, viewing its buffer.
+
+        With ``async_op`` the tensors hold valid data only after :meth:`synchronize`.
+        Partitions in buffers already are not read again. A swap file shorter than
+        its partition raises :class:`SwapFileTruncatedError`; with checksums on, a
+        changed file raises :class:`SwapCorruptionError` (both name the file).
+        """
+        parts = self._lookup(param_ids)
+        for p in parts:
+            if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
+                raise SwapStateError(f"partition {p.param_id!r} was never written; nothing to swap in")
+        wanted = list({id(p): p for p in parts if p.state is PartitionState.ON_NVME}.values())
+        for p in wanted:
+            self._check_file_size(p)
+        buffers = self._acquire(len(wanted), wanted, "swap_in") if wanted else []
+        for p, buf in zip(wanted, buffers):
+            p.buffer, p.state = buf, PartitionState.READING
+        submitted = 0
+        try:
+            for p in wanted:
+                self._reads.submit(
+                    IoKind.READ, p.buffer.view(p.numel, p.dtype), self.swap_dir.file(p.file_name), 0,
+                    self._on_read(p),
+                )
+                submitted += 1
+        except BaseException:
+            for p in wanted[submitted + 1 :]:  # never submitted (the failed one was called back)
+                self._drop_buffer(p)
+                p.state = PartitionState.ON_NVME
+            raise
+        for p in parts:
+            if p.state is PartitionState.WRITING:
+                p.keep_after_write = True
+        if not async_op:
+            self.synchronize()
+        return [p.tensor() for p in parts]
+
+    def release(self, param_ids: Iterable[ParamId]) -> None:
+        """Give the buffers of swapped-in partitions back without writing them.
+
+        Only partitions whose swap file holds their current data may be released;
+        changes made to a swapped-in tensor are therefore lost (use :meth:`swap_out`
+        to keep them), and a partition that was never written out is refused.
+        """
+        parts = self._lookup(param_ids)
+        if any(p.state is PartitionState.READING for p in parts):
+            self._reads.drain()
+        for p in parts:
+            if p.state is PartitionState.WRITING:
+                p.keep_after_write = False
+            elif p.state is PartitionState.AVAILABLE:
+                if not p.on_nvme:
+                    raise SwapStateError(
+                        f"partition {p.param_id!r} holds data that is not on NVMe yet; swap_out it instead"
+                    )
+                self._drop_buffer(p)
+                p.state = PartitionState.ON_NVME
+
+    def synchronize(self) -> None:
+        """Complete every read and write in flight; raise the first error after all are done."""
+        try:
+            self._reads.drain()
+        finally:
+            self._writes.drain()
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def cleanup(self) -> None:
+        """Finish I/O, free the pool, delete every swap file and the swap directory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:
+            for p in self._parts.values():
+                self._drop_buffer(p)
+            self._parts.clear()
+            self._by_file.clear()
+            if self._pool is not None:
+                self._pool.close()
+            self.swap_dir.cleanup()
+
+    close = cleanup
+
+    def __enter__(self) -> "PartitionedParamSwapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SwapStateError("the swapper was cleaned up")
+
+    def _lookup(self, param_ids: Iterable[ParamId]) -> List[_Partition]:
+        self._check_open()
+        if isinstance(param_ids, (str, int)):
+            raise TypeError("pass a list of partition ids")
+        try:
+            return [self._parts[i] for i in param_ids]
+        except KeyError as exc:
+            raise KeyError(f"partition id {exc.args[0]!r} is not registered") from None
+
+    def _itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def _buffer_nbytes(self) -> Optional[int]:
+        if self._pool is not None:
+            return self._pool.buffer_nbytes
+        if self.buffer_size is not None:
+            return self.buffer_size * self._itemsize()
+        return None
+
+    def _make_pool(self, buffer_size: int) -> PinnedBufferPool:
+        return PinnedBufferPool(
+            self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory, handle=self._reads.handle
+        )
+
+    def _ensure_pool(self) -> PinnedBufferPool:
+        if self._pool is None:
+            largest = max((p.nbytes for p in self._parts.values() if p.cpu_tensor is None), default=0)
+            self._pool = self._make_pool(max(1, math.ceil(largest / self._itemsize())))
+        return self._pool
+
+    def _acquire(self, count: int, parts: List[_Partition], what: str) -> List[PoolBuffer]:
+        pool = self._ensure_pool()
+        holder = f"partition {parts[0].param_id!r}" if count == 1 else f"{what} of {count} partitions"
+        try:
+            buffers = pool.acquire(count, holder=holder)
+        except PoolExhaustedError as exc:
+            if not len(self._writes):
+                add_note(exc, "release() partitions that are no longer needed, or raise buffer_count")
+                raise
+            self._writes.drain()  # completed writes return their buffers
+            try:
+                buffers = pool.acquire(count, holder=holder)
+            except PoolExhaustedError as exc2:
+                add_note(exc2, "release() partitions that are no longer needed, or raise buffer_count")
+                raise
+        for p, b in zip(parts, buffers):
+            b.holder = f"partition {p.param_id!r}"
+        return buffers
+
+    def _drop_buffer(self, p: _Partition) -> None:
+        if p.buffer is not None:
+            self._pool.release([p.buffer])
+            p.buffer = None
+
+    def _check_space(self) -> None:
+        total = self.nvme_bytes
+        if total <= self._space_checked:
+            return
+        on_disk = sum(self.swap_dir.size(p.file_name) for p in self._parts.values() if p.cpu_tensor is None)
+        count = sum(1 for p in self._parts.values() if p.cpu_tensor is None)
+        self.swap_dir.check_free_space(total - on_disk, f"{count} parameter partitions")
+        self._space_checked = total
+
+    def _check_file_size(self, p: _Partition) -> None:
+        size = self.swap_dir.size(p.file_name)
+        if size < p.nbytes:
+            path = self.swap_dir.file(p.file_name)
+            error = SwapFileTruncatedError(
+                f"swap file {path} of partition {p.param_id!r} is {size} bytes, expected {p.nbytes}: "
+                f"it was truncated behind the swapper's back"
+            )
+            error.filename = path
+            raise error
+
+    def _submit_write(self, p: _Partition) -> None:
+        self._check_space()
+        path = self.swap_dir.create(p.file_name)
+        data = p.tensor()
+        if self._checksums is not None:
+            self._checksums.record(path, 0, data)
+        p.state, p.keep_after_write = PartitionState.WRITING, False
+        self._writes.submit(IoKind.WRITE, data, path, 0, self._on_write(p))
+
+    def _on_write(self, p: _Partition):
+        def on_done(error: Optional[BaseException]) -> None:
+            if error is not None:  # the data is still in the buffer: keep it there
+                p.state, p.on_nvme = PartitionState.AVAILABLE, False
+                return
+            p.on_nvme = True
+            if p.keep_after_write:
+                p.state = PartitionState.AVAILABLE
+            else:
+                self._drop_buffer(p)
+                p.state = PartitionState.ON_NVME
+            p.keep_after_write = False
+
+        return on_done
+
+    def _on_read(self, p: _Partition):
+        def on_done(error: Optional[BaseException]) -> None:
+            if error is None and self._checksums is not None:
+                try:
+                    self._checksums.verify(self.swap_dir.file(p.file_name), 0, p.tensor())
+                except BaseException:
+                    self._drop_buffer(p)
+                    p.state = PartitionState.ON_NVME
+                    raise
+            if error is not None:
+                self._drop_buffer(p)
+                p.state = PartitionState.ON_NVME
+                return
+            p.state, p.on_nvme = PartitionState.AVAILABLE, True
+
+        return on_done
