@@ -1,0 +1,163 @@
+"""Resolving ``"auto"`` values, with the rules Hugging Face uses.
+
+A key may hold ``"auto"`` only where a rule below says how to fill it:
+
+- from the model's hidden size ``h``: ``reduce_bucket_size = h²``,
+  ``stage3_prefetch_bucket_size = int(0.9·h²)``,
+  ``stage3_param_persistence_threshold = 10·h``;
+- from a value the trainer knows, passed to :func:`resolve_auto` by keyword
+  (``lr=``, ``betas=``, ``train_micro_batch_size_per_gpu=``, ``fp16=``...);
+- a batch size may also be derived from the other two (batch.py).
+
+Anything else left ``"auto"`` is an error that names the key and the keyword
+that fills it. Known values fill ``"auto"`` keys only: a value written in the
+config wins.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+from .batch import ACCUM, MICRO, TRAIN
+from .ds_config import DeepSpeedConfig, validate_config
+from .errors import ConfigError, Problem, UnresolvedAutoError, did_you_mean
+from .values import AUTO
+
+
+class AutoRule(NamedTuple):
+    """How one key's ``"auto"`` is filled."""
+
+    path: tuple[str, ...]
+    known: str
+    """Keyword of :func:`resolve_auto` giving the value."""
+    from_hidden: Optional[Callable[[int], int]] = None
+    """Formula of the model's hidden size, used when ``known`` is not passed."""
+    fallback: Optional[str] = None
+    """Another keyword used when ``known`` is not passed (warmup_max_lr <- lr)."""
+
+
+RULES: tuple[AutoRule, ...] = (
+    AutoRule(("zero_optimization", "reduce_bucket_size"), "reduce_bucket_size",
+             from_hidden=lambda h: h * h),
+    AutoRule(("zero_optimization", "stage3_prefetch_bucket_size"), "stage3_prefetch_bucket_size",
+             from_hidden=lambda h: int(0.9 * h * h)),
+    AutoRule(("zero_optimization", "stage3_param_persistence_threshold"),
+             "stage3_param_persistence_threshold", from_hidden=lambda h: 10 * h),
+    AutoRule(("optimizer", "params", "lr"), "lr"),
+    AutoRule(("optimizer", "params", "betas"), "betas"),
+    AutoRule(("optimizer", "params", "eps"), "eps"),
+    AutoRule(("optimizer", "params", "weight_decay"), "weight_decay"),
+    AutoRule(("scheduler", "params", "warmup_min_lr"), "warmup_min_lr"),
+    AutoRule(("scheduler", "params", "warmup_max_lr"), "warmup_max_lr", fallback="lr"),
+    AutoRule(("scheduler", "params", "warmup_num_steps"), "warmup_num_steps"),
+    AutoRule(("scheduler", "params", "total_num_steps"), "total_num_steps"),
+    AutoRule(("fp16", "enabled"), "fp16"),
+    AutoRule(("bf16", "enabled"), "bf16"),
+    AutoRule(("gradient_clipping",), "gradient_clipping"),
+    AutoRule((TRAIN,), TRAIN),
+    AutoRule((MICRO,), MICRO),
+    AutoRule((ACCUM,), ACCUM),
+)
+
+RULE_BY_PATH = {".".join(rule.path): rule for rule in RULES}
+KNOWN_NAMES = frozenset(rule.known for rule in RULES)
+BATCH_KEYS = (TRAIN, MICRO, ACCUM)
+
+
+def unresolved_message(path: str) -> str:
+    """What to do about ``path`` still holding ``"auto"``."""
+    rule = RULE_BY_PATH.get(path)
+    if rule is None:
+        return 'still "auto"; write a value in the config'
+    ways = [f"pass {rule.known}=<value> to zero.config.resolve_auto()"]
+    if rule.from_hidden is not None:
+        ways.insert(0, "pass hidden_size=<the model's hidden size> to load_config() or resolve_auto()")
+    if rule.fallback is not None:
+        ways.append(f"pass {rule.fallback}=<value>")
+    if rule.known in BATCH_KEYS:
+        ways.append("give two of " + ", ".join(BATCH_KEYS))
+    return f'still "auto"; {", or ".join(ways)}, or write a value in the config'
+
+
+def _value(rule: AutoRule, hidden_size: Optional[int], known: dict[str, Any]) -> Any:
+    if rule.known in known:
+        return known[rule.known]
+    if rule.fallback is not None and rule.fallback in known:
+        return known[rule.fallback]
+    if rule.from_hidden is not None and hidden_size is not None:
+        return rule.from_hidden(hidden_size)
+    return None
+
+
+def fill_autos(data: dict, hidden_size: Optional[int], known: dict[str, Any],
+               require_all: bool) -> tuple[list[Problem], list[str]]:
+    """Replace the ``"auto"`` values of a dumped config in place.
+
+    Returns the problems (an ``"auto"`` no rule could fill, with
+    ``require_all``) and the batch keys removed so they are derived from the
+    other two.
+    """
+    problems, derive = [], []
+    for rule in RULES:
+        parent: Any = data
+        for key in rule.path[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        leaf = rule.path[-1]
+        if not isinstance(parent, dict) or parent.get(leaf) != AUTO:
+            continue
+        value = _value(rule, hidden_size, known)
+        path = ".".join(rule.path)
+        if value is not None:
+            parent[leaf] = value
+        elif require_all and rule.known in BATCH_KEYS:
+            del parent[leaf]
+            derive.append(leaf)
+        elif require_all:
+            problems.append(Problem(path, unresolved_message(path)))
+    return problems, derive
+
+
+def check_hidden_size(hidden_size: Any) -> Optional[int]:
+    if hidden_size is None:
+        return None
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+        raise ConfigError([Problem("hidden_size", f"must be a positive integer, got {hidden_size!r}")])
+    return hidden_size
+
+
+def resolve_auto(config: DeepSpeedConfig, hidden_size: Optional[int] = None, world_size: int = 1,
+                 **known: Any) -> DeepSpeedConfig:
+    """A copy of ``config`` with every ``"auto"`` replaced; ConfigError if one remains.
+
+    ``hidden_size`` fills the bucket sizes (rules above); ``known`` gives the
+    trainer's values by key name: ``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``warmup_min_lr``, ``warmup_max_lr`` (else ``lr``), ``warmup_num_steps``,
+    ``total_num_steps``, ``fp16``, ``bf16``, ``gradient_clipping``,
+    ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
+    ``gradient_accumulation_steps`` (a missing batch size is derived from the
+    other two and ``world_size``), and the three bucket-size keys.
+    """
+    if not isinstance(config, DeepSpeedConfig):
+        raise TypeError(f"resolve_auto() takes a DeepSpeedConfig (from zero.config.load_config), "
+                        f"got {type(config).__name__}")
+    unknown = [name for name in known if name not in KNOWN_NAMES]
+    if unknown:
+        problems = []
+        for name in unknown:
+            hint = did_you_mean(name, KNOWN_NAMES)
+            hint = f"did you mean '{hint}'?" if hint else f"known values: {', '.join(sorted(KNOWN_NAMES))}"
+            problems.append(Problem("", f"resolve_auto() got an unknown keyword '{name}'; {hint}"))
+        raise ConfigError(problems)
+    hidden_size = check_hidden_size(hidden_size)
+    data = config.model_dump(exclude_unset=True)
+    problems, derive = fill_autos(data, hidden_size, known, require_all=True)
+    if problems:
+        raise UnresolvedAutoError(problems)
+    resolved = validate_config(data, world_size=world_size, quiet=True)
+    missing = [key for key in derive if resolved.raw(key) is None]
+    if missing:
+        raise UnresolvedAutoError([Problem(key, (
+            f'is "auto" and cannot be derived from the other batch sizes; pass {key}=<value> to '
+            f"resolve_auto(), or give two of {', '.join(BATCH_KEYS)}")) for key in missing])
+    return resolved
+

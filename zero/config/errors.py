@@ -1,0 +1,73 @@
+"""What the config layer raises and warns.
+
+Every problem found in a DeepSpeed config is a :class:`Problem`: the dotted path
+of the key (``zero_optimization.offload_param.buffer_count``) and a sentence
+that says what is wrong and what to write instead. One :class:`ConfigError`
+carries all the problems of one load, so a user fixes a file in one pass.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, NamedTuple, Sequence
+
+
+class Problem(NamedTuple):
+    """One thing wrong with a config: where (dotted key path) and what."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(ValueError):
+    """A DeepSpeed config that cannot be used as written.
+
+    ``problems`` lists every problem found; ``str(error)`` shows them all, one
+    per line, each starting with the dotted path of the key concerned.
+    """
+
+    summary = "invalid DeepSpeed config"
+
+    def __init__(self, problems: Sequence[Problem], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" {source}" if source else ""
+        if len(self.problems) == 1:
+            text = f"{self.summary}{where}: {self.problems[0]}"
+        else:
+            head = f"{self.summary}{where}, {len(self.problems)} problems:"
+            text = "\n  - ".join([head, *map(str, self.problems)])
+        super().__init__(text)
+
+
+class UnresolvedAutoError(ConfigError):
+    """A key still holds ``"auto"`` and the engine tried to read its value."""
+
+    summary = 'unresolved "auto" in the DeepSpeed config'
+
+
+class ConfigDeprecationWarning(UserWarning):
+    """An old key was read and mapped to its new name.
+
+    A UserWarning rather than a DeprecationWarning because it is meant for the
+    person who wrote the config file, and Python hides DeprecationWarning
+    outside ``__main__`` by default.
+    """
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A key DeepSpeed knows was set, but nvmeio has no such feature."""
+
+
+def did_you_mean(word: str, candidates: Iterable[str], ignore_case: bool = False) -> str | None:
+    """The candidate closest to ``word`` (difflib), or None if none is close."""
+    candidates = list(candidates)
+    if ignore_case:
+        lowered = {c.lower(): c for c in candidates}
+        match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
+        return lowered[match[0]] if match else None
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return match[0] if match else None

@@ -1,0 +1,131 @@
+"""``zero_optimization.offload_param`` and ``zero_optimization.offload_optimizer``.
+
+Where parameters and optimizer states live between uses: ``none`` (on the
+accelerator), ``cpu`` (host memory) or ``nvme`` (files under ``nvme_path``).
+
+[Note: nvme_path is checked, never created]
+The config layer checks that ``nvme_path`` is an existing, writable directory,
+and does not create it. Loading a config should have no side effect on the
+filesystem (configs are loaded on login nodes, by tests, by the estimator),
+and a missing directory is far more often a typo or an unmounted drive than a
+directory the user wants created on the root filesystem. The swapper creates
+its own ``<nvme_path>/<job>/rank<r>/`` below the checked directory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Optional
+
+from pydantic import model_validator
+
+from .base import StrictModel, raise_problems
+from .values import Choice, Flag, Int, PathText, Real
+
+Device = Choice("none", "cpu", "nvme", what="device")
+
+# fp32 master weights, exp_avg and exp_avg_sq of one sub-group, plus one buffer
+# so that the next swap overlaps the current step.
+MIN_NVME_OPTIMIZER_BUFFERS = 4
+
+
+def nvme_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot hold swap files, or None if it can."""
+    if not os.path.exists(path):
+        return (f"'{path}' does not exist; create it on the NVMe drive (mkdir -p {path}) "
+                f"or point nvme_path at an existing directory")
+    if not os.path.isdir(path):
+        return f"'{path}' is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"'{path}' is not writable by this user (uid {os.getuid()})"
+    return None
+
+
+class OffloadBase(StrictModel):
+    """What both offload sections share: the device and its directory."""
+
+    device: Device = "none"
+    nvme_path: Optional[PathText] = None
+    pin_memory: Flag = False
+
+    _name: ClassVar[str] = ""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is offloaded (device is cpu or nvme)."""
+        return self.device != "none"
+
+    def _nvme_problems(self) -> list[tuple[tuple[str, ...], str, Any]]:
+        if self.device != "nvme":
+            return []
+        if self.nvme_path is None:
+            return [(("nvme_path",), f"device is 'nvme' but nvme_path is not set; set "
+                     f"zero_optimization.{self._name}.nvme_path to a directory on the NVMe drive",
+                     None)]
+        why = nvme_path_problem(self.nvme_path)
+        return [(("nvme_path",), why, self.nvme_path)] if why else []
+
+
+class OffloadParamConfig(OffloadBase):
+    """``offload_param``: where partitioned parameters live (stage 3 only)."""
+
+    _name: ClassVar[str] = "offload_param"
+
+    buffer_count: Int(minimum=1) = 5
+    """Pinned staging buffers for swapping parameters in and out of NVMe."""
+    buffer_size: Int(minimum=1) = 100_000_000
+    """Elements per staging buffer; each parameter partition must fit one."""
+    max_in_cpu: Int(minimum=0) = 1_000_000_000
+    """Elements of parameters allowed to stay in host memory with device nvme."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "OffloadParamConfig":
+        raise_problems(type(self).__name__, self._nvme_problems())
+        return self
+
+
+class OffloadOptimizerConfig(OffloadBase):
+    """``offload_optimizer``: where fp32 master weights and Adam states live.
+
+    ``pipeline: true`` turns on both ``pipeline_read`` and ``pipeline_write``
+    unless they are given; after loading, ``pipeline`` is ``pipeline_read or
+    pipeline_write`` (as in DeepSpeed).
+    """
+
+    _name: ClassVar[str] = "offload_optimizer"
+
+    buffer_count: Int(minimum=1) = 4
+    fast_init: Flag = False
+    pipeline_read: Flag = False
+    pipeline_write: Flag = False
+    pipeline: Flag = False
+    ratio: Real(minimum=0.0, maximum=1.0, exclusive_minimum=True) = 1.0
+    """Fraction of the optimizer step offloaded (DeepSpeed's partial offload)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "OffloadOptimizerConfig":
+        problems = self._nvme_problems()
+        given = self.model_fields_set
+        if "pipeline" in given:
+            explicit = {k: self.raw(k) for k in ("pipeline_read", "pipeline_write") if k in given}
+            if self.pipeline:
+                if explicit and not any(explicit.values()):
+                    problems.append((("pipeline",), "pipeline is true but pipeline_read and "
+                                     "pipeline_write are both false; drop pipeline or set one of them", True))
+                for key in ("pipeline_read", "pipeline_write"):
+                    if key not in explicit:
+                        self.__dict__[key] = True
+            elif any(explicit.values()):
+                problems.append((("pipeline",), "pipeline is false but "
+                                 + " and ".join(k for k, v in explicit.items() if v)
+                                 + " is true; drop pipeline", False))
+        self.__dict__["pipeline"] = self.pipeline_read or self.pipeline_write
+        if self.device == "nvme" and self.buffer_count < MIN_NVME_OPTIMIZER_BUFFERS:
+            problems.append((("buffer_count",), (
+                f"buffer_count = {self.buffer_count} is too small for device 'nvme': the NVMe "
+                f"optimizer swapper needs at least {MIN_NVME_OPTIMIZER_BUFFERS} buffers (one each for "
+                f"the fp32 master weights, exp_avg and exp_avg_sq of a sub-group, plus one so the "
+                f"next swap overlaps the step); set zero_optimization.offload_optimizer.buffer_count "
+                f"to {MIN_NVME_OPTIMIZER_BUFFERS} or more"), self.buffer_count))
+        raise_problems(type(self).__name__, problems)
+        return self
