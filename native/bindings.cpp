@@ -41,13 +41,15 @@ py::dict stats_dict(const WorkerStats& s) {
   d["reap_calls"] = s.reap_calls;
   d["slices"] = s.slices;
   d["max_inflight"] = s.max_inflight;
+  d["fixed_buffers"] = s.fixed_buffers;
+  d["fixed_files"] = s.fixed_files;
   return d;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
-  m.doc() = "nvmeio native I/O core (kernel AIO by syscall, psync fallback)";
+  m.doc() = "nvmeio native I/O core (io_uring, kernel AIO by syscall, psync fallback)";
   m.attr("DIRECT_ALIGNMENT") = kDirectAlign;
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -60,6 +62,12 @@ PYBIND11_MODULE(_native, m) {
     }
   });
 
+  m.attr("HAVE_IO_URING") =
+#ifdef NVMEIO_HAVE_URING
+      true;
+#else
+      false;
+#endif
   m.def("available_backends", [] {
     std::vector<std::string> out;
     for (EngineKind k : available_engines()) out.push_back(engine_name(k));
@@ -102,6 +110,8 @@ PYBIND11_MODULE(_native, m) {
              if (r.error) throw *r.error;
              return r.completed;
            })
+      .def("add_region", [](Handle& h, uintptr_t p, int64_t len) { h.add_region(as_ptr(p), len); })
+      .def("remove_region", [](Handle& h, uintptr_t p) { h.remove_region(as_ptr(p)); })
       .def("pending", &Handle::pending)
       .def("refused_direct", &Handle::refused_direct)
       .def_property_readonly("block_size", [](Handle& h) { return h.config().block_size; })

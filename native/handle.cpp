@@ -123,6 +123,15 @@ WaitResult Handle::wait() {
   return r;
 }
 
+void Handle::add_region(char* p, int64_t len) {
+  if (len <= 0) return;
+  for (auto& w : workers_) w->add_region(p, len);
+}
+
+void Handle::remove_region(char* p) {
+  for (auto& w : workers_) w->remove_region(p);
+}
+
 int64_t Handle::pending() {
   std::lock_guard<std::mutex> lock(mu_);
   return pending_;

@@ -44,6 +44,10 @@ class Handle final : public OpSink {
   void submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset);
   void submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset);
   WaitResult wait();
+  // Host memory that many ops will use (locked tensors): registered with
+  // engines that have fixed buffers. remove_region before the memory goes.
+  void add_region(char* p, int64_t len);
+  void remove_region(char* p);
 
   const HandleConfig& config() const { return cfg_; }
   int64_t pending();

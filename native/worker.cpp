@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <future>
+#include <stdexcept>
 
 namespace nvmeio {
 
@@ -16,6 +18,7 @@ struct Worker::SliceState {
   int64_t mid_end = 0;  // end of what goes through the engine
   int outstanding = 0;  // requests in flight
   bool finished = false;
+  int fixed_fd = -1;    // descriptor registered with the engine for this slice
 };
 
 // Context of one request in flight; its address is the request tag.
@@ -27,14 +30,32 @@ struct Worker::Inflight {
 };
 
 Worker::Worker(const WorkerConfig& cfg, OpSink* sink)
-    : cfg_(cfg), sink_(sink), engine_(make_engine(cfg.engine, cfg.queue_depth)),
-      slots_(static_cast<size_t>(cfg.queue_depth)) {
+    : cfg_(cfg), sink_(sink), slots_(static_cast<size_t>(cfg.queue_depth)) {
   for (auto& s : slots_) free_slots_.push_back(&s);
   // Bounce memory is capped at ~16 MiB a worker: enough to keep the queue
   // busy for unaligned buffers without pinning queue_depth x block_size.
   int64_t cap = (16 << 20) / cfg.block_size;
   bounce_limit_ = static_cast<int>(std::clamp<int64_t>(cap, 2, cfg.queue_depth));
-  thread_ = std::thread([this] { run(); });
+  // The engine is made on the worker thread (io_uring's SINGLE_ISSUER binds a
+  // ring to its creator); a failure is rethrown here.
+  std::promise<void> ready;
+  std::future<void> made = ready.get_future();
+  thread_ = std::thread([this, &ready] {
+    try {
+      engine_ = make_engine(cfg_.engine, cfg_.queue_depth, cfg_.single_submit);
+    } catch (...) {
+      ready.set_exception(std::current_exception());
+      return;
+    }
+    ready.set_value();
+    run();
+  });
+  try {
+    made.get();
+  } catch (...) {
+    thread_.join();
+    throw;
+  }
 }
 
 Worker::~Worker() {
@@ -58,6 +79,24 @@ void Worker::enqueue(Slice s) {
   if (wake) cv_.notify_one();
 }
 
+// Caller holds mu_.
+void Worker::publish_stats() {
+  local_.submit_calls = engine_->submit_calls();
+  local_.fixed_buffers = engine_->fixed_buffer_requests();
+  local_.fixed_files = engine_->fixed_file_requests();
+  stats_ = local_;
+}
+
+void Worker::add_region(char* p, int64_t len) {
+  std::lock_guard<std::mutex> lock(mu_);
+  region_commands_.push_back({p, len});
+}
+
+void Worker::remove_region(char* p) {
+  std::lock_guard<std::mutex> lock(mu_);
+  region_commands_.push_back({p, 0});
+}
+
 WorkerStats Worker::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;
@@ -68,6 +107,7 @@ char* Worker::take_bounce() {
     if (static_cast<int>(bounce_mem_.size()) >= bounce_limit_) return nullptr;
     bounce_mem_.push_back(aligned_alloc_bytes(cfg_.block_size, kDirectAlign));
     free_bounce_.push_back(bounce_mem_.back().get());
+    engine_->add_buffer(bounce_mem_.back().get(), cfg_.block_size);
   }
   char* b = free_bounce_.back();
   free_bounce_.pop_back();
@@ -159,102 +199,140 @@ void Worker::finish_slice_if_done(SliceState* s) {
   if (s->finished || issuing || s->outstanding > 0) return;
   s->finished = true;
   ++local_.slices;
+  if (s->fixed_fd >= 0) engine_->remove_file(s->fixed_fd);
   {
     // Publish stats before the op can count as done, so a caller that has
     // waited for it sees this slice's requests.
     std::lock_guard<std::mutex> lock(mu_);
-    local_.submit_calls = engine_->submit_calls();
-    stats_ = local_;
+    publish_stats();
   }
   if (op.slices_left.fetch_sub(1, std::memory_order_acq_rel) == 1) sink_->op_done(s->slice.op);
+}
+
+void Worker::activate(Slice sl) {
+  // The unaligned head and tail go byte-exact through the buffered
+  // descriptor now; the aligned middle is left for the engine.
+  auto st = std::make_unique<SliceState>();
+  Op& op = *sl.op;
+  st->slice = std::move(sl);
+  int64_t begin = st->slice.begin, end = st->slice.end;
+  if (op.file->direct()) {
+    int64_t a = align_up(op.offset + begin, kDirectAlign) - op.offset;
+    int64_t b = align_down(op.offset + end, kDirectAlign) - op.offset;
+    if (a >= b) {
+      a = b = end;
+      run_sync(st.get(), op.file->buffered_fd(), begin, end - begin, op.buf + begin);
+    } else {
+      if (a > begin) run_sync(st.get(), op.file->buffered_fd(), begin, a - begin, op.buf + begin);
+      if (end > b) run_sync(st.get(), op.file->buffered_fd(), b, end - b, op.buf + b);
+    }
+    st->pos = a;
+    st->mid_end = b;
+  } else {
+    st->pos = begin;
+    st->mid_end = end;
+  }
+  // A descriptor used by many requests is worth registering (one syscall
+  // now saves a file reference per request).
+  if (st->mid_end - st->pos >= 8 * cfg_.block_size) {
+    st->fixed_fd = op.file->direct() ? op.file->direct_fd() : op.file->buffered_fd();
+    engine_->add_file(st->fixed_fd);
+  }
+  active_.push_back(std::move(st));
 }
 
 void Worker::run() {
   std::vector<Completion> events(static_cast<size_t>(cfg_.queue_depth));
   std::vector<Request> batch;
   batch.reserve(static_cast<size_t>(cfg_.queue_depth));
-  std::deque<Slice> incoming;
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      local_.submit_calls = engine_->submit_calls();
-      stats_ = local_;
+      publish_stats();
       if (active_.empty() && inflight_ == 0 && unsubmitted_.empty()) {
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ with nothing left to do
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty() || !region_commands_.empty(); });
+        if (queue_.empty() && region_commands_.empty()) return;  // stop_, nothing left
       }
-      incoming.swap(queue_);
+      incoming_.swap(queue_);
+      commands_.swap(region_commands_);
     }
+    try {
+      round(events, batch);
+    } catch (const std::exception& e) {
+      fail_everything(e.what());
+    }
+  }
+}
 
-    // Activate new slices: the unaligned head and tail go byte-exact through
-    // the buffered descriptor now; the aligned middle is left for the engine.
-    for (Slice& sl : incoming) {
-      auto st = std::make_unique<SliceState>();
-      Op& op = *sl.op;
-      st->slice = std::move(sl);
-      int64_t begin = st->slice.begin, end = st->slice.end;
-      if (op.file->direct()) {
-        int64_t a = align_up(op.offset + begin, kDirectAlign) - op.offset;
-        int64_t b = align_down(op.offset + end, kDirectAlign) - op.offset;
-        if (a >= b) {
-          a = b = end;
-          run_sync(st.get(), op.file->buffered_fd(), begin, end - begin, op.buf + begin);
-        } else {
-          if (a > begin) run_sync(st.get(), op.file->buffered_fd(), begin, a - begin, op.buf + begin);
-          if (end > b) run_sync(st.get(), op.file->buffered_fd(), b, end - b, op.buf + b);
-        }
-        st->pos = a;
-        st->mid_end = b;
-      } else {
-        st->pos = begin;
-        st->mid_end = end;
-      }
-      active_.push_back(std::move(st));
-    }
-    incoming.clear();
+// The engine broke (io_getevents or io_uring_enter failed for a reason other
+// than a request's own error): fail every op this worker holds rather than
+// leave wait() hanging.
+void Worker::fail_everything(const std::string& why) {
+  for (auto& sp : active_) {
+    Op& op = *sp->slice.op;
+    op.fail(IoError(EIO, op.file ? op.file->path() : "", op.offset, op.nbytes,
+                    "I/O engine failure: " + why));
+    sp->outstanding = 0;
+    sp->pos = sp->mid_end;
+    finish_slice_if_done(sp.get());
+  }
+  active_.clear();
+  unsubmitted_.clear();
+  inflight_ = 0;
+}
 
-    // Fill the queue: first what the kernel refused last time, then new requests.
-    batch.clear();
-    while (!unsubmitted_.empty() && inflight_ + static_cast<int>(batch.size()) < cfg_.queue_depth) {
-      batch.push_back(unsubmitted_.front());
-      unsubmitted_.pop_front();
-    }
-    Request r;
-    while (inflight_ + static_cast<int>(batch.size()) < cfg_.queue_depth && next_request(&r))
-      batch.push_back(r);
+void Worker::round(std::vector<Completion>& events, std::vector<Request>& batch) {
+  for (const RegionCommand& c : commands_) {
+    if (c.len > 0)
+      engine_->add_buffer(c.p, c.len);
+    else
+      engine_->remove_buffer(c.p);
+  }
+  commands_.clear();
+  for (Slice& sl : incoming_) activate(std::move(sl));
+  incoming_.clear();
 
-    if (!batch.empty()) {
-      int n = static_cast<int>(batch.size());
-      int accepted = 0;
-      if (cfg_.single_submit) {
-        while (accepted < n && engine_->submit(&batch[accepted], 1) == 1) ++accepted;
-      } else {
-        accepted = engine_->submit(batch.data(), n);
-      }
-      inflight_ += accepted;
-      local_.max_inflight = std::max(local_.max_inflight, inflight_);
-      for (int i = n - 1; i >= accepted; --i) unsubmitted_.push_front(batch[i]);
-    }
+  // Fill the queue: first what the kernel refused last time, then new requests.
+  batch.clear();
+  while (!unsubmitted_.empty() && inflight_ + static_cast<int>(batch.size()) < cfg_.queue_depth) {
+    batch.push_back(unsubmitted_.front());
+    unsubmitted_.pop_front();
+  }
+  Request r;
+  while (inflight_ + static_cast<int>(batch.size()) < cfg_.queue_depth && next_request(&r))
+    batch.push_back(r);
 
-    if (inflight_ > 0) {
-      // overlap_events: take whatever has finished and refill at once;
-      // otherwise wait for the whole batch (DeepSpeed's two modes).
-      int min_nr = cfg_.overlap_events ? 1 : inflight_;
-      int got = engine_->reap(events.data(), min_nr, cfg_.queue_depth);
-      ++local_.reap_calls;
-      for (int i = 0; i < got; ++i) complete(static_cast<Inflight*>(events[i].tag), events[i].result);
-    } else if (!unsubmitted_.empty()) {
-      // The kernel refused everything (EAGAIN) with nothing in flight: back off briefly.
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  if (!batch.empty()) {
+    int n = static_cast<int>(batch.size());
+    int accepted = 0;
+    if (cfg_.single_submit) {
+      while (accepted < n && engine_->submit(&batch[accepted], 1) == 1) ++accepted;
+    } else {
+      accepted = engine_->submit(batch.data(), n);
     }
+    inflight_ += accepted;
+    local_.max_inflight = std::max(local_.max_inflight, inflight_);
+    for (int i = n - 1; i >= accepted; --i) unsubmitted_.push_front(batch[i]);
+  }
 
-    for (auto& sp : active_) finish_slice_if_done(sp.get());
-    while (!active_.empty() && active_.front()->finished) active_.pop_front();
-    if (active_.size() > 64) {
-      active_.erase(std::remove_if(active_.begin(), active_.end(),
-                                   [](const std::unique_ptr<SliceState>& s) { return s->finished; }),
-                    active_.end());
-    }
+  if (inflight_ > 0) {
+    // overlap_events: take whatever has finished and refill at once;
+    // otherwise wait for the whole batch (DeepSpeed's two modes).
+    int min_nr = cfg_.overlap_events ? 1 : inflight_;
+    int got = engine_->reap(events.data(), min_nr, cfg_.queue_depth);
+    ++local_.reap_calls;
+    for (int i = 0; i < got; ++i) complete(static_cast<Inflight*>(events[i].tag), events[i].result);
+  } else if (!unsubmitted_.empty()) {
+    // The kernel refused everything (EAGAIN) with nothing in flight: back off briefly.
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+
+  for (auto& sp : active_) finish_slice_if_done(sp.get());
+  while (!active_.empty() && active_.front()->finished) active_.pop_front();
+  if (active_.size() > 64) {
+    active_.erase(std::remove_if(active_.begin(), active_.end(),
+                                 [](const std::unique_ptr<SliceState>& s) { return s->finished; }),
+                  active_.end());
   }
 }
 

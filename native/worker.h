@@ -36,6 +36,8 @@ struct WorkerStats {
   uint64_t submit_calls = 0;   // submission syscalls (or pread/pwrite calls for psync)
   uint64_t reap_calls = 0;     // completion-collecting calls
   uint64_t slices = 0;         // slices finished
+  uint64_t fixed_buffers = 0;  // requests on registered (io_uring fixed) buffers
+  uint64_t fixed_files = 0;    // requests on registered (io_uring fixed) files
   int max_inflight = 0;        // most requests in flight at once
 };
 
@@ -47,6 +49,10 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   void enqueue(Slice s);
+  // Registers / forgets host memory for fixed-buffer I/O (engines that have
+  // it); applied by the worker thread before any slice queued after the call.
+  void add_region(char* p, int64_t len);
+  void remove_region(char* p);
   WorkerStats stats();
 
  private:
@@ -54,6 +60,10 @@ class Worker {
   struct Inflight;
 
   void run();
+  void round(std::vector<Completion>& events, std::vector<Request>& batch);
+  void activate(Slice sl);
+  void fail_everything(const std::string& why);
+  void publish_stats();
   bool next_request(Request* out);
   void complete(Inflight* f, int64_t result);
   void finish_slice_if_done(SliceState* s);
@@ -67,10 +77,17 @@ class Worker {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Slice> queue_;  // guarded by mu_
+  struct RegionCommand {
+    char* p;
+    int64_t len;  // 0: remove
+  };
+  std::vector<RegionCommand> region_commands_;  // guarded by mu_
   bool stop_ = false;        // guarded by mu_
   WorkerStats stats_;        // guarded by mu_ (copied from local_ under mu_)
 
   // Owned by the worker thread only.
+  std::deque<Slice> incoming_;
+  std::vector<RegionCommand> commands_;
   std::deque<std::unique_ptr<SliceState>> active_;
   std::vector<Inflight> slots_;
   std::vector<Inflight*> free_slots_;

@@ -92,7 +92,7 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         self._lock = threading.Lock()
         self._inflight: list[IoBuffer] = []
         self._checks: list[Callable[[], None]] = []  # validations run by wait()
-        self._locked = LockedTensors()
+        self._locked = LockedTensors(self._native)
         self._warned_buffered = False
 
     def __repr__(self) -> str:

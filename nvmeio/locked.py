@@ -5,6 +5,10 @@
 memory itself lives until the last tensor viewing it is garbage collected.
 DeepSpeed frees at once, so a tensor kept by mistake reads freed memory; here
 it stays valid, merely unlocked.
+
+Each region is also registered with the handle's engines (io_uring fixed
+buffers), and unregistered when freed or when its memory is collected, so a
+later allocation at the same address can never hit a stale registration.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import resource
 import warnings
+import weakref
 
 from . import _native
 
@@ -26,8 +31,10 @@ def _memlock_limit() -> str:
 class LockedTensors:
     """The locked regions of one handle, by data pointer."""
 
-    def __init__(self) -> None:
+    def __init__(self, native_handle) -> None:
+        self._native = weakref.ref(native_handle)
         self._regions: dict[int, _native.LockedBuffer] = {}
+        self._unregister: dict[int, weakref.finalize] = {}
         self._warned = False
 
     def new(self, num_elem: int, example_tensor):
@@ -55,6 +62,9 @@ class LockedTensors:
             # frombuffer keeps `region` alive for as long as the tensor lives.
             t = torch.frombuffer(region, dtype=dtype, count=num_elem)
             self._regions[t.data_ptr()] = region
+            self._native().add_region(region.ptr, region.nbytes)
+            self._unregister[t.data_ptr()] = weakref.finalize(
+                region, _remove_region, self._native, region.ptr)
         return t
 
     def free(self, t) -> None:
@@ -65,6 +75,7 @@ class LockedTensors:
             raise ValueError(
                 "free_cpu_locked_tensor: this tensor was not allocated by this handle's "
                 "new_cpu_locked_tensor (or was freed already)")
+        self._unregister.pop(t.data_ptr())()
         region.unlock()
 
     def contains(self, t) -> bool:
@@ -75,3 +86,9 @@ class LockedTensors:
             if region.locked and base <= start and end <= base + region.nbytes:
                 return True
         return False
+
+
+def _remove_region(native_ref, ptr: int) -> None:
+    native = native_ref()
+    if native is not None:
+        native.remove_region(ptr)

@@ -13,6 +13,7 @@ import nvmeio
 from conftest import file_bytes, random_bytes
 
 BLOCK = 65536
+QUEUE_BACKENDS = [b for b in ("io_uring", "aio") if b in nvmeio.available_backends()]
 
 
 def write_blocks(h, nvme_dir, nblocks):
@@ -38,24 +39,27 @@ def test_small_op_is_not_split_below_one_block(nvme_dir):
     assert sum(s["slices"] for s in h.stats()) == 1
 
 
+@pytest.mark.parametrize("backend", QUEUE_BACKENDS)
 @pytest.mark.parametrize("depth", [1, 4, 16])
-def test_queue_depth_requests_are_in_flight(nvme_dir, depth):
-    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=depth, overlap_events=True, backend="aio")
+def test_queue_depth_requests_are_in_flight(nvme_dir, depth, backend):
+    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=depth, overlap_events=True, backend=backend)
     (s,) = write_blocks(h, nvme_dir, 64)
     assert s["max_inflight"] == depth
 
 
-def test_single_submit_makes_one_syscall_per_request(nvme_dir):
-    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=16, single_submit=True, backend="aio")
+@pytest.mark.parametrize("backend", QUEUE_BACKENDS)
+def test_single_submit_makes_one_syscall_per_request(nvme_dir, backend):
+    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=16, single_submit=True, backend=backend)
     (s,) = write_blocks(h, nvme_dir, 64)
     assert s["submit_calls"] == s["requests"] == 64
-    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=16, single_submit=False, backend="aio")
+    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=16, single_submit=False, backend=backend)
     (s,) = write_blocks(h, nvme_dir, 64)
     assert s["submit_calls"] == 64 // 16
 
 
-def test_without_overlap_events_each_batch_is_reaped_whole(nvme_dir):
-    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=4, overlap_events=False, backend="aio")
+@pytest.mark.parametrize("backend", QUEUE_BACKENDS)
+def test_without_overlap_events_each_batch_is_reaped_whole(nvme_dir, backend):
+    h = nvmeio.aio_handle(block_size=BLOCK, queue_depth=4, overlap_events=False, backend=backend)
     (s,) = write_blocks(h, nvme_dir, 64)
     assert s["reap_calls"] == 64 // 4
 
