@@ -63,16 +63,34 @@ def short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _details(problems: list[tuple[tuple[str, ...], str, Any]]) -> list[Any]:
+    return [{"type": PydanticCustomError("inconsistent", message), "loc": loc, "input": value}
+            for loc, message, value in problems]
+
+
 def problem_error(title: str, problems: list[tuple[tuple[str, ...], str, Any]]) -> ValidationError:
     """One pydantic error holding every ``(loc, message, input)`` given.
 
     Raised inside a validator, pydantic prefixes each ``loc`` with the
     location of the section, so nested checks report full dotted paths.
     """
-    return ValidationError.from_exception_data(title, [
-        {"type": PydanticCustomError("inconsistent", message), "loc": loc, "input": value}
-        for loc, message, value in problems
-    ])
+    return ValidationError.from_exception_data(title, _details(problems))
+
+
+def with_problems(error: ValidationError, title: str,
+                  problems: list[tuple[tuple[str, ...], str, Any]]) -> ValidationError:
+    """``error`` with more problems added (to report them all in one error)."""
+    details: list[Any] = []
+    for item in error.errors(include_url=False):
+        if item["type"] in _PYDANTIC_ERROR_TYPES:
+            detail = {"type": item["type"], "loc": item["loc"], "input": item["input"]}
+            if "ctx" in item:
+                detail["ctx"] = item["ctx"]
+        else:
+            detail = {"type": PydanticCustomError(item["type"], item["msg"]),
+                      "loc": item["loc"], "input": item["input"]}
+        details.append(detail)
+    return ValidationError.from_exception_data(title, details + _details(problems))
 
 
 def raise_problems(title: str, problems: list[tuple[tuple[str, ...], str, Any]]) -> None:
@@ -110,6 +128,13 @@ class StrictModel(BaseModel):
             raise UnresolvedAutoError([Problem(path, unresolved_message(path))])
         return value
 
+    def __eq__(self, other: Any) -> bool:
+        # By value: the private path and notes say where a section was read,
+        # not what it holds (config.aio equals the zero_optimization.aio it came from).
+        if not isinstance(other, StrictModel):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
     def raw(self, name: str) -> Any:
         """A key's stored value, ``"auto"`` included (no UnresolvedAutoError)."""
         return self.__dict__[name]
@@ -131,7 +156,16 @@ class StrictModel(BaseModel):
             for alias, key in cls._aliases.items():
                 _move_key(data, alias, key, None)
             data = cls._upgrade(data, notes)
-        model = handler(data)
+            early = cls._check_given(data)
+            try:
+                model = handler(data)
+            except ValidationError as error:
+                if early:
+                    raise with_problems(error, cls.__name__, early) from None
+                raise
+            raise_problems(cls.__name__, early)
+        else:
+            model = handler(data)
         model._notes.extend(notes)
         return model
 
@@ -144,6 +178,16 @@ class StrictModel(BaseModel):
         ``= value``.
         """
         return data
+
+    @classmethod
+    def _check_given(cls, data: dict) -> list[tuple[tuple[str, ...], str, Any]]:
+        """Problems found in the keys as given, before they are validated.
+
+        For checks that must be reported even when another key of the
+        section is invalid (an after-validator runs only on a valid section).
+        Values here are unvalidated: skip what cannot be read.
+        """
+        return []
 
     # -- the shape of the config, for messages ------------------------------
 

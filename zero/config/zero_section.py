@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from .aio import AioConfig
 from .base import StrictModel, problem_error, raise_problems
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
-from .values import Flag, Int, Real, fail, flag
+from .values import Flag, Int, Real, fail, flag, whole_number
 
 SUPPORTED_STAGE = 3
 
@@ -154,16 +154,23 @@ class ZeroConfig(StrictModel):
         except PydanticCustomError as error:
             raise problem_error(cls.__name__, [((key,), error.message(), value)]) from None
 
-    @model_validator(mode="after")
-    def _check(self) -> "ZeroConfig":
-        problems = []
-        if self.stage != SUPPORTED_STAGE:
+    @classmethod
+    def _check_given(cls, data: dict) -> list:
+        # Checked on the keys as given, so that a wrong stage is reported together
+        # with every other problem of the section.
+        try:
+            stage = whole_number(data.get("stage", 0))
+        except PydanticCustomError:
+            return []  # reported by the field's own validation
+        problems: list = []
+        if stage != SUPPORTED_STAGE:
             problems.append((("stage",), (
                 f"this engine implements ZeRO stage 3; set zero_optimization.stage to 3 "
-                f"(got {self.stage})"), self.stage))
-        if self.offload_param.enabled and self.stage < 3:
+                f"(got {stage})"), stage))
+        param = data.get("offload_param")
+        device = str(param.get("device") or "none").lower() if isinstance(param, Mapping) else "none"
+        if device != "none" and stage < 3:
             problems.append((("offload_param",), (
-                f"offload_param (device '{self.offload_param.device}') needs ZeRO stage 3, "
-                f"but zero_optimization.stage is {self.stage}"), self.offload_param.device))
-        raise_problems(type(self).__name__, problems)
-        return self
+                f"offload_param (device '{device}') needs ZeRO stage 3, but "
+                f"zero_optimization.stage is {stage}"), device))
+        return problems
