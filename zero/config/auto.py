@@ -90,14 +90,14 @@ def _value(rule: AutoRule, hidden_size: Optional[int], known: dict[str, Any]) ->
 
 
 def fill_autos(data: dict, hidden_size: Optional[int], known: dict[str, Any],
-               require_all: bool) -> tuple[list[Problem], list[str]]:
-    """Replace the ``"auto"`` values of a dumped config in place.
+               require_all: bool) -> list[Problem]:
+    """Replace the ``"auto"`` values of a dumped config, in place.
 
-    Returns the problems (an ``"auto"`` no rule could fill, with
-    ``require_all``) and the batch keys removed so they are derived from the
-    other two.
+    With ``require_all``, a batch size no rule fills is removed so that it is
+    derived from the other two (batch.py), and every other ``"auto"`` left is
+    returned as a problem.
     """
-    problems, derive = [], []
+    problems, removed = [], []
     for rule in RULES:
         parent: Any = data
         for key in rule.path[:-1]:
@@ -106,15 +106,17 @@ def fill_autos(data: dict, hidden_size: Optional[int], known: dict[str, Any],
         if not isinstance(parent, dict) or parent.get(leaf) != AUTO:
             continue
         value = _value(rule, hidden_size, known)
-        path = ".".join(rule.path)
         if value is not None:
             parent[leaf] = value
         elif require_all and rule.known in BATCH_KEYS:
             del parent[leaf]
-            derive.append(leaf)
+            removed.append(leaf)
         elif require_all:
-            problems.append(Problem(path, unresolved_message(path)))
-    return problems, derive
+            problems.append(Problem(".".join(rule.path), unresolved_message(".".join(rule.path))))
+    if data.get(TRAIN) is None and data.get(MICRO) is None:
+        # Neither size that fixes the others is left: nothing to derive them from.
+        problems += [Problem(key, unresolved_message(key)) for key in removed if key != ACCUM]
+    return problems
 
 
 def check_hidden_size(hidden_size: Any) -> Optional[int]:
@@ -150,14 +152,8 @@ def resolve_auto(config: DeepSpeedConfig, hidden_size: Optional[int] = None, wor
         raise ConfigError(problems)
     hidden_size = check_hidden_size(hidden_size)
     data = config.model_dump(exclude_unset=True)
-    problems, derive = fill_autos(data, hidden_size, known, require_all=True)
+    problems = fill_autos(data, hidden_size, known, require_all=True)
     if problems:
         raise UnresolvedAutoError(problems)
-    resolved = validate_config(data, world_size=world_size, quiet=True)
-    missing = [key for key in derive if resolved.raw(key) is None]
-    if missing:
-        raise UnresolvedAutoError([Problem(key, (
-            f'is "auto" and cannot be derived from the other batch sizes; pass {key}=<value> to '
-            f"resolve_auto(), or give two of {', '.join(BATCH_KEYS)}")) for key in missing])
-    return resolved
+    return validate_config(data, world_size=world_size, quiet=True)
 
