@@ -237,12 +237,11 @@ class AsyncTensorSwapper:
             path = self.swap_dir.file(name)
             size = self.swap_dir.size(name)
             if size < off + dst.numel():
-                error = SwapFileTruncatedError(
+                raise SwapFileTruncatedError(
                     f"swap file {path} is {size} bytes, but {dst.numel()} bytes are to be read at "
-                    f"offset {off}: it was truncated or never written"
+                    f"offset {off}: it was truncated or never written",
+                    path,
                 )
-                error.filename = path
-                raise error
             for start in range(0, dst.numel(), self.pool.buffer_nbytes):
                 pieces.append((dst[start : start + self.pool.buffer_nbytes], path, off + start))
 

@@ -77,13 +77,6 @@ class PoolBuffer:
         return self.bytes()[byte_offset:end].view(dtype)
 
 
-def _free_if_idle(handle, storage: torch.Tensor, out: List[int]) -> None:
-    # Garbage collection of a pool with buffers still out leaves the memory to
-    # the process (a leak) rather than freeing pages that live views point into.
-    if out[0] == 0:
-        handle.free_cpu_locked_tensor(storage)
-
-
 class PinnedBufferPool:
     """``buffer_count`` aligned buffers of ``buffer_size`` elements of ``dtype``.
 
@@ -109,9 +102,6 @@ class PinnedBufferPool:
         self.buffer_nbytes = self.buffer_size * self.itemsize
         self._stride_bytes = align_up(self.buffer_nbytes)
         self.nbytes = self.buffer_count * self._stride_bytes
-        # Buffers out right now; shared with the finalizer, which must not free
-        # memory that views handed out may still point into.
-        self._out = [0]
         what = (
             f"PinnedBufferPool(buffer_count={self.buffer_count}, buffer_size={self.buffer_size}, "
             f"dtype={dtype})"
@@ -127,7 +117,8 @@ class PinnedBufferPool:
                 handle = nvmeio.aio_handle()
             example = torch.empty(0, dtype=torch.uint8)
             self._storage = handle.new_cpu_locked_tensor(self.nbytes, example)
-            self._finalizer = weakref.finalize(self, _free_if_idle, handle, self._storage, self._out)
+            # Unlocks the pages; the memory itself lives as long as any view of it (nvmeio.locked).
+            self._finalizer = weakref.finalize(self, handle.free_cpu_locked_tensor, self._storage)
         else:
             raw = torch.empty(self.nbytes + PAGE_BYTES, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % PAGE_BYTES
@@ -195,7 +186,6 @@ class PinnedBufferPool:
                 self._cond.wait(remaining)
                 self._check_open()
             taken = [self._free.pop() for _ in range(count)]
-            self._out[0] += count
             for b in taken:
                 b.holder = holder or "caller"
             return taken
@@ -208,7 +198,6 @@ class PinnedBufferPool:
                     raise SwapStateError(f"buffer {b.index} released twice or not from this pool")
                 b.holder = None
                 self._free.append(b)
-                self._out[0] -= 1
             self._cond.notify_all()
 
     def close(self) -> None:

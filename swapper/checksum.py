@@ -114,12 +114,11 @@ class ChecksumTable:
             start = r.offset - offset
             actual = self.digest(raw[start : start + r.nbytes])
             if actual != r.digest:
-                error = SwapCorruptionError(
+                raise SwapCorruptionError(
                     f"swap file {path} changed since it was written: {self.algorithm.value} of bytes "
-                    f"[{r.offset}, {r.offset + r.nbytes}) is {actual:#x}, expected {r.digest:#x}"
+                    f"[{r.offset}, {r.offset + r.nbytes}) is {actual:#x}, expected {r.digest:#x}",
+                    path,
                 )
-                error.filename = path
-                raise error
 
     def forget(self, path: str) -> None:
         self._files.pop(path, None)

@@ -6,9 +6,29 @@ instead of asserting.
 """
 from __future__ import annotations
 
+import errno as _errno
+from typing import Optional
+
 
 class SwapError(Exception):
     """Base class of every error raised by :mod:`swapper`."""
+
+
+class _OSErrorWithMessage(SwapError, OSError):
+    """An ``OSError`` whose ``str()`` is its whole message (``errno`` and ``filename`` set too)."""
+
+    errno_code = _errno.EIO
+
+    def __init__(self, message: str, filename: Optional[str] = None):
+        super().__init__(self.errno_code, message)
+        self.message = message
+        self.filename = filename
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.filename))
 
 
 class PoolExhaustedError(SwapError, RuntimeError):
@@ -23,19 +43,25 @@ class InsufficientHostMemoryError(SwapError, MemoryError):
     """The pool would not fit in available RAM or under RLIMIT_MEMLOCK."""
 
 
-class InsufficientSwapSpaceError(SwapError, OSError):
+class InsufficientSwapSpaceError(_OSErrorWithMessage):
     """The file system under ``nvme_path`` has less free space than the swap files need."""
 
+    errno_code = _errno.ENOSPC
 
-class SwapDirectoryInUseError(SwapError, FileExistsError):
+
+class SwapDirectoryInUseError(_OSErrorWithMessage, FileExistsError):
     """The swap directory belongs to a process that is still running."""
 
+    errno_code = _errno.EEXIST
 
-class StaleSwapDirectoryError(SwapError, FileExistsError):
+
+class StaleSwapDirectoryError(_OSErrorWithMessage, FileExistsError):
     """The swap directory was left behind by a job that is no longer running."""
 
+    errno_code = _errno.EEXIST
 
-class SwapCorruptionError(SwapError, OSError):
+
+class SwapCorruptionError(_OSErrorWithMessage):
     """A swap file no longer holds the bytes that were written to it."""
 
 

@@ -493,12 +493,11 @@ class PartitionedOptimizerSwapper:
         path = self.swap_dir.file(g.file_name)
         size = self.swap_dir.size(g.file_name)
         if size < length:
-            error = SwapFileTruncatedError(
+            raise SwapFileTruncatedError(
                 f"swap file {path} of sub-group {g.sub_group_id} is {size} bytes, expected at least "
-                f"{length}: it was truncated behind the swapper's back"
+                f"{length}: it was truncated behind the swapper's back",
+                path,
             )
-            error.filename = path
-            raise error
         g.buffer = self._acquire(g)
         g.state, g.read_grad = SubGroupState.READING, with_grad
         view = g.buffer.bytes()[:length]

@@ -447,12 +447,11 @@ class PartitionedParamSwapper:
         size = self.swap_dir.size(p.file_name)
         if size < p.nbytes:
             path = self.swap_dir.file(p.file_name)
-            error = SwapFileTruncatedError(
+            raise SwapFileTruncatedError(
                 f"swap file {path} of partition {p.param_id!r} is {size} bytes, expected {p.nbytes}: "
-                f"it was truncated behind the swapper's back"
+                f"it was truncated behind the swapper's back",
+                path,
             )
-            error.filename = path
-            raise error
 
     def _submit_write(self, p: _Partition) -> None:
         self._check_space()

@@ -1,0 +1,136 @@
+"""Checksums: a swap file changed or truncated behind our back is an error naming the file."""
+import os
+
+import pytest
+import torch
+
+from swapper import (
+    AsyncTensorSwapper,
+    ChecksumTable,
+    PartitionState,
+    PartitionedOptimizerSwapper,
+    PartitionedParamSwapper,
+    PinnedBufferPool,
+    PipelinedOptimizerSwapper,
+    SubGroupState,
+    SwapCorruptionError,
+    SwapDirectory,
+    SwapFileTruncatedError,
+    swap_file_name,
+)
+
+ALGORITHMS = ["xxhash", "crc32c", "crc32"]
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_table_verifies_recorded_regions_inside_a_read(algorithm):
+    table = ChecksumTable(algorithm)
+    data = torch.arange(1000, dtype=torch.float32)
+    table.record("f", 4096, data)
+    table.verify("f", 0, torch.cat([torch.zeros(1024), data]))  # covers the region
+    table.verify("f", 4096, data[:10])  # does not cover it: nothing to check
+    bad = data.clone()
+    bad[999] += 1
+    with pytest.raises(SwapCorruptionError, match=r"swap file f changed .* bytes \[4096, 8096\)"):
+        table.verify("f", 4096, bad)
+
+
+def test_rewriting_a_region_forgets_the_old_digest():
+    table = ChecksumTable("crc32")
+    table.record("f", 0, torch.zeros(100))
+    table.record("f", 200, torch.ones(100))  # overlaps [0, 400)
+    assert len(table) == 1
+    table.verify("f", 0, torch.cat([torch.zeros(50), torch.ones(100)]))
+
+
+def test_unknown_algorithm_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown checksum 'md5'"):
+        PartitionedParamSwapper(tmp_path, None, checksum="md5")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_param_file_changed_between_swap_out_and_swap_in_is_detected(tmp_path, algorithm):
+    with PartitionedParamSwapper(tmp_path, None, buffer_size=None, max_in_cpu=0, checksum=algorithm) as s:
+        s.register("w", 1000)
+        s.register("v", 1000)
+        s.swap_out_tensors(["w", "v"], [torch.randn(1000), torch.randn(1000)])
+        path = s.swap_dir.file(swap_file_name("w"))
+        _flip_byte(path, 2345)
+        with pytest.raises(SwapCorruptionError) as info:
+            s.swap_in(["v", "w"])
+        assert path in str(info.value) and info.value.filename == path
+        assert s.state("w") is PartitionState.ON_NVME  # its buffer went back, nothing half-valid
+        assert s.state("v") is PartitionState.AVAILABLE
+        s.release(["v"])
+        assert s.pool.free_count == s.pool.buffer_count
+
+
+def test_without_checksums_a_changed_file_goes_unnoticed(tmp_path):
+    with PartitionedParamSwapper(tmp_path, None, buffer_size=None, max_in_cpu=0) as s:
+        s.register(0, 10)
+        s.swap_out_tensors([0], [torch.zeros(10)])
+        _flip_byte(s.swap_dir.file(swap_file_name(0)), 0)
+        assert not torch.equal(s.swap_in([0])[0], torch.zeros(10))
+
+
+def test_truncated_param_file_is_reported_even_without_checksums(tmp_path):
+    with PartitionedParamSwapper(tmp_path, None, buffer_size=None, max_in_cpu=0) as s:
+        s.register(0, 1000)
+        s.swap_out_tensors([0], [torch.randn(1000)])
+        path = s.swap_dir.file(swap_file_name(0))
+        os.truncate(path, 3000)
+        with pytest.raises(SwapFileTruncatedError, match=f"{path} of partition 0 is 3000 bytes, expected 4000"):
+            s.swap_in([0])
+        assert s.pool.free_count == s.pool.buffer_count
+
+
+@pytest.mark.parametrize("cls", [PartitionedOptimizerSwapper, PipelinedOptimizerSwapper])
+def test_optimizer_state_changed_on_disk_stops_the_step(tmp_path, cls):
+    with cls(tmp_path, None, checksum="xxhash") as s:
+        for i in range(4):
+            s.register_sub_group(i, 500)
+        for i in range(4):
+            s.initialize(i, torch.zeros(500))
+        layout = s.register_sub_group(4, 500)
+        s.initialize(4, torch.zeros(500))
+        _flip_byte(s.swap_dir.file("subgroup2.swp"), layout.offset(2) + 17)  # exp_avg_sq of sub-group 2
+        stepped = []
+        with pytest.raises(SwapCorruptionError, match="subgroup2.swp changed"):
+            s.step(lambda sg, t: (stepped.append(sg), t.master.add_(1)))
+        assert 2 not in stepped  # corrupt data never reached the step function
+        assert s.pool.free_count == s.pool.buffer_count
+        assert s.state(2) is SubGroupState.ON_NVME
+        t = s.swap_in(0)
+        assert torch.equal(t.master, torch.ones(500))  # sub-groups before it were stepped and written
+        s.release(0)
+
+
+def test_truncated_optimizer_file_is_reported(tmp_path):
+    with PartitionedOptimizerSwapper(tmp_path, None) as s:
+        s.register_sub_group(0, 100)
+        s.initialize(0, torch.zeros(100))
+        path = s.swap_dir.file("subgroup0.swp")
+        os.truncate(path, 100)
+        with pytest.raises(SwapFileTruncatedError, match=f"{path} of sub-group 0 is 100 bytes"):
+            s.step(lambda sg, t: None)
+
+
+def test_async_swapper_detects_a_changed_file(tmp_path):
+    swap_dir = SwapDirectory(tmp_path, "job", 0, "tensors")
+    with PinnedBufferPool(2, 4096, torch.uint8) as pool:
+        swap = AsyncTensorSwapper(swap_dir, pool, checksum="crc32c")
+        swap.swap_out([torch.arange(3000, dtype=torch.int16)], ["a.swp"])
+        swap.synchronize()
+        _flip_byte(swap_dir.file("a.swp"), 5000)
+        with pytest.raises(SwapCorruptionError, match="a.swp changed"):
+            swap.swap_in([torch.empty(3000, dtype=torch.int16)], ["a.swp"])
+        assert pool.free_count == 2
+    swap_dir.cleanup()

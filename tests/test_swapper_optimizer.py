@@ -1,0 +1,178 @@
+"""PartitionedOptimizerSwapper: master + states (+ gradient) of each sub-group in, step, out."""
+import os
+
+import pytest
+import torch
+
+from swapper import (
+    PartitionedOptimizerSwapper,
+    SubGroupState,
+    SwapStateError,
+)
+
+SIZES = [5, 1000, 4097, 33]
+
+
+def _randn(n, seed, dtype=torch.float32):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def factory(**kwargs):
+        s = PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, **kwargs)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.cleanup()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_round_trip_of_master_and_states(make, dtype):
+    s = make(dtype=dtype)
+    data = {}
+    for i, n in enumerate(SIZES):
+        s.register_sub_group(i, n)
+    for i, n in enumerate(SIZES):
+        data[i] = (_randn(n, i, dtype), _randn(n, 100 + i, dtype), _randn(n, 200 + i, dtype).abs())
+        s.initialize(i, data[i][0], {"exp_avg": data[i][1], "exp_avg_sq": data[i][2]})
+        assert s.state(i) is SubGroupState.ON_NVME
+    for i in reversed(range(len(SIZES))):
+        t = s.swap_in(i)
+        assert torch.equal(t.master, data[i][0])
+        assert torch.equal(t.exp_avg, data[i][1]) and torch.equal(t.exp_avg_sq, data[i][2])
+        assert t.grad is None
+        s.release(i)
+    assert s.pool.free_count == s.pool.buffer_count == 1
+
+
+def test_states_start_at_zero_and_the_file_holds_aligned_regions(make):
+    s = make()
+    layout = s.register_sub_group(0, 1001)
+    s.initialize(0, torch.ones(1001))
+    path = s.swap_dir.file("subgroup0.swp")
+    assert os.path.getsize(path) == layout.written_bytes == 3 * 4096
+    with open(path, "rb") as f:
+        raw = f.read()
+    assert raw[:4004] == torch.ones(1001).numpy().tobytes()
+    assert raw[4096 : 4096 + 4004] == bytes(4004) and raw[8192 : 8192 + 4004] == bytes(4004)
+
+
+def test_step_runs_the_function_on_every_sub_group_in_order_and_persists(make):
+    s = make()
+    for i, n in enumerate(SIZES):
+        s.register_sub_group(i, n)
+    for i, n in enumerate(SIZES):
+        s.initialize(i, torch.full((n,), float(i)))
+    seen = []
+
+    def fn(sg, t):
+        seen.append(sg)
+        t.master.mul_(2)
+        t.exp_avg.add_(sg + 1)
+
+    stats = s.step(fn, [3, 1, 0, 2])
+    assert seen == [3, 1, 0, 2] and stats.sub_groups == 4
+    s.step(fn)
+    for i, n in enumerate(SIZES):
+        t = s.swap_in(i)
+        assert torch.equal(t.master, torch.full((n,), 4.0 * i))
+        assert torch.equal(t.exp_avg, torch.full((n,), 2.0 * (i + 1)))
+        s.release(i)
+
+
+def test_gradients_written_in_pieces_reach_the_step_and_are_consumed(make):
+    s = make(swap_gradients=True, checksum="crc32")
+    for i, n in enumerate(SIZES):
+        s.register_sub_group(i, n)
+    for i, n in enumerate(SIZES):
+        s.initialize(i, torch.zeros(n))
+    grads = {i: _randn(n, i) for i, n in enumerate(SIZES)}
+    for i, n in enumerate(SIZES):
+        cut = n // 3
+        tickets = s.swap_out_gradients(i, grads[i][cut:], offset=cut)
+        tickets += s.swap_out_gradients(i, grads[i][:cut].double(), offset=0)  # converted to fp32
+    got = {}
+
+    def fn(sg, t):
+        got[sg] = t.grad.clone()
+        t.master.sub_(t.grad)
+
+    s.step(fn)
+    assert all(torch.equal(got[i], grads[i]) for i in grads)
+    s.step(lambda sg, t: None if t.grad is None else pytest.fail("gradient not consumed"))
+    t = s.swap_in(1)
+    assert torch.equal(t.master, -grads[1])
+    s.release(1)
+
+
+def test_a_partial_gradient_is_refused(make):
+    s = make(swap_gradients=True)
+    s.register_sub_group(0, 100)
+    s.initialize(0, torch.zeros(100))
+    s.swap_out_gradients(0, torch.ones(60), offset=0)
+    s.swap_out_gradients(0, torch.ones(30), offset=50)
+    with pytest.raises(SwapStateError, match="covers 80 of 100 elements"):
+        s.swap_in(0)
+    with pytest.raises(ValueError, match="fall outside"):
+        s.swap_out_gradients(0, torch.ones(10), offset=95)
+
+
+def test_gradients_need_the_switch(make):
+    s = make()
+    s.register_sub_group(0, 4)
+    with pytest.raises(SwapStateError, match="swap_gradients=False"):
+        s.swap_out_gradients(0, torch.ones(4))
+
+
+def test_a_failing_step_function_returns_buffers_and_keeps_each_sub_group_whole(make):
+    s = make()
+    for i in range(3):
+        s.register_sub_group(i, 10)
+    for i in range(3):
+        s.initialize(i, torch.zeros(10))
+
+    def fn(sg, t):
+        t.master.add_(1)
+        if sg == 1:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        s.step(fn)
+    assert s.pool.free_count == s.pool.buffer_count
+    masters = []
+    for i in range(3):
+        masters.append(s.swap_in(i).master[0].item())
+        s.release(i)
+    assert masters == [1.0, 0.0, 0.0]
+
+
+def test_custom_state_names(make):
+    s = make(state_names=("momentum_buffer",))
+    s.register_sub_group(0, 7)
+    s.initialize(0, torch.ones(7), {"momentum_buffer": torch.full((7,), 2.0)})
+    t = s.swap_in(0)
+    assert list(t.states) == ["momentum_buffer"] and torch.equal(t.states["momentum_buffer"], torch.full((7,), 2.0))
+    s.release(0)
+    with pytest.raises(ValueError, match="unknown optimizer states"):
+        s.initialize(0, torch.ones(7), {"exp_avg": torch.ones(7)})
+
+
+def test_buffer_count_below_the_schedule_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"needs buffer_count >= 1, got 0|positive integer"):
+        PartitionedOptimizerSwapper(tmp_path, None, buffer_count=0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_uninitialized_sub_groups_cannot_be_stepped(make):
+    s = make()
+    s.register_sub_group(0, 4)
+    with pytest.raises(SwapStateError, match="never initialized"):
+        s.step(lambda sg, t: None)
+    with pytest.raises(ValueError, match="registered already"):
+        s.register_sub_group(0, 4)

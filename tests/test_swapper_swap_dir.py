@@ -1,0 +1,159 @@
+"""SwapDirectory: <nvme_path>/<job>/rank<r>/<name>/, 0600 files, dead jobs reported, cleanup."""
+import os
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from swapper import (
+    InsufficientSwapSpaceError,
+    StaleSwapDirectoryError,
+    SwapDirectory,
+    SwapDirectoryInUseError,
+    disk_free_bytes,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+# Loads swapper.swap_dir without the package __init__ (and so without torch, slow to import).
+_PREAMBLE = f"""
+import sys, types
+package = types.ModuleType("swapper")
+package.__path__ = [{os.path.join(REPO, "swapper")!r}]
+sys.modules["swapper"] = package
+"""
+
+
+def _python(code, **kwargs):
+    return subprocess.Popen(
+        [sys.executable, "-c", _PREAMBLE + textwrap.dedent(code)],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+def test_layout_and_modes_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        d = SwapDirectory(tmp_path, "job-7", 3, "params")
+        path = d.create("param_w.swp")
+    finally:
+        os.umask(old)
+    assert d.path == str(tmp_path / "job-7" / "rank3" / "params")
+    assert path == os.path.join(d.path, "param_w.swp")
+    assert _mode(path) == 0o600 and os.path.getsize(path) == 0
+    assert _mode(d.path) == 0o700 and _mode(d.rank_dir) == 0o700
+    d.cleanup()
+
+
+def test_swappers_of_one_rank_share_the_rank_directory_under_their_own_names(tmp_path):
+    a = SwapDirectory(tmp_path, "job", 0, "params")
+    b = SwapDirectory(tmp_path, "job", 0, "optimizer")
+    assert a.rank_dir == b.rank_dir
+    with pytest.raises(SwapDirectoryInUseError, match="already used by another swapper in this process"):
+        SwapDirectory(tmp_path, "job", 0, "params")
+    a.create("x.swp")
+    a.cleanup()
+    assert not os.path.exists(a.path) and os.path.isdir(b.path)
+    b.cleanup()
+    assert os.listdir(tmp_path) == []
+
+
+def test_cleanup_keeps_the_job_directory_while_another_rank_uses_it(tmp_path):
+    r0 = SwapDirectory(tmp_path, "job", 0, "params")
+    r1 = SwapDirectory(tmp_path, "job", 1, "params")
+    r0.create("a.swp")
+    r0.cleanup()
+    assert os.listdir(tmp_path / "job") == ["rank1"]
+    r1.cleanup()
+    assert os.listdir(tmp_path) == []
+
+
+def test_directory_of_a_dead_job_is_reported_and_left_alone(tmp_path):
+    child = _python(f"""
+        import os
+        from swapper.swap_dir import SwapDirectory
+        d = SwapDirectory({str(tmp_path)!r}, "job", 0, "params")
+        d.create("param_1.swp")
+        print(os.getpid(), flush=True)
+        os._exit(0)  # dies without cleaning up, like a killed job
+    """)
+    pid = int(child.stdout.readline())
+    child.wait()
+    with pytest.raises(StaleSwapDirectoryError) as info:
+        SwapDirectory(tmp_path, "job", 0, "params")
+    message = str(info.value)
+    assert f"process {pid} on host {socket.gethostname()}, which is no longer running" in message
+    assert "holds 1 files" in message and "remove_stale=True" in message
+    assert os.path.exists(tmp_path / "job" / "rank0" / "params" / "param_1.swp")
+
+
+def test_remove_stale_deletes_a_dead_jobs_directory_with_a_warning(tmp_path):
+    (tmp_path / "job" / "rank0" / "params").mkdir(parents=True)
+    (tmp_path / "job" / "rank0" / "params" / "old.swp").write_bytes(b"x" * 10)
+    with pytest.raises(StaleSwapDirectoryError, match="no owner marker"):
+        SwapDirectory(tmp_path, "job", 0, "params")
+    with pytest.warns(UserWarning, match="removing stale swap directory"):
+        d = SwapDirectory(tmp_path, "job", 0, "params", remove_stale=True)
+    assert os.listdir(d.path) == []
+    d.cleanup()
+
+
+def test_directory_of_a_running_job_is_in_use(tmp_path):
+    child = _python(f"""
+        import sys
+        from swapper.swap_dir import SwapDirectory
+        d = SwapDirectory({str(tmp_path)!r}, "job", 0, "params")
+        print("ready", flush=True)
+        sys.stdin.readline()
+        d.cleanup()
+    """)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(SwapDirectoryInUseError, match=f"in use by process {child.pid}"):
+            SwapDirectory(tmp_path, "job", 0, "params", remove_stale=True)
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(timeout=30)
+    assert os.listdir(tmp_path) == []
+
+
+def test_free_space_check_names_both_numbers(tmp_path):
+    d = SwapDirectory(tmp_path, "job", 0, "params", free_space_fn=lambda path: 1000)
+    d.check_free_space(1000, "3 tensors")
+    with pytest.raises(InsufficientSwapSpaceError) as info:
+        d.check_free_space(1001, "3 tensors")
+    assert "3 tensors need 1001 more bytes" in str(info.value) and "only 1000 bytes" in str(info.value)
+    d.cleanup()
+
+
+def test_default_free_space_is_statvfs(tmp_path):
+    st = os.statvfs(tmp_path)
+    assert abs(disk_free_bytes(str(tmp_path)) - st.f_bavail * st.f_frsize) < 64 << 20
+
+
+@pytest.mark.parametrize("job_id, rank, name", [("a/b", 0, "p"), ("..", 0, "p"), ("", 0, "p"), ("j", -1, "p"), ("j", 0, "x/y")])
+def test_names_that_would_escape_the_directory_are_refused(tmp_path, job_id, rank, name):
+    with pytest.raises(ValueError):
+        SwapDirectory(tmp_path, job_id, rank, name)
+
+
+def test_missing_nvme_path_is_an_error_not_created(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not an existing directory"):
+        SwapDirectory(tmp_path / "typo", "job", 0, "params")
+    assert not (tmp_path / "typo").exists()
+
+
+def test_swap_file_names_cannot_leave_the_directory(tmp_path):
+    d = SwapDirectory(tmp_path, "job", 0, "params")
+    with pytest.raises(ValueError):
+        d.create("../escape.swp")
+    d.cleanup()
