@@ -283,3 +283,18 @@ def test_importing_the_config_layer_pulls_in_neither_torch_nor_nvmeio():
             "print(sorted(m for m in ('torch', 'nvmeio', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_dumped_config_loads_back_to_the_same_config(tmp_path):
+    with pytest.warns(UserWarning):  # aio.thread_count
+        config = load_config({"zero_optimization": {
+            "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)},
+            "offload_optimizer": {"device": "cpu", "pipeline": True}, "aio": {"thread_count": 2}},
+            "fp16": {"enabled": True}, "optimizer": {"type": "adam"},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1}},
+            "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, world_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = load_config(json.loads(config.model_dump_json()), world_size=2)
+    assert again == config
+    assert again.gradient_accumulation_steps == 4 and again.aio.intra_op_parallelism == 2

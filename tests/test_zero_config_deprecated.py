@@ -84,7 +84,7 @@ def test_aio_thread_count_becomes_intra_op_parallelism(where):
 def test_old_and_new_name_with_different_values_is_an_error():
     with pytest.raises(ConfigError) as info:
         load_config({"zero_optimization": {"stage": 3}, "aio": {"thread_count": 2, "intra_op_parallelism": 4}})
-    assert info.value.problems[0].path == "aio"
+    assert info.value.problems[0].path == "aio.thread_count"
     assert ("'thread_count' and 'intra_op_parallelism' are both given, with different values (2 and 4)"
             in str(info.value))
 

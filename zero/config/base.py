@@ -151,12 +151,13 @@ class StrictModel(BaseModel):
         notes: list = []
         if isinstance(data, Mapping):
             data = dict(data)
+            early: list = []
             for old, new in cls._renamed.items():
-                _move_key(data, old, new, notes)
+                _move_key(data, old, new, early, notes)
             for alias, key in cls._aliases.items():
-                _move_key(data, alias, key, None)
+                _move_key(data, alias, key, early, None)
             data = cls._upgrade(data, notes)
-            early = cls._check_given(data)
+            early += cls._check_given(data)
             try:
                 model = handler(data)
             except ValidationError as error:
@@ -206,14 +207,15 @@ class StrictModel(BaseModel):
         return _models_in(field.annotation) if field is not None else []
 
 
-def _move_key(data: dict, old: str, new: str, notes: list | None) -> None:
+def _move_key(data: dict, old: str, new: str, problems: list, notes: list | None) -> None:
+    """Rename ``old`` to ``new``; a different value under both is a problem."""
     if old not in data:
         return
     value = data.pop(old)
     if new in data and data[new] != value:
-        fail_text = (f"'{old}' and '{new}' are both given, with different values "
-                     f"({short(value)} and {short(data[new])}); keep only '{new}'")
-        raise PydanticCustomError("conflicting_keys", fail_text)
+        problems.append(((old,), (f"'{old}' and '{new}' are both given, with different values "
+                                  f"({short(value)} and {short(data[new])}); keep only '{new}'"), value))
+        return
     data[new] = value
     if notes is not None:
         notes.append((old, new))
@@ -276,10 +278,10 @@ def key_homes(root: type[StrictModel]) -> dict[str, list[str]]:
     homes: dict[str, list[str]] = {}
 
     def visit(cls: type[StrictModel], path: str) -> None:
+        home = path or "the top level"
         for name in cls.model_fields:
-            homes.setdefault(name, [])
-            if path not in homes[name]:
-                homes[name].append(path or "the top level")
+            if home not in homes.setdefault(name, []):
+                homes[name].append(home)
             for child in cls.child_models(name):
                 visit(child, join(path, name))
 

@@ -23,7 +23,7 @@ import os
 import typing
 from typing import Annotated, Any, Callable, Literal, Tuple, Union
 
-from pydantic import PlainValidator
+from pydantic import PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from .errors import did_you_mean
@@ -129,11 +129,20 @@ def _or_auto(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return validate
 
 
+def _as_is(value: Any) -> Any:
+    return value
+
+
+# Serialized by the value's own type: the declared union (tuple or "auto") makes
+# pydantic warn on betas in JSON mode, where the tuple is already a list.
+_SERIALIZE_AS_IS = PlainSerializer(_as_is, return_type=Any)
+
+
 def _typed(python_type: Any, check: Callable[[Any], Any], auto: bool) -> Any:
     if auto:
         return Annotated[Union[python_type, Literal["auto"]],
-                         PlainValidator(_or_auto(check)), AUTO_ALLOWED]
-    return Annotated[python_type, PlainValidator(check)]
+                         PlainValidator(_or_auto(check)), _SERIALIZE_AS_IS, AUTO_ALLOWED]
+    return Annotated[python_type, PlainValidator(check), _SERIALIZE_AS_IS]
 
 
 def Int(minimum: int | None = 0, auto: bool = False) -> Any:
