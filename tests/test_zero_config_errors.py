@@ -277,3 +277,10 @@ def test_wrong_stage_is_reported_with_the_other_problems_of_its_section():
                              "zero_optimization.overlap_comm"}
     assert "did you mean 'buffer_count'?" in problems["zero_optimization.offload_param.buffer_cout"]
     assert "needs ZeRO stage 3, but zero_optimization.stage is 1" in problems["zero_optimization.offload_param"]
+
+
+def test_aio_given_twice_with_different_values_is_refused():
+    _, problems = problems_of({"zero_optimization": {"stage": 3, "aio": {"queue_depth": 32}},
+                               "aio": {"queue_depth": 64}})
+    assert problems["aio"] == ("aio is given both at the top level ({'queue_depth': 64}) and in "
+                               "zero_optimization ({'queue_depth': 32}) with different values; keep one")

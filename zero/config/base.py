@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ErrorType
 
-from .errors import Problem, UnresolvedAutoError, did_you_mean
+from .errors import Problem, UnresolvedAutoError, did_you_mean, short
 from .values import AUTO, allows_auto
 
 _PYDANTIC_ERROR_TYPES = frozenset(typing.get_args(ErrorType))
@@ -56,11 +56,6 @@ def dotted(loc: tuple[Any, ...]) -> str:
     for part in loc:
         text = f"{text}[{part}]" if isinstance(part, int) else join(text, str(part))
     return text
-
-
-def short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _details(problems: list[tuple[tuple[str, ...], str, Any]]) -> list[Any]:

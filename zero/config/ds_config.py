@@ -16,9 +16,9 @@ from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from .aio import AioConfig
-from .base import StrictModel, join, problems_from, raise_problems, sections, short
+from .base import StrictModel, join, problems_from, raise_problems, sections
 from .batch import ACCUM, MICRO, TRAIN, derive_batch_sizes
-from .errors import ConfigDeprecationWarning, ConfigError, IgnoredSettingWarning, Problem
+from .errors import ConfigDeprecationWarning, ConfigError, IgnoredSettingWarning, Problem, short
 from .extras import (ActivationCheckpointingConfig, CheckpointConfig, CommsLoggerConfig,
                      CSVMonitorConfig, DataType, DataTypesConfig, FlopsProfilerConfig,
                      TensorBoardConfig, WandbConfig)
@@ -140,7 +140,7 @@ def _emit_notes(config: DeepSpeedConfig, sink: list | None) -> None:
             default = type(section).model_fields[name].get_default(call_default_factory=True)
             value = section.raw(name)
             if value != default:
-                found.append((f"'{join(path, name)}' = {short(value)} is accepted for DeepSpeed "
+                found.append((f"{join(path, name)} = {short(value)} is accepted for DeepSpeed "
                               f"compatibility but has no effect in nvmeio", IgnoredSettingWarning))
     for message, category in found:
         if sink is None:

@@ -71,3 +71,9 @@ def did_you_mean(word: str, candidates: Iterable[str], ignore_case: bool = False
         return lowered[match[0]] if match else None
     match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
     return match[0] if match else None
+
+
+def short(value: object) -> str:
+    """``repr(value)``, cut to 60 characters for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -108,17 +108,18 @@ class OffloadOptimizerConfig(OffloadBase):
         given = self.model_fields_set
         if "pipeline" in given:
             explicit = {k: self.raw(k) for k in ("pipeline_read", "pipeline_write") if k in given}
+            turned_on = [k for k, on in explicit.items() if on]
+            if self.pipeline and len(explicit) == 2 and not turned_on:
+                problems.append((("pipeline",), "pipeline is true but pipeline_read and "
+                                 "pipeline_write are both false; drop pipeline or set one of them", True))
+            elif not self.pipeline and turned_on:
+                problems.append((("pipeline",), (
+                    f"pipeline is false but {' and '.join(turned_on)} "
+                    f"{'are' if len(turned_on) > 1 else 'is'} true; drop pipeline"), False))
             if self.pipeline:
-                if explicit and not any(explicit.values()):
-                    problems.append((("pipeline",), "pipeline is true but pipeline_read and "
-                                     "pipeline_write are both false; drop pipeline or set one of them", True))
                 for key in ("pipeline_read", "pipeline_write"):
                     if key not in explicit:
                         self.__dict__[key] = True
-            elif any(explicit.values()):
-                problems.append((("pipeline",), "pipeline is false but "
-                                 + " and ".join(k for k, v in explicit.items() if v)
-                                 + " is true; drop pipeline", False))
         self.__dict__["pipeline"] = self.pipeline_read or self.pipeline_write
         if self.device == "nvme" and self.buffer_count < MIN_NVME_OPTIMIZER_BUFFERS:
             problems.append((("buffer_count",), (

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Callable, Literal, Tuple, Union
 from pydantic import PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
 
-from .errors import did_you_mean
+from .errors import did_you_mean, short
 
 AUTO = "auto"
 
@@ -46,11 +46,6 @@ def fail(kind: str, message: str) -> typing.NoReturn:
     raise PydanticCustomError(kind, message)
 
 
-def _got(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _reject_auto(value: Any) -> None:
     if isinstance(value, str) and value.strip().lower() == AUTO:
         fail("auto_not_allowed", "'auto' is not accepted for this key; give a value")
@@ -60,10 +55,10 @@ def whole_number(value: Any, minimum: int | None = None) -> int:
     """An int, or a float with no fractional part (users write 1e9)."""
     _reject_auto(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail("whole_number", f"expected a whole number, got {_got(value)}")
+        fail("whole_number", f"expected a whole number, got {short(value)}")
     if isinstance(value, float):
         if not (math.isfinite(value) and value.is_integer()):
-            fail("whole_number", f"expected a whole number, got {_got(value)}")
+            fail("whole_number", f"expected a whole number, got {short(value)}")
         value = int(value)
     if minimum is not None and value < minimum:
         fail("too_small", f"must be at least {minimum}, got {value}")
@@ -75,7 +70,7 @@ def real(value: Any, minimum: float | None = None, maximum: float | None = None,
     """A finite int or float, returned as float."""
     _reject_auto(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        fail("real_number", f"expected a number, got {_got(value)}")
+        fail("real_number", f"expected a number, got {short(value)}")
     value = float(value)
     if not math.isfinite(value):
         fail("real_number", f"expected a finite number, got {value}")
@@ -98,14 +93,14 @@ def flag(value: Any) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    fail("flag", f"expected true or false, got {_got(value)}")
+    fail("flag", f"expected true or false, got {short(value)}")
 
 
 def betas(value: Any) -> Tuple[float, float]:
     """Two Adam coefficients, each in [0, 1)."""
     _reject_auto(value)
     if not isinstance(value, (list, tuple)) or len(value) != 2:
-        fail("betas", f"expected two numbers [beta1, beta2], got {_got(value)}")
+        fail("betas", f"expected two numbers [beta1, beta2], got {short(value)}")
     pair = tuple(real(b, minimum=0.0) for b in value)
     if any(b >= 1.0 for b in pair):
         fail("betas", f"each beta must be in [0, 1), got {list(pair)}")
@@ -117,7 +112,7 @@ def path_text(value: Any) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
-        fail("path", f"expected a path (a non-empty string), got {_got(value)}")
+        fail("path", f"expected a path (a non-empty string), got {short(value)}")
     return value
 
 
@@ -180,7 +175,7 @@ def Choice(*options: str, what: str = "value", aliases: dict[str, str] | None = 
         supported = ", ".join(options)
         hint = did_you_mean(str(value), options, ignore_case=True)
         hint = f"; did you mean '{hint}'?" if hint else ""
-        fail("choice", f"{what} {_got(value)} is not supported (supported: {supported}){hint}")
+        fail("choice", f"{what} {short(value)} is not supported (supported: {supported}){hint}")
 
     return Annotated[Literal[options], PlainValidator(validate)]  # type: ignore[valid-type]
 
