@@ -94,7 +94,8 @@ def test_stage_below_3_is_refused_with_the_fix(stage):
 
 
 def test_missing_zero_section_is_refused_with_the_fix():
-    _, problems = problems_of({"train_batch_size": 8})
+    _, problems = problems_of({"train_batch_size": 8, "fp16": {"enabled": "maybe"}})
+    assert set(problems) == {"zero_optimization", "fp16.enabled"}
     assert "this engine implements ZeRO stage 3" in problems["zero_optimization"]
     assert '"zero_optimization": {"stage": 3}' in problems["zero_optimization"]
 

@@ -49,7 +49,7 @@ class DeepSpeedConfig(StrictModel):
     """Max global gradient norm; 0 turns clipping off."""
 
     # model_construct: the default (stage 0) is reported as a missing section
-    # by _check_across_sections, not by ZeroConfig's own check.
+    # by _check_given, not by ZeroConfig's own check.
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig.model_construct)
     aio: AioConfig = Field(default_factory=AioConfig)
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -93,14 +93,18 @@ class DeepSpeedConfig(StrictModel):
         return [join(path, name) for path, section in sections(self)
                 for name in sorted(type(section)._auto_fields) if section.is_auto(name)]
 
+    @classmethod
+    def _check_given(cls, data: dict) -> list:
+        if "zero_optimization" in data:
+            return []
+        return [(("zero_optimization",), (
+            'section is missing: this engine implements ZeRO stage 3; add '
+            '"zero_optimization": {"stage": 3}'), None)]
+
     @model_validator(mode="after")
     def _check_across_sections(self, info: ValidationInfo) -> "DeepSpeedConfig":
         context = info.context or {}
         problems = []
-        if "zero_optimization" not in self.model_fields_set:
-            problems.append((("zero_optimization",), (
-                'section is missing: this engine implements ZeRO stage 3; add '
-                '"zero_optimization": {"stage": 3}'), None))
         zero_aio = self.zero_optimization.aio
         if (zero_aio is not None and "aio" in self.model_fields_set
                 and zero_aio.model_dump() != self.aio.model_dump()):
