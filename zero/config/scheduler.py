@@ -27,15 +27,10 @@ class WarmupLRParams(StrictModel):
     last_batch_iteration: Int(minimum=-1) = -1
 
 
-class WarmupDecayLRParams(StrictModel):
+class WarmupDecayLRParams(WarmupLRParams):
     """WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
 
     total_num_steps: Int(minimum=1, auto=True)
-    warmup_min_lr: Real(minimum=0.0, auto=True) = 0.0
-    warmup_max_lr: Real(minimum=0.0, auto=True) = 0.001
-    warmup_num_steps: Int(minimum=0, auto=True) = 1000
-    warmup_type: WarmupType = "log"
-    last_batch_iteration: Int(minimum=-1) = -1
 
 
 class OneCycleParams(StrictModel):
