@@ -1,6 +1,7 @@
 #include "file.h"
 
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -91,6 +92,7 @@ std::shared_ptr<File> File::open(const std::string& path, OpenMode mode, int64_t
       throw make_io_error(err, path, offset, nbytes, "open for writing");
     }
   }
+  if (mode == OpenMode::kWrite && nbytes > 0) f->preallocate(offset, nbytes);
   if (need_buffered && f->direct_) {
     f->buffered_fd_ = ::open(path.c_str(), (f->write_ ? O_WRONLY : O_RDONLY) | O_CLOEXEC);
     if (f->buffered_fd_ < 0) {
@@ -120,10 +122,29 @@ std::shared_ptr<File> File::from_fd(int fd, OpenMode mode) {
   return f;
 }
 
+// See [Note: preallocating extending writes].
+void File::preallocate(int64_t offset, int64_t nbytes) {
+  struct stat st;
+  if (::fstat(direct_fd_, &st) != 0 || !S_ISREG(st.st_mode) || offset + nbytes <= st.st_size) return;
+  if (::fallocate(direct_fd_, 0, offset, nbytes) == 0) {
+    old_size_ = st.st_size;
+    return;
+  }
+  int err = errno;
+  if (err == EOPNOTSUPP || err == ENOSYS || err == EINVAL) return;  // not supported here: write as is
+  // ENOSPC, EFBIG, EDQUOT, ...: nothing was written; leave no trace.
+  ::ftruncate(direct_fd_, st.st_size);
+  discard_created();
+  throw make_io_error(err, path_, offset, nbytes, "preallocating the file range");
+}
+
 void File::discard_created() {
   if (created_) {
     ::unlink(path_.c_str());
     created_ = false;
+  } else if (old_size_ >= 0) {
+    ::ftruncate(direct_fd_, old_size_);
+    old_size_ = -1;
   }
 }
 

@@ -78,23 +78,48 @@ def test_offset_past_end_of_file(h, nvme_dir):
     check_error(e, path, 8192, 1)
 
 
-def test_write_past_file_size_limit_fails_at_wait_and_leaves_no_file(h, nvme_dir):
+def test_write_past_file_size_limit_fails_before_any_write(h, nvme_dir):
+    # The extending write preallocates its range first, so the limit is hit
+    # at submit time: nothing written, no file left, nothing pending.
     path = nvme_dir / "big.bin"
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
     try:
-        h.async_pwrite(random_bytes(4 << 20), path)
         with pytest.raises(nvmeio.AioError) as e:
-            h.wait()
+            h.async_pwrite(random_bytes(4 << 20), path)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert e.value.errno == errno.EFBIG
     assert e.value.filename == str(path) and "File too large" in str(e.value)
-    assert not path.exists()               # a new file that failed is removed
+    assert not path.exists()
+    assert h.wait() == 0
     # The handle is still usable after the error.
     src = random_bytes(4 << 20)
     assert h.sync_pwrite(src, path) == 1
     assert file_bytes(path) == src.tobytes()
+
+
+def test_failed_extending_write_restores_the_old_size(h, nvme_dir):
+    path = nvme_dir / "grow.bin"
+    old = random_bytes(5000).tobytes()
+    path.write_bytes(old)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(nvmeio.AioError, match="File too large"):
+            h.sync_pwrite(random_bytes(2 << 20), path, file_offset=4096)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert file_bytes(path) == old
+
+
+def test_error_during_io_is_raised_by_wait(h):
+    # /dev/full accepts the open and fails every write with ENOSPC.
+    with pytest.raises(nvmeio.AioError) as e:
+        h.async_pwrite(random_bytes(100_000), "/dev/full")
+        h.wait()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == "/dev/full"
+    assert h.wait() == 0
 
 
 def test_full_disk_fails_cleanly(h, tmp_path):
@@ -179,14 +204,9 @@ def test_error_in_one_async_op_does_not_lose_the_others(h, nvme_dir):
     good = [random_bytes(20_000, i) for i in range(4)]
     for i, b in enumerate(good):
         h.async_pwrite(b, nvme_dir / f"g{i}.bin")
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
-    try:
-        h.async_pwrite(random_bytes(3 << 20), nvme_dir / "bad.bin")
-        with pytest.raises(nvmeio.AioError):
-            h.wait()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    h.async_pwrite(random_bytes(3 << 20), "/dev/full")     # fails inside the I/O
+    with pytest.raises(nvmeio.AioError, match="/dev/full"):
+        h.wait()
     for i, b in enumerate(good):
         assert file_bytes(nvme_dir / f"g{i}.bin") == b.tobytes()
     assert h.wait() == 0
