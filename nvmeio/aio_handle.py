@@ -5,6 +5,10 @@ at once; ``wait()`` completes all of them. Until then the buffer belongs to
 the handle: writing into the source of an async write or reading the target
 of an async read before ``wait()`` is a data race. The handle keeps a
 reference to every buffer in flight, so dropping yours is safe.
+
+A CUDA tensor is staged through locked host memory by ``cuda_staging`` (its
+ops run in order on a background thread of the handle, and ``wait()`` waits
+for them too); see [Note: async ops on CUDA tensors and data races] there.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import warnings
 from typing import Any, Callable
 
 from . import _native
-from .buffers import IoBuffer, as_io_buffer
+from .backend_choice import fastest_backend
+from .buffers import DeviceBuffer, IoBuffer, as_io_buffer
+from .cuda_staging import StagingConfig, StagingEngine
 from .errors import AioError
 from .locked import LockedTensors
 
@@ -44,7 +50,7 @@ def _positive_int(name: str, value: Any) -> int:
 def _resolve_backend(backend: str) -> str:
     available = available_backends()
     if backend == "auto":
-        return available[0]
+        return fastest_backend()
     if backend not in available:
         raise ValueError(f"backend {backend!r} is not available here; available backends: "
                          f"{', '.join(available)}")
@@ -68,9 +74,10 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         overlap_events: reap completions while submitting instead of waiting
             for each whole batch.
         intra_op_parallelism: worker threads; one op is split across them.
-        backend: "auto" (fastest available), "aio" (kernel AIO) or "psync".
+        backend: "auto" (the fastest available, measured once per process; see
+            nvmeio.backend_choice), "io_uring", "aio" (kernel AIO) or "psync".
 
-    Environment: ``NVMEIO_DIRECT_IO=0`` turns O_DIRECT off (buffered I/O +
+    Environment: ``NVMEIO_BACKEND`` fixes what "auto" means; ``NVMEIO_DIRECT_IO=0`` turns O_DIRECT off (buffered I/O +
     fdatasync, as on a file system that refuses O_DIRECT); ``NVMEIO_MLOCK=0``
     makes ``new_cpu_locked_tensor`` skip mlock.
     """
@@ -84,11 +91,9 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
         self._backend = _resolve_backend(backend)
-        self._native = _native.Handle(
-            block_size=self._block_size, queue_depth=self._queue_depth,
-            single_submit=self._single_submit, overlap_events=self._overlap_events,
-            intra_op_parallelism=self._intra_op_parallelism, backend=self._backend,
-            direct_io=_env_flag("NVMEIO_DIRECT_IO", True))
+        self._direct_io = _env_flag("NVMEIO_DIRECT_IO", True)
+        self._native = self._new_native()
+        self._device_ops = None  # device (CUDA) ops: created on the first one
         self._lock = threading.Lock()
         self._inflight: list[IoBuffer] = []
         self._checks: list[Callable[[], None]] = []  # validations run by wait()
@@ -100,6 +105,23 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 f"single_submit={self._single_submit}, overlap_events={self._overlap_events}, "
                 f"intra_op_parallelism={self._intra_op_parallelism}, backend={self._backend!r})")
 
+    def _new_native(self):
+        return _native.Handle(
+            block_size=self._block_size, queue_depth=self._queue_depth,
+            single_submit=self._single_submit, overlap_events=self._overlap_events,
+            intra_op_parallelism=self._intra_op_parallelism, backend=self._backend,
+            direct_io=self._direct_io)
+
+    def _device_engine(self):
+        """Runs the ops on CUDA tensors: staging through host memory, with a
+        native handle of its own so that its waits never see this handle's ops."""
+        with self._lock:
+            if self._device_ops is None:
+                self._device_ops = StagingEngine(
+                    self._new_native(),
+                    StagingConfig.from_env(self._block_size, self._intra_op_parallelism))
+            return self._device_ops
+
     # -- submission -----------------------------------------------------------------
 
     def _submit(self, write: bool, buffer: Any, filename: Any, file_offset: int,
@@ -107,6 +129,9 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
             raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
         io = as_io_buffer(buffer, writable=not write)
+        if isinstance(io, DeviceBuffer):
+            self._submit_device(write, io, filename, file_offset, validate)
+            return
         with self._lock:
             self._inflight.append(io)
         try:
@@ -132,6 +157,18 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
             warnings.warn(f"nvmeio: no O_DIRECT for {path or 'the file'!r} (its file system "
                           "refuses it, or NVMEIO_DIRECT_IO=0): this handle falls back to "
                           "buffered I/O + fdatasync", RuntimeWarning, stacklevel=3)
+
+    def _submit_device(self, write: bool, io: DeviceBuffer, filename: Any, file_offset: int,
+                       validate: bool) -> None:
+        if isinstance(filename, int) and not isinstance(filename, bool):
+            target = filename
+            if validate:
+                raise ValueError("validate=True needs a path, not a file descriptor")
+        else:
+            target = os.fspath(filename)
+            if not isinstance(target, str):
+                target = os.fsdecode(target)
+        self._device_engine().submit(write, io, target, file_offset, validate)
 
     def async_pread(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
         """Starts reading ``buffer.nbytes`` bytes at ``file_offset``; returns 0."""
@@ -212,7 +249,22 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
             # until the native wait below has seen them complete.
             done, self._inflight = self._inflight, []  # noqa: F841
             checks, self._checks = self._checks, []
-        n = self._native.wait()
+            device = self._device_ops
+        if device is None:
+            n = self._native.wait()
+        else:
+            # Both halves complete before either's error is raised.
+            error = None
+            try:
+                n = self._native.wait()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                n, error = 0, exc
+            device_n, device_error = device.drain()
+            n += device_n
+            if error is None:
+                error = device_error
+            if error is not None:
+                raise error
         for check in checks:
             check()
         return n
@@ -266,7 +318,9 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
 
     def buffered_fallback(self) -> bool:
         """True once a file system refused O_DIRECT and buffered I/O was used."""
-        return bool(self._native.refused_direct())
+        device = self._device_ops
+        return bool(self._native.refused_direct()) or (device is not None
+                                                       and device.refused_direct())
 
     def stats(self) -> list[dict]:
         """Per worker thread: requests, bytes, bounced, submit/reap calls, max_inflight."""
