@@ -22,7 +22,7 @@ import torch
 
 from .aio_config import AioConfig, make_handle
 from .buffer_pool import PinnedBufferPool, PoolBuffer, align_up, byte_view
-from .checksum import ChecksumAlgorithm, ChecksumTable
+from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
 from .errors import PoolExhaustedError, SwapFileTruncatedError
 from .io_queue import IoKind, IoQueue
 from .swap_dir import SwapDirectory
@@ -75,13 +75,6 @@ class _Slot:
     retired: bool = False
 
 
-def _as_table(checksum) -> Optional[ChecksumTable]:
-    if checksum is None or isinstance(checksum, ChecksumTable):
-        return checksum
-    algorithm = ChecksumAlgorithm.coerce(checksum)
-    return None if algorithm is None else ChecksumTable(algorithm)
-
-
 class AsyncTensorSwapper:
     """Writes tensors to files of ``swap_dir`` asynchronously through ``pool``; reads them back.
 
@@ -103,7 +96,7 @@ class AsyncTensorSwapper:
     ):
         self.swap_dir = swap_dir
         self.pool = pool
-        self.checksums = _as_table(checksum)
+        self.checksums = checksum_table(checksum)
         self._writes = writes if writes is not None else IoQueue(make_handle(aio_config))
         self._reads = reads if reads is not None else IoQueue(make_handle(aio_config))
         self._holder = holder

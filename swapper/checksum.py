@@ -125,3 +125,11 @@ class ChecksumTable:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._files.values())
+
+
+def checksum_table(checksum) -> Optional[ChecksumTable]:
+    """A table for ``checksum`` (an algorithm, its name, a table to share) or ``None`` when off."""
+    if checksum is None or isinstance(checksum, ChecksumTable):
+        return checksum
+    algorithm = ChecksumAlgorithm.coerce(checksum)
+    return None if algorithm is None else ChecksumTable(algorithm)

@@ -15,96 +15,28 @@ Buffers are sized from the registered sub-groups at first use.
 """
 from __future__ import annotations
 
-import enum
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .aio_config import AioConfig
-from .async_swapper import AsyncTensorSwapper, SwapOutTicket, _as_table
-from .buffer_pool import PinnedBufferPool, PoolBuffer, align_up, as_count
-from .checksum import ChecksumAlgorithm, ChecksumTable
+from .async_swapper import AsyncTensorSwapper, SwapOutTicket
+from .buffer_pool import PinnedBufferPool, PoolBuffer, as_count
+from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
 from .errors import BufferTooSmallError, PoolExhaustedError, SwapFileTruncatedError, SwapStateError
 from .io_queue import IoKind, IoQueue
+from .sub_group import (
+    ADAM_STATES,
+    SubGroupEntry,
+    SubGroupLayout,
+    SubGroupState,
+    SubGroupTensors,
+    covered_elements,
+)
 from .swap_dir import FreeSpaceFn, SwapDirectory
-
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
-
-
-class SubGroupState(enum.Enum):
-    """Where a sub-group's optimizer state is, and what host memory it holds."""
-
-    UNWRITTEN = "unwritten"
-    """Registered, never initialized; holds nothing."""
-    ON_NVME = "on_nvme"
-    """Only in its swap file; holds no host memory."""
-    READING = "reading"
-    """Read in flight; holds one pool buffer, undefined until the read completes."""
-    AVAILABLE = "available"
-    """In its pool buffer, ready for the step; holds one pool buffer."""
-    WRITING = "writing"
-    """Write in flight; holds one pool buffer, which must not change until the write completes."""
-
-
-@dataclass(frozen=True)
-class SubGroupLayout:
-    """Byte layout of one sub-group, identical in its swap file and in its pool buffer."""
-
-    numel: int
-    dtype: torch.dtype
-    state_names: Tuple[str, ...]
-    with_grad: bool
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
-
-    @property
-    def tensor_bytes(self) -> int:
-        return self.numel * self.itemsize
-
-    @property
-    def region_bytes(self) -> int:
-        return align_up(self.tensor_bytes)
-
-    def offset(self, index: int) -> int:
-        """Byte offset of region ``index``: 0 master, 1.. states, then the gradient."""
-        return index * self.region_bytes
-
-    @property
-    def written_bytes(self) -> int:
-        """What a swap-out writes: master and states, padding included."""
-        return (1 + len(self.state_names)) * self.region_bytes
-
-    @property
-    def grad_offset(self) -> int:
-        return self.written_bytes
-
-    @property
-    def file_bytes(self) -> int:
-        return self.written_bytes + (self.tensor_bytes if self.with_grad else 0)
-
-
-@dataclass
-class SubGroupTensors:
-    """One sub-group in host memory: views of its pool buffer, valid until it is swapped out."""
-
-    sub_group_id: int
-    master: torch.Tensor
-    states: Dict[str, torch.Tensor]
-    grad: Optional[torch.Tensor] = None
-
-    @property
-    def exp_avg(self) -> torch.Tensor:
-        return self.states["exp_avg"]
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor:
-        return self.states["exp_avg_sq"]
-
 
 StepFn = Callable[[int, SubGroupTensors], None]
 
@@ -117,29 +49,6 @@ class StepStats:
     step_seconds: float = 0.0  # inside the caller's step function
     io_wait_seconds: float = 0.0  # blocked on reads and writes
     wall_seconds: float = 0.0
-
-
-@dataclass(eq=False)
-class _SubGroup:
-    sub_group_id: int
-    layout: SubGroupLayout
-    file_name: str
-    state: SubGroupState = SubGroupState.UNWRITTEN
-    buffer: Optional[PoolBuffer] = None
-    grad_ranges: List[Tuple[int, int]] = field(default_factory=list)  # element ranges written
-    grad_tickets: List[SwapOutTicket] = field(default_factory=list)
-    read_grad: bool = False  # the buffer holds a gradient read with the state
-
-
-def _covers(ranges: List[Tuple[int, int]], numel: int) -> int:
-    """Elements of [0, numel) covered by ``ranges``."""
-    covered, end = 0, 0
-    for start, stop in sorted(ranges):
-        start = max(start, end)
-        if stop > start:
-            covered += stop - start
-            end = stop
-    return covered
 
 
 class PartitionedOptimizerSwapper:
@@ -189,10 +98,10 @@ class PartitionedOptimizerSwapper:
         self.state_names = tuple(state_names)
         self.swap_gradients = swap_gradients
         self.pin_memory = pin_memory
-        self._checksums = _as_table(checksum)
+        self._checksums = checksum_table(checksum)
         self._reads = IoQueue(config.make_handle())
         self._writes = IoQueue(config.make_handle())
-        self._groups: Dict[int, _SubGroup] = {}
+        self._groups: Dict[int, SubGroupEntry] = {}
         self._pool: Optional[PinnedBufferPool] = None
         self._grad_swapper: Optional[AsyncTensorSwapper] = None
         self._space_checked = 0
@@ -224,7 +133,7 @@ class PartitionedOptimizerSwapper:
                 f"sub-group {sub_group_id} needs {layout.file_bytes} bytes per buffer, but the pool was "
                 f"sized at first use for {self._pool.buffer_nbytes}; register every sub-group first"
             )
-        self._groups[sub_group_id] = _SubGroup(sub_group_id, layout, f"subgroup{sub_group_id}.swp")
+        self._groups[sub_group_id] = SubGroupEntry(sub_group_id, layout, f"subgroup{sub_group_id}.swp")
         return layout
 
     @property
@@ -400,7 +309,7 @@ class PartitionedOptimizerSwapper:
         if self._closed:
             raise SwapStateError("the swapper was cleaned up")
 
-    def _group(self, sub_group_id: int) -> _SubGroup:
+    def _group(self, sub_group_id: int) -> SubGroupEntry:
         self._check_open()
         try:
             return self._groups[sub_group_id]
@@ -444,7 +353,7 @@ class PartitionedOptimizerSwapper:
             )
         return self._grad_swapper
 
-    def _acquire(self, g: _SubGroup) -> PoolBuffer:
+    def _acquire(self, g: SubGroupEntry) -> PoolBuffer:
         pool = self._ensure_pool()
         holder = f"sub-group {g.sub_group_id}"
         try:
@@ -455,13 +364,13 @@ class PartitionedOptimizerSwapper:
         self._writes.drain()  # completed writes return their buffers
         return pool.acquire(1, holder=holder)[0]
 
-    def _drop_buffer(self, g: _SubGroup) -> None:
+    def _drop_buffer(self, g: SubGroupEntry) -> None:
         if g.buffer is not None:
             self._pool.release([g.buffer])
             g.buffer = None
             g.read_grad = False
 
-    def _tensors(self, g: _SubGroup, with_grad: bool) -> SubGroupTensors:
+    def _tensors(self, g: SubGroupEntry, with_grad: bool) -> SubGroupTensors:
         lay, buf = g.layout, g.buffer
         if buf is None:
             raise SwapStateError(f"sub-group {g.sub_group_id} is {g.state.value}, not in host memory")
@@ -477,12 +386,12 @@ class PartitionedOptimizerSwapper:
         self.swap_dir.check_free_space(total - on_disk, f"{len(self._groups)} optimizer sub-groups")
         self._space_checked = total
 
-    def _begin_read(self, g: _SubGroup) -> None:
+    def _begin_read(self, g: SubGroupEntry) -> None:
         """Take a buffer for ``g`` and submit its read (state, and gradient if one was written)."""
         lay = g.layout
         with_grad = bool(g.grad_ranges)
         if with_grad:
-            covered = _covers(g.grad_ranges, lay.numel)
+            covered = covered_elements(g.grad_ranges)
             if covered != lay.numel:
                 raise SwapStateError(
                     f"the gradient of sub-group {g.sub_group_id} covers {covered} of {lay.numel} elements"
@@ -518,7 +427,7 @@ class PartitionedOptimizerSwapper:
 
         self._reads.submit(IoKind.READ, view, path, 0, on_done)
 
-    def _begin_write(self, g: _SubGroup) -> None:
+    def _begin_write(self, g: SubGroupEntry) -> None:
         """Submit the write of master and states; the buffer is released when it completes."""
         self._check_space()
         path = self.swap_dir.create(g.file_name)
@@ -541,7 +450,7 @@ class PartitionedOptimizerSwapper:
 
         self._writes.submit(IoKind.WRITE, g.buffer.bytes()[: lay.written_bytes], path, 0, on_done)
 
-    def _run_step(self, step_fn: StepFn, g: _SubGroup, stats: StepStats) -> None:
+    def _run_step(self, step_fn: StepFn, g: SubGroupEntry, stats: StepStats) -> None:
         t0 = time.perf_counter()
         step_fn(g.sub_group_id, self._tensors(g, with_grad=g.read_grad))
         stats.step_seconds += time.perf_counter() - t0

@@ -27,9 +27,8 @@ from urllib.parse import quote
 import torch
 
 from .aio_config import AioConfig
-from .async_swapper import _as_table
 from .buffer_pool import PinnedBufferPool, PoolBuffer, as_count
-from .checksum import ChecksumAlgorithm, ChecksumTable
+from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
 from .errors import (
     BufferTooSmallError,
     PoolExhaustedError,
@@ -130,7 +129,7 @@ class PartitionedParamSwapper:
         self.max_in_cpu = int(max_in_cpu)
         self.dtype = dtype
         self.pin_memory = pin_memory
-        self._checksums = _as_table(checksum)
+        self._checksums = checksum_table(checksum)
         self._reads = IoQueue(config.make_handle())
         self._writes = IoQueue(config.make_handle())
         self._parts: Dict[ParamId, _Partition] = {}

@@ -119,7 +119,7 @@ def test_failed_write_marks_its_tickets_failed_and_returns_the_buffers(swap):
     swap.swap_dir.create("gone.swp")
     shutil.rmtree(swap.swap_dir.path)  # the directory vanishes behind the swapper's back
     with pytest.raises(OSError) as info:
-        tickets = swap.swap_out([t], ["gone.swp"])
+        swap.swap_out([t], ["gone.swp"])
         swap.synchronize()
     assert "gone.swp" in str(info.value)
     assert swap.pool.free_count == 2

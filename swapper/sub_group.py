@@ -1,0 +1,115 @@
+"""What one optimizer sub-group is: its states, its byte layout, its tensors in a buffer.
+
+A sub-group's fp32 master partition, optimizer states and optional gradient
+are laid out back to back, each region starting on a 4096-byte boundary, in
+its swap file and in its pool buffer alike (see optimizer_swapper.py).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .async_swapper import SwapOutTicket
+from .buffer_pool import PoolBuffer, align_up
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class SubGroupState(enum.Enum):
+    """Where a sub-group's optimizer state is, and what host memory it holds."""
+
+    UNWRITTEN = "unwritten"
+    """Registered, never initialized; holds nothing."""
+    ON_NVME = "on_nvme"
+    """Only in its swap file; holds no host memory."""
+    READING = "reading"
+    """Read in flight; holds one pool buffer, undefined until the read completes."""
+    AVAILABLE = "available"
+    """In its pool buffer, ready for the step; holds one pool buffer."""
+    WRITING = "writing"
+    """Write in flight; holds one pool buffer, which must not change until the write completes."""
+
+
+@dataclass(frozen=True)
+class SubGroupLayout:
+    """Byte layout of one sub-group, identical in its swap file and in its pool buffer."""
+
+    numel: int
+    dtype: torch.dtype
+    state_names: Tuple[str, ...]
+    with_grad: bool
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def tensor_bytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def region_bytes(self) -> int:
+        return align_up(self.tensor_bytes)
+
+    def offset(self, index: int) -> int:
+        """Byte offset of region ``index``: 0 master, 1.. states, then the gradient."""
+        return index * self.region_bytes
+
+    @property
+    def written_bytes(self) -> int:
+        """What a swap-out writes: master and states, padding included."""
+        return (1 + len(self.state_names)) * self.region_bytes
+
+    @property
+    def grad_offset(self) -> int:
+        return self.written_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        return self.written_bytes + (self.tensor_bytes if self.with_grad else 0)
+
+
+@dataclass
+class SubGroupTensors:
+    """One sub-group in host memory: views of its pool buffer, valid until it is swapped out."""
+
+    sub_group_id: int
+    master: torch.Tensor
+    states: Dict[str, torch.Tensor]
+    grad: Optional[torch.Tensor] = None
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.states["exp_avg"]
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.states["exp_avg_sq"]
+
+
+@dataclass(eq=False)
+class SubGroupEntry:
+    """The swapper's record of one registered sub-group."""
+
+    sub_group_id: int
+    layout: SubGroupLayout
+    file_name: str
+    state: SubGroupState = SubGroupState.UNWRITTEN
+    buffer: Optional[PoolBuffer] = None
+    grad_ranges: List[Tuple[int, int]] = field(default_factory=list)  # element ranges written
+    grad_tickets: List[SwapOutTicket] = field(default_factory=list)
+    read_grad: bool = False  # the buffer holds a gradient read with the state
+
+
+def covered_elements(ranges: List[Tuple[int, int]]) -> int:
+    """How many distinct elements the half-open ``(start, stop)`` ranges cover."""
+    covered, end = 0, 0
+    for start, stop in sorted(ranges):
+        start = max(start, end)
+        if stop > start:
+            covered += stop - start
+            end = stop
+    return covered
