@@ -103,12 +103,12 @@ void Handle::op_done(const std::shared_ptr<Op>& op) {
   // Close the file before the op counts as done, so a caller that waits and
   // then removes or renames it sees no descriptor left open.
   op->file.reset();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++completed_;
-    if (err && !first_error_) first_error_ = std::move(err);
-    --pending_;
-  }
+  // Notify under the lock: once pending_ reaches 0 the destructor may run,
+  // and it cannot get past its wait until this lock is released.
+  std::lock_guard<std::mutex> lock(mu_);
+  ++completed_;
+  if (err && !first_error_) first_error_ = std::move(err);
+  --pending_;
   cv_.notify_all();
 }
 

@@ -62,7 +62,6 @@ class Handle final : public OpSink {
   void start(std::shared_ptr<Op> op);
 
   HandleConfig cfg_;
-  std::vector<std::unique_ptr<Worker>> workers_;
   std::mutex mu_;
   std::condition_variable cv_;
   int64_t pending_ = 0;      // guarded by mu_
@@ -70,6 +69,9 @@ class Handle final : public OpSink {
   std::optional<IoError> first_error_;  // guarded by mu_
   bool refused_direct_ = false;         // guarded by mu_
   unsigned next_worker_ = 0;            // guarded by mu_
+  // Last member: destroyed (threads joined) before the mutex and condition
+  // variable the workers report to.
+  std::vector<std::unique_ptr<Worker>> workers_;
 };
 
 }  // namespace nvmeio
