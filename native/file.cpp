@@ -92,7 +92,7 @@ std::shared_ptr<File> File::open(const std::string& path, OpenMode mode, int64_t
       throw make_io_error(err, path, offset, nbytes, "open for writing");
     }
   }
-  if (mode == OpenMode::kWrite && nbytes > 0) f->preallocate(offset, nbytes);
+  if (mode == OpenMode::kWrite) f->preallocate(offset, nbytes);
   if (need_buffered && f->direct_) {
     f->buffered_fd_ = ::open(path.c_str(), (f->write_ ? O_WRONLY : O_RDONLY) | O_CLOEXEC);
     if (f->buffered_fd_ < 0) {
@@ -126,6 +126,15 @@ std::shared_ptr<File> File::from_fd(int fd, OpenMode mode) {
 void File::preallocate(int64_t offset, int64_t nbytes) {
   struct stat st;
   if (::fstat(direct_fd_, &st) != 0 || !S_ISREG(st.st_mode) || offset + nbytes <= st.st_size) return;
+  if (nbytes == 0) {
+    // An empty write still leaves the file offset + nbytes long, like any other.
+    if (::ftruncate(direct_fd_, offset) != 0) {
+      int err = errno;
+      discard_created();
+      throw make_io_error(err, path_, offset, nbytes, "extending the file");
+    }
+    return;
+  }
   if (::fallocate(direct_fd_, 0, offset, nbytes) == 0) {
     old_size_ = st.st_size;
     return;
