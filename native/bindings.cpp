@@ -112,6 +112,8 @@ PYBIND11_MODULE(_native, m) {
            })
       .def("add_region", [](Handle& h, uintptr_t p, int64_t len) { h.add_region(as_ptr(p), len); })
       .def("remove_region", [](Handle& h, uintptr_t p) { h.remove_region(as_ptr(p)); })
+      .def("close", &Handle::close, py::call_guard<py::gil_scoped_release>())
+      .def("closed", &Handle::closed)
       .def("pending", &Handle::pending)
       .def("refused_direct", &Handle::refused_direct)
       .def_property_readonly("block_size", [](Handle& h) { return h.config().block_size; })

@@ -20,9 +20,22 @@ Handle::Handle(const HandleConfig& cfg) : cfg_(cfg) {
     workers_.push_back(std::make_unique<Worker>(wc, this));
 }
 
-Handle::~Handle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return pending_ == 0; });
+Handle::~Handle() { close(); }
+
+void Handle::close() {
+  std::vector<std::unique_ptr<Worker>> workers;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return pending_ == 0; });
+    closed_ = true;
+    workers.swap(workers_);
+  }
+  workers.clear();  // joins the threads, outside the lock they report to
+}
+
+bool Handle::closed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return closed_;
 }
 
 void Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset) {
@@ -72,6 +85,10 @@ void Handle::start(std::shared_ptr<Op> op) {
   unsigned first;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      op->file->discard_created();
+      throw std::invalid_argument("I/O on a closed aio_handle");
+    }
     ++pending_;
     if (op->file->refused_direct()) refused_direct_ = true;
     // Rotate the starting worker so one-slice ops spread over all workers.

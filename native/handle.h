@@ -44,6 +44,10 @@ class Handle final : public OpSink {
   void submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset);
   void submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset);
   WaitResult wait();
+  // Waits for ops in flight, then stops the workers and frees their engines
+  // (kernel AIO contexts are a system-wide resource). Later submits throw.
+  void close();
+  bool closed();
   // Host memory that many ops will use (locked tensors): registered with
   // engines that have fixed buffers. remove_region before the memory goes.
   void add_region(char* p, int64_t len);
@@ -69,6 +73,7 @@ class Handle final : public OpSink {
   std::optional<IoError> first_error_;  // guarded by mu_
   bool refused_direct_ = false;         // guarded by mu_
   unsigned next_worker_ = 0;            // guarded by mu_
+  bool closed_ = false;                 // guarded by mu_
   // Last member: destroyed (threads joined) before the mutex and condition
   // variable the workers report to.
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -12,12 +12,24 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
 
 namespace nvmeio {
 namespace {
+
+std::string read_proc(const char* name) {
+  std::string path = std::string("/proc/sys/fs/") + name;
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return "?";
+  char buf[32] = {0};
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == ' ')) buf[--n] = 0;
+  return buf;
+}
 
 long sys_io_setup(unsigned nr, aio_context_t* ctx) { return syscall(SYS_io_setup, nr, ctx); }
 long sys_io_destroy(aio_context_t ctx) { return syscall(SYS_io_destroy, ctx); }
@@ -31,10 +43,17 @@ long sys_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event* 
 class AioEngine final : public Engine {
  public:
   explicit AioEngine(int depth) : depth_(depth), iocbs_(depth), ptrs_(depth), events_(depth) {
-    if (sys_io_setup(static_cast<unsigned>(depth), &ctx_) != 0)
-      throw std::runtime_error(std::string("io_setup(") + std::to_string(depth) +
-                               ") failed: " + std::strerror(errno) +
-                               " (see /proc/sys/fs/aio-max-nr)");
+    if (sys_io_setup(static_cast<unsigned>(depth), &ctx_) != 0) {
+      int err = errno;
+      std::string what = std::string("io_setup(") + std::to_string(depth) + ") failed: " + std::strerror(err);
+      if (err == EAGAIN)
+        what += " -- the system-wide kernel AIO limit is used up (fs.aio-nr " + read_proc("aio-nr") +
+                " of fs.aio-max-nr " + read_proc("aio-max-nr") +
+                "): close handles you no longer need (h.close()), lower queue_depth or "
+                "intra_op_parallelism, raise the limit (sysctl -w fs.aio-max-nr=1048576), or use "
+                "backend='io_uring'";
+      throw std::runtime_error(what);
+    }
   }
   ~AioEngine() override { sys_io_destroy(ctx_); }
 
