@@ -2,7 +2,9 @@
 
 The native core takes a raw ``(pointer, nbytes)``; this module is where a
 torch tensor, numpy array or buffer-protocol object becomes one, and where
-wrong input is refused with a message that names the problem.
+wrong input is refused with a message that names the problem. A CUDA tensor
+becomes a :class:`DeviceBuffer` instead, which the native core never sees: a
+handle moves it through ``cuda_staging`` (or cuFile, for ``gds_handle``).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _native
+from .cuda_staging import cuda_unavailable_reason
 
-__all__ = ["IoBuffer", "as_io_buffer"]
+__all__ = ["IoBuffer", "DeviceBuffer", "as_io_buffer"]
 
 
 @dataclass(frozen=True)
@@ -25,20 +28,50 @@ class IoBuffer:
     keepalive: Any
 
 
-def _from_tensor(torch, t, writable: bool) -> IoBuffer:
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A contiguous CUDA tensor, as bytes: ``tensor`` is a flat uint8 view of it."""
+
+    tensor: Any
+    nbytes: int
+    device: Any
+    # The caller's tensor, kept referenced until the op completes.
+    keepalive: Any
+
+
+def _from_tensor(torch, t, writable: bool) -> "IoBuffer | DeviceBuffer":
     if t.layout != torch.strided:
         raise TypeError(f"nvmeio needs a dense (strided) tensor, got layout {t.layout}")
     if t.device.type != "cpu":
         if t.device.type == "cuda":
-            raise ValueError(
-                f"tensor is on {t.device}: aio_handle reads and writes CPU tensors in this "
-                "version; copy it with .cpu() or use a CPU buffer")
+            return _from_cuda_tensor(torch, t)
         raise ValueError(f"tensor is on device '{t.device}'; nvmeio reads and writes CPU tensors")
+    _check_contiguous(t)
+    return IoBuffer(t.data_ptr(), t.numel() * t.element_size(), t)
+
+
+def _check_contiguous(t) -> None:
     if not t.is_contiguous():
         raise ValueError(
             f"tensor is not contiguous (shape {tuple(t.shape)}, stride {tuple(t.stride())}); "
             "call .contiguous() first")
-    return IoBuffer(t.data_ptr(), t.numel() * t.element_size(), t)
+
+
+def _from_cuda_tensor(torch, t) -> DeviceBuffer:
+    reason = cuda_unavailable_reason(torch)
+    if reason is not None:
+        raise ValueError(
+            f"tensor is on {t.device}, but CUDA is not available: {reason}. nvmeio stages CUDA "
+            "tensors through locked host memory with CUDA copies; without CUDA, read and "
+            "write CPU tensors")
+    _check_contiguous(t)
+    try:
+        # An empty tensor may have any strides; a view needs the last to be 1.
+        flat = (t.detach().reshape(-1).view(torch.uint8) if t.numel()
+                else torch.empty(0, dtype=torch.uint8, device=t.device))
+    except RuntimeError as e:
+        raise TypeError(f"a CUDA tensor of dtype {t.dtype} cannot be viewed as bytes: {e}") from None
+    return DeviceBuffer(flat, t.numel() * t.element_size(), t.device, t)
 
 
 def _from_numpy(a, writable: bool) -> IoBuffer:
@@ -50,12 +83,13 @@ def _from_numpy(a, writable: bool) -> IoBuffer:
     return IoBuffer(a.__array_interface__["data"][0], a.nbytes, a)
 
 
-def as_io_buffer(buf: Any, *, writable: bool) -> IoBuffer:
+def as_io_buffer(buf: Any, *, writable: bool) -> "IoBuffer | DeviceBuffer":
     """Validates ``buf`` and returns its address and size.
 
     ``writable``: the buffer is the target of a read. Raises TypeError for an
     unsupported or read-only object, ValueError for a non-contiguous buffer or
-    one on a device nvmeio cannot address.
+    one on a device nvmeio cannot address (a CUDA tensor where CUDA is not
+    available says what is missing). A CUDA tensor gives a DeviceBuffer.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
