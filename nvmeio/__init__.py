@@ -11,10 +11,11 @@ import resource as _resource
 
 from .aio_handle import ValidationError, aio_handle, available_backends
 from .errors import AioError, ShortReadError
+from .gds_handle import gds_handle, gds_unavailable_reason
 
 __version__ = "0.1.0"
-__all__ = ["aio_handle", "available_backends", "AioError", "ShortReadError", "ValidationError",
-           "__version__"]
+__all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
+           "ShortReadError", "ValidationError", "__version__"]
 
 
 def _raise_open_file_limit() -> None:

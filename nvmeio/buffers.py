@@ -68,7 +68,7 @@ def _from_cuda_tensor(torch, t) -> DeviceBuffer:
     try:
         # An empty tensor may have any strides; a view needs the last to be 1.
         flat = (t.detach().reshape(-1).view(torch.uint8) if t.numel()
-                else torch.empty(0, dtype=torch.uint8, device=t.device))
+                else t.detach().new_empty((0,), dtype=torch.uint8))
     except RuntimeError as e:
         raise TypeError(f"a CUDA tensor of dtype {t.dtype} cannot be viewed as bytes: {e}") from None
     return DeviceBuffer(flat, t.numel() * t.element_size(), t.device, t)

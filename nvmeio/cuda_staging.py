@@ -25,15 +25,16 @@ goes O_DIRECT; the first chunk sits in its host chunk at ``file_offset %
 
 File I/O is one chunk at a time (each chunk is itself split over the
 handle's ``intra_op_parallelism`` workers); device copies run ahead of it
-(write) or behind it (read) by up to ``num_chunks - 1`` chunks. Copies are an
-order of magnitude faster than NVMe, so a transfer runs at nearly the speed
-of the same transfer from locked host memory.
+(write) or behind it (read) by up to ``num_chunks - 1`` chunks. PCIe copies
+are usually several times faster than an NVMe drive, so a transfer should
+run near the speed of the same transfer from locked host memory (not yet
+measured on a GPU).
 
 [Note: async ops on CUDA tensors and data races]
-``async_pread``/``async_pwrite`` of a CUDA tensor check the file (as the
-native core does: a missing file, a directory, a short file raise at once and
-the op is not counted), then queue the pipeline on the handle's background
-thread; ops on CUDA tensors run one at a time in submission order, and
+``async_pread``/``async_pwrite`` of a CUDA tensor check the file when they
+are called, as the native core does (a missing file, a directory, a short
+file raise at once and the op is not counted; a write creates a new file
+0600), then queue the pipeline on the handle's background thread; ops on CUDA tensors run one at a time in submission order, and
 ``wait()`` waits for them, counts each as one op and raises the first error.
 At submission an event is recorded on the tensor device's *current stream*,
 and the copy stream waits for it: kernels queued there before the call
@@ -47,6 +48,8 @@ Tuning (read once per handle): ``NVMEIO_STAGING_CHUNK_BYTES`` (default
 32 MiB, at least ``block_size * intra_op_parallelism``; rounded up to 4096)
 and ``NVMEIO_STAGING_CHUNKS`` (default 3, at least 2). A handle allocates
 its chunks on its first CUDA op and keeps them until it is collected.
+Events are created with ``blocking=True``: the background thread sleeps
+while it waits for a copy instead of spinning on a core the I/O needs.
 """
 
 from __future__ import annotations
@@ -425,7 +428,7 @@ def stream_fence(device: Any) -> Any:
     thread): waiting for it orders after the work already queued there."""
     import torch
 
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)
     event.record(torch.cuda.current_stream(device))
     return event
 
@@ -450,7 +453,7 @@ class _CudaCopier:
         torch = self._torch
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)
             done.record(self._stream)
         return done
 

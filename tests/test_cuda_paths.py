@@ -452,6 +452,15 @@ def test_open_fd_as_target(fake_cuda, nvme_dir):
         h.pwrite(src, 0, True)
 
 
+def test_empty_cuda_tensor_behaves_like_an_empty_cpu_op(fake_cuda, nvme_dir):
+    h = nvmeio.aio_handle()
+    empty = on_fake_cuda(torch.from_numpy(np.empty(0, np.float32)))  # strides (0,)
+    assert h.sync_pwrite(empty, nvme_dir / "e.bin", file_offset=5000) == 1
+    assert h.sync_pwrite(np.empty(0, np.uint8), nvme_dir / "c.bin", file_offset=5000) == 1
+    assert file_bytes(nvme_dir / "e.bin") == file_bytes(nvme_dir / "c.bin") == bytes(5000)
+    assert h.sync_pread(empty, nvme_dir / "e.bin", file_offset=5000) == 1
+
+
 def test_missing_file_and_short_file_raise_at_submit_and_are_not_counted(fake_cuda, nvme_dir):
     h = nvmeio.aio_handle()
     dst = on_fake_cuda(torch.zeros(10_000, dtype=torch.uint8))
