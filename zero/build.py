@@ -1,0 +1,189 @@
+"""Turn a module and a validated config into the engine's parts.
+
+Order matters and is the whole point of this file: plan the units; build the
+optimizer store (fp32 master, states, gradient partition) and the parameter
+store (which may alias the master, see param_store.py); fill both from the
+model's values one unit at a time, releasing each unit's full parameters as
+soon as its shard is stored, so the model is never held twice; then the
+gradient reducer, the optimizer and the hooks.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .config import ConfigError, DeepSpeedConfig, Problem
+from .coordinator import Coordinator
+from .grads import GradReducer
+from .init_context import full_param_value, is_init_partitioned, forget_init_shard
+from .logging import Timers
+from .loss_scaler import make_loss_scaler
+from .optimizer import AdamKind, ZeroOptimizer
+from .optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
+from .param_store import FlatParamStore, NvmeParamStore, ParamStore
+from .partition import RankLayout, build_rank_layout
+from .unit import ParamUnit, plan_units
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_JOB_COUNTER = itertools.count()
+
+
+@dataclass
+class OptimizerSpec:
+    """What to optimize and how, decided by initialize() from the config or the script's optimizer."""
+
+    groups: List[dict]  # {"params": [...], hyper-parameters...}
+    adam: Optional[AdamKind]  # None: a torch optimizer type, below
+    torch_type: Optional[type] = None
+    torch_defaults: Optional[dict] = None
+
+
+@dataclass
+class EngineParts:
+    dtype: torch.dtype
+    units: List[ParamUnit]
+    rank_layout: RankLayout
+    param_store: ParamStore
+    optimizer_store: Optional[OptimizerStore]
+    reducer: Optional[GradReducer]
+    optimizer: Optional[ZeroOptimizer]
+    coordinator: Coordinator
+    job_id: str
+
+
+def _aio(config: DeepSpeedConfig) -> dict:
+    kw = config.aio.handle_kwargs()
+    kw.pop("backend", None)  # swapper.AioConfig takes the five DeepSpeed keys only
+    return kw
+
+
+def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    for m in module.modules():
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            b = b.to(device)
+            if b.is_floating_point() and dtype != torch.float32:
+                b = b.to(dtype)
+            m._buffers[name] = b
+
+
+def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
+    """This rank's fp32 shard of a unit, from the full parameter values."""
+    flat = torch.cat([full_param_value(p, comm).detach().reshape(-1).to(torch.float32) for p in params]) \
+        if params else torch.empty(0)
+    start = layout.shard_start(comm.rank)
+    shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=flat.device)
+    piece = flat[start:start + layout.shard_numel]
+    shard[:piece.numel()].copy_(piece)
+    return shard
+
+
+def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
+                spec: Optional[OptimizerSpec], timers: Timers) -> EngineParts:
+    zc = config.zero_optimization
+    dtype = DTYPES[config.precision]
+    job_id = "zero_stage_3" + ("" if (n := next(_JOB_COUNTER)) == 0 else f".{n}")
+    _cast_buffers(module, device, dtype)
+
+    layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
+    rank_layout = build_rank_layout(layouts, comm.rank, zc.sub_group_size)
+    units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
+
+    opt_dev = zc.offload_optimizer.device
+    opt_store: Optional[OptimizerStore] = None
+    adam = spec.adam if spec is not None else None
+    state_names = adam.state_names if adam is not None else ()
+    if spec is not None:
+        if opt_dev == "nvme":
+            opt_store = NvmeOptimizerStore(rank_layout, state_names, zc.offload_optimizer, _aio(config), job_id,
+                                           comm.rank, grad_pin=zc.offload_optimizer.pin_memory)
+        else:
+            home = device if opt_dev == "none" else torch.device("cpu")
+            opt_store = FlatOptimizerStore(rank_layout, state_names, home, zc.offload_optimizer.pin_memory)
+
+    par_dev = zc.offload_param.device
+    if par_dev == "nvme":
+        param_store: ParamStore = NvmeParamStore(rank_layout, dtype, zc.offload_param, _aio(config), job_id,
+                                                 comm.rank)
+    else:
+        home = device if par_dev == "none" else torch.device("cpu")
+        alias = None
+        if (dtype == torch.float32 and isinstance(opt_store, FlatOptimizerStore)
+                and opt_store.master.device == home):
+            alias = opt_store.master
+        param_store = FlatParamStore(rank_layout, dtype, home, zc.offload_param.pin_memory, flat=alias)
+    for u in units:
+        u.store = param_store
+        u.optimizer_store = opt_store
+        for p in u.params:
+            p._zero_unit = u
+
+    # Fill the stores one unit at a time; the model's full values go as soon as they are stored.
+    for u in units:
+        shard = _unit_shard(u.params, u.layout, comm)
+        if opt_store is not None:
+            opt_store.init_master(u.index, shard)
+        param_store.init_shard(u.layout, shard if dtype == torch.float32 else shard.to(dtype))
+        del shard
+        for slot, p in zip(u.layout.slots, u.params):
+            p.ds_shape = torch.Size(slot.shape)
+            p.ds_numel = slot.numel
+            forget_init_shard(p)
+        u.release(force=True)
+    param_store.flush()
+
+    threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
+    for u in units:
+        if u.free_gather():
+            u.persistent = True
+        elif u.layout.numel <= threshold and u.layout.numel <= budget:
+            u.persistent = True
+            budget -= u.layout.numel
+
+    reducer = optimizer = None
+    if spec is not None:
+        comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
+        reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype)
+        optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
+                                  hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
+                                  group_ranges=_group_ranges(spec, units, rank_layout),
+                                  clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=adam,
+                                  torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
+    coordinator = Coordinator(module, units, module_units, reducer, param_store,
+                              zc.stage3_prefetch_bucket_size, timers)
+    coordinator.install()
+    for u in units:
+        if u.persistent and u.free_gather():
+            u.gather()
+    return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id)
+
+
+def _group_ranges(spec: OptimizerSpec, units: List[ParamUnit], rank_layout: RankLayout):
+    group_of: Dict[nn.Parameter, int] = {}
+    for g, group in enumerate(spec.groups):
+        for p in group["params"]:
+            group_of.setdefault(p, g)
+    ranges: List[List[tuple]] = [[] for _ in spec.groups]
+    for unit_index, slot, start, stop in rank_layout.param_ranges():
+        p = units[unit_index].params[slot]
+        g = group_of.get(p)
+        if g is not None and p.requires_grad:
+            ranges[g].append((start, stop))
+    return ranges
+
+
+def check_params_known(module: nn.Module, spec: OptimizerSpec) -> None:
+    """Every parameter handed to the optimizer must belong to the model."""
+    known = set(module.parameters())
+    for g, group in enumerate(spec.groups):
+        for p in group["params"]:
+            if p not in known:
+                raise ConfigError([Problem("model_parameters", (
+                    f"parameter group {g} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    f"parameter of the model; pass model.parameters() or groups of them"))])

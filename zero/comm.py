@@ -1,0 +1,104 @@
+"""Ranks, the compute device and the collectives the engine uses.
+
+A process started by a launcher (``torchrun``, ``deepspeed``, ``mpirun`` with
+the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` variables) joins the default
+process group, NCCL when compute runs on CUDA, gloo otherwise. A process
+started without one is a world of one: no process group is created and every
+collective below is the identity, so a single-process run never needs a port
+or a rendezvous. A process group the script created itself is used as it is.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def compute_device(local_rank: int = 0) -> torch.device:
+    """``cuda:<local_rank>`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _launched() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+
+
+@dataclass
+class Comm:
+    """This process's place among the data-parallel ranks, and the collectives over them."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    group: Optional[object] = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """``full`` (world_size × shard elements) gets every rank's ``shard`` in rank order."""
+        if not self.distributed:
+            full.copy_(shard)
+            return
+        dist.all_gather_into_tensor(full, shard, group=self.group)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """``shard`` gets this rank's slice of the sum of every rank's ``full``."""
+        if not self.distributed:
+            shard.copy_(full)
+            return
+        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        if self.distributed:
+            dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True if ``flag`` is true on any rank."""
+        if not self.distributed:
+            return bool(flag)
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        self.all_reduce(t, "max")
+        return bool(t.item() > 0)
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+
+def init_distributed(dist_backend: Optional[str] = None) -> Comm:
+    """The :class:`Comm` of this process, joining the default process group if launched.
+
+    ``dist_backend`` overrides the choice of NCCL (CUDA) or gloo (CPU).
+    """
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif dist.is_available() and _launched():
+        backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend)
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        return Comm(local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return Comm(rank=rank, world_size=world, local_rank=local_rank)

@@ -1,0 +1,268 @@
+"""Hooks that gather a module's parameters just before use and release them after.
+
+Forward: a pre-hook gathers the units of the module (its own parameters and
+any it shares), a post-hook releases them unless they are persistent, and
+registers a hook on the module's outputs that fires when their gradients are
+computed, i.e. just before the module's backward, to gather the units again.
+Backward: each parameter's post-accumulate-grad hook hands its gradient to
+the :class:`~zero.grads.GradReducer`; once a unit has all its gradients it is
+reduced and released. A callback queued on the autograd engine finishes the
+units whose gradients did not all arrive and releases everything at the end
+of backward.
+
+[Note: parameters used outside their module]
+A module may read a parameter it does not own (``F.linear(x,
+self.wte.weight)`` in a parent, ``nn.MultiheadAttention`` reading
+``out_proj.weight``). Each module's ``_parameters`` dict is replaced by a
+subclass whose ``__getitem__`` (what ``module.weight`` calls) gathers an
+unavailable parameter's unit while a forward is running, holds it until the
+forward of the module on top of the stack ends, and remembers the pairing so
+that module's backward gathers the unit too.
+
+[Note: prefetch by recorded trace]
+The order units are fetched in during one iteration (forward and backward) is
+recorded; in the next iteration each fetch that matches the recorded order
+starts the NVMe reads of the next units (up to ``stage3_prefetch_bucket_size``
+elements and the free pool buffers). When the order differs, prefetching stops
+for the rest of that iteration and the new order is recorded: no warnings, no
+stale trace.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+
+from .grads import GradReducer
+from .logging import Timers, logger
+from .param_state import ParamState
+from .param_store import ParamStore
+from .unit import ParamUnit
+
+
+def output_tensors(value) -> List[torch.Tensor]:
+    """Tensors requiring grad inside a module's output (tuples, lists, dicts, nested)."""
+    found: List[torch.Tensor] = []
+
+    def walk(v) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.requires_grad:
+                found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+
+    walk(value)
+    return found
+
+
+class _ZeroParams(dict):
+    """``module._parameters`` that gathers a parameter read during a forward (see the note)."""
+
+    coordinator: "Coordinator" = None
+
+    def __getitem__(self, key):
+        p = dict.__getitem__(self, key)
+        c = self.coordinator
+        if c is not None and c.stack and p is not None:
+            c.on_param_access(p)
+        return p
+
+    def __deepcopy__(self, memo):
+        return {k: copy.deepcopy(v, memo) for k, v in dict.items(self)}
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+@dataclass
+class _Frame:
+    module: nn.Module
+    units: List[ParamUnit] = field(default_factory=list)
+
+
+class Coordinator:
+    """Installs and runs the hooks for one engine's module."""
+
+    def __init__(self, root: nn.Module, units: List[ParamUnit], module_units: Dict[nn.Module, List[int]],
+                 reducer: Optional[GradReducer], store: ParamStore, prefetch_numel: int, timers: Timers):
+        self.root = root
+        self.units = units
+        self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
+        self.reducer = reducer
+        self.store = store
+        self.prefetch_numel = prefetch_numel
+        self.timers = timers
+        self.stack: List[_Frame] = []
+        self.externals: Dict[nn.Module, Set[ParamUnit]] = {}
+        self.slot_of: Dict[nn.Parameter, tuple] = {}
+        for u in units:
+            for i, p in enumerate(u.params):
+                self.slot_of[p] = (u, i)
+        self._handles = []
+        self._callback_queued = False
+        self._trace: Optional[List[int]] = None
+        self._recording: List[int] = []
+        self._trace_ok = False
+
+    # -- installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        modules = list(self.module_units)
+        if self.root not in self.module_units:
+            modules.insert(0, self.root)
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+        for m in self.root.modules():
+            if not isinstance(m._parameters, _ZeroParams):
+                params = _ZeroParams(m._parameters)
+                params.coordinator = self
+                m.__dict__["_parameters"] = params
+        if self.reducer is not None:
+            for p in self.slot_of:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for m in self.root.modules():
+            if isinstance(m._parameters, _ZeroParams):
+                m.__dict__["_parameters"] = dict(m._parameters)
+
+    # -- fetch and release ----------------------------------------------------------------------
+    def fetch(self, u: ParamUnit) -> None:
+        self._record(u)
+        if u.state is ParamState.AVAILABLE:
+            return
+        with self.timers.phase("param fetch"):
+            u.gather()
+
+    def maybe_release(self, u: ParamUnit) -> None:
+        if u.persistent or u.fwd_refs > 0 or u.in_backward:
+            return
+        u.release()
+
+    def release_all(self) -> None:
+        """Release every non-persistent unit (after a step, every unit whose shard changed)."""
+        for u in self.units:
+            u.fwd_refs = 0
+            u.in_backward = False
+            if not u.persistent or not u.free_gather():
+                u.release()
+
+    # -- forward --------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        if not self.stack:
+            self._begin_iteration()
+        frame = _Frame(module)
+        self.stack.append(frame)
+        for u in self.module_units.get(module, ()):
+            u.fwd_refs += 1
+            frame.units.append(u)
+            self.fetch(u)
+
+    def _post_forward(self, module: nn.Module, args, output) -> None:
+        frame = self.stack.pop()
+        for u in frame.units:
+            u.fwd_refs -= 1
+            self.maybe_release(u)
+        if torch.is_grad_enabled() and self.reducer is not None:
+            tensors = output_tensors(output)
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+
+    def on_param_access(self, p: nn.Parameter) -> None:
+        entry = self.slot_of.get(p)
+        if entry is None or entry[0].state is ParamState.AVAILABLE:
+            return
+        u = entry[0]
+        frame = self.stack[-1]
+        u.fwd_refs += 1
+        frame.units.append(u)
+        self.externals.setdefault(frame.module, set()).add(u)
+        self.fetch(u)
+
+    # -- backward -------------------------------------------------------------------------------
+    def _pre_backward(self, module: nn.Module) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._callback_queued = True
+        units = list(self.module_units.get(module, ()))
+        units += sorted(self.externals.get(module, ()), key=lambda u: u.index)
+        for u in units:
+            if u.grad_count and not u.reduced:
+                u.in_backward = True
+            self.fetch(u)
+
+    def _post_accumulate(self, p: nn.Parameter) -> None:
+        u, slot = self.slot_of[p]
+        if p.grad is None:
+            return
+        with self.timers.phase("grad reduce"):
+            self.reducer.add(u, slot, p.grad)
+            p.grad = None
+            u.grads_left -= 1
+            if u.grads_left == 0:
+                self._finish_unit(u)
+
+    def _finish_unit(self, u: ParamUnit) -> None:
+        self.reducer.finish(u)
+        u.reduced = True
+        u.in_backward = False
+        self.maybe_release(u)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        with self.timers.phase("grad reduce"):
+            for u in self.units:  # in unit order on every rank (see grads.py)
+                if u.grad_count and not u.reduced:
+                    self._finish_unit(u)
+        for u in self.units:
+            u.reduced = False
+            u.grads_left = u.grad_count
+            u.in_backward = False
+            self.maybe_release(u)
+
+    # -- trace and prefetch ---------------------------------------------------------------------
+    def _begin_iteration(self) -> None:
+        if self._recording:
+            if self._trace is not None and self._trace != self._recording:
+                logger.debug("zero: the order of parameter fetches changed; recording the new order")
+            self._trace = self._recording
+        self._recording = []
+        self._trace_ok = self._trace is not None
+        self.store.drop_prefetched()
+
+    def _record(self, u: ParamUnit) -> None:
+        pos = len(self._recording)
+        self._recording.append(u.index)
+        if not self._trace_ok:
+            return
+        if pos >= len(self._trace) or self._trace[pos] != u.index:
+            self._trace_ok = False
+            return
+        if self.store.resident:
+            return
+        room = self.store.prefetch_capacity()
+        budget = self.prefetch_numel
+        wanted: Dict[int, object] = {}
+        for index in self._trace[pos + 1:]:
+            if room <= 0 or budget <= 0:
+                break
+            nxt = self.units[index]
+            if nxt.state is ParamState.AVAILABLE or nxt is u or index in wanted:
+                continue
+            wanted[index] = nxt.layout
+            room -= 1
+            budget -= nxt.layout.shard_numel
+        if wanted:
+            self.store.prefetch(list(wanted.values()))

@@ -1,0 +1,201 @@
+"""ZeroEngine: forward, backward and step of a ZeRO stage 3 model.
+
+``engine(*inputs)`` runs the module (tensors in the inputs are moved to the
+compute device; with ``fp16.auto_cast`` floating inputs are cast to fp16);
+the hooks gather and release parameters (coordinator.py).
+``engine.backward(loss)`` scales the loss by ``1 / gradient_accumulation_steps``
+and, for fp16, by the loss scale; the hooks reduce the gradients into this
+rank's fp32 partition (grads.py). ``engine.step()`` counts micro-batches and
+runs the optimizer (optimizer.py) only at the end of each accumulation
+window, as DeepSpeed does, then the LR scheduler, unless fp16 overflowed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .build import EngineParts, OptimizerSpec, build_parts
+from .comm import Comm
+from .config import DeepSpeedConfig
+from .logging import Timers, log_rank0
+
+
+def _to_device(value, device: torch.device, cast: Optional[torch.dtype]):
+    if isinstance(value, torch.Tensor):
+        value = value.to(device, non_blocking=True)
+        if cast is not None and value.is_floating_point():
+            value = value.to(cast)
+        return value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_device(v, device, cast) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device, cast)) for k, v in value.items())
+    return value
+
+
+class ZeroEngine(nn.Module):
+    """What :func:`zero.initialize` returns first. Use it like the model it wraps."""
+
+    def __init__(self, module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
+                 spec: Optional[OptimizerSpec]):
+        super().__init__()
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.timers = Timers(config.wall_clock_breakdown, device)
+        self.parts: EngineParts = build_parts(module, config, comm, device, spec, self.timers)
+        self.module = module  # registered after the hooks, so the engine never shows as a parent
+        self.optimizer = self.parts.optimizer
+        self.lr_scheduler = None
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self._last_report = 0
+        self._swap_seen = (0.0, 0.0)
+        self._closed = False
+
+    # -- DeepSpeed-style accessors ----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.comm.local_rank
+
+    def zero_optimization_stage(self) -> int:
+        return 3
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> Optional[int]:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> Optional[int]:
+        return self.config.train_batch_size
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_mom(self):
+        return [g.get("betas") for g in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self.optimizer.global_grad_norm if self.optimizer else None
+
+    def get_loss_scale(self) -> float:
+        return self.optimizer.loss_scale if self.optimizer else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps if self.optimizer else 0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train(self, mode: bool = True) -> "ZeroEngine":
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    # -- forward, backward, step ------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        cast = torch.float16 if self.config.fp16.enabled and self.config.fp16.auto_cast else None
+        args = _to_device(args, self.device, cast)
+        kwargs = _to_device(kwargs, self.device, cast)
+        coordinator = self.parts.coordinator
+        try:
+            with self.timers.phase("forward"):
+                return self.module(*args, **kwargs)
+        except BaseException:
+            coordinator.stack.clear()
+            raise
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer: pass one to zero.initialize or add an "
+                               "optimizer section to the config")
+        scaled = loss
+        gas = self.gradient_accumulation_steps()
+        if gas > 1:
+            scaled = scaled / gas
+        if self.optimizer.loss_scale != 1.0:
+            scaled = scaled * self.optimizer.loss_scale
+        with self.timers.phase("backward"):
+            scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer")
+        if self.is_gradient_accumulation_boundary():
+            self._take_step()
+        self.micro_steps += 1
+
+    def _take_step(self) -> None:
+        with self.timers.phase("step"):
+            stepped = self.optimizer.step()
+        if stepped:
+            self.parts.coordinator.release_all()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            log_rank0(self.comm.rank, f"[zero] {self.optimizer.last_overflow_message}", logging.WARNING)
+        self.global_steps += 1
+        if self.config.train_batch_size:
+            self.global_samples += self.config.train_batch_size
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0:
+            self._report()
+
+    def _report(self) -> None:
+        log_rank0(self.comm.rank, (
+            f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+            f"mom={self.get_mom()}, loss_scale={self.get_loss_scale():g}"))
+        if self.timers.enabled:
+            param_swap = self.parts.param_store.swap_seconds
+            opt_swap = self.parts.optimizer_store.io_seconds if self.parts.optimizer_store else 0.0
+            self.timers.add("param swap-in", param_swap - self._swap_seen[0])
+            self.timers.add("optimizer swap wait", opt_swap - self._swap_seen[1])
+            self._swap_seen = (param_swap, opt_swap)
+            log_rank0(self.comm.rank, self.timers.report(self.global_steps - self._last_report))
+        self._last_report = self.global_steps
+
+    # -- checkpoints and model export ---------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, os.fspath(load_dir), tag, load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states and not load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        from .checkpoint import save_16bit_model
+
+        return save_16bit_model(self, os.fspath(save_dir), save_filename, exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Remove the hooks and the swap files; the engine cannot be used afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self.parts.coordinator.remove()
+        self.parts.param_store.close()
+        if self.parts.optimizer_store is not None:
+            self.parts.optimizer_store.close()

@@ -1,0 +1,122 @@
+"""Gradients: from each parameter's ``.grad`` into this rank's fp32 gradient partition.
+
+On one rank a parameter's gradient goes straight into its slice of the fp32
+partition as soon as autograd has accumulated it: copied the first time after
+an optimizer step, added afterwards (gradient accumulation), exactly the
+``p.grad += g`` torch does, so the result is bit-identical to plain PyTorch.
+On several ranks the unit's gradients are first laid into one flat buffer
+(compute dtype, on the device); when the unit's last gradient arrives the
+buffer is reduce-scattered (summed over ranks in ``communication_data_type``)
+and this rank's slice, divided by the world size, is copied or added into the
+partition. The partition lives where the optimizer states live (device for
+``offload_optimizer: none``, host memory otherwise).
+
+[Note: every rank reduces the same units in the same order]
+Collectives must match across ranks. A unit is reduced when the last of its
+gradients arrives, which happens in the same order on every rank as long as
+they run the same graph; units whose gradients did not all arrive (unused
+parameters) are reduced at the end of backward, in unit order. So data-
+dependent control flow that leaves a parameter unused on some ranks only is
+not supported (DDP has the same rule without ``find_unused_parameters``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from .comm import Comm
+from .partition import RankLayout
+from .unit import ParamUnit
+
+
+class GradReducer:
+    """Accumulates gradients into ``grads``, the flat fp32 partition of the rank."""
+
+    def __init__(self, rank_layout: RankLayout, grads: torch.Tensor, comm: Comm, device: torch.device,
+                 dtype: torch.dtype, comm_dtype: torch.dtype):
+        self.rank_layout = rank_layout
+        self.grads = grads
+        self.comm = comm
+        self.device = device
+        self.dtype = dtype
+        self.comm_dtype = comm_dtype
+        n_units = len(rank_layout.units)
+        # Which slices hold a gradient accumulated since the last step, and which are known zero.
+        if comm.world_size == 1:
+            self._fresh = [[False] * len(u.slots) for u in rank_layout.units]
+            self._zero = [[False] * len(u.slots) for u in rank_layout.units]
+        else:
+            self._fresh = [[False] for _ in range(n_units)]
+            self._zero = [[False] for _ in range(n_units)]
+        self._buffers: Dict[int, torch.Tensor] = {}
+
+    # -- during backward -----------------------------------------------------------------------
+    def add(self, unit: ParamUnit, slot_index: int, grad: torch.Tensor) -> None:
+        """Take the accumulated gradient of one parameter of ``unit``."""
+        layout = unit.layout
+        slot = layout.slots[slot_index]
+        if self.comm.world_size == 1:
+            start = self.rank_layout.offsets[layout.index] + slot.offset
+            self._accumulate(self.grads[start:start + slot.numel], grad.reshape(-1),
+                             layout.index, slot_index)
+            return
+        buf = self._buffers.get(layout.index)
+        if buf is None:
+            buf = self._buffers[layout.index] = torch.zeros(layout.padded_numel, dtype=self.comm_dtype,
+                                                            device=self.device)
+        buf[slot.offset:slot.stop].copy_(grad.reshape(-1))
+
+    def finish(self, unit: ParamUnit) -> None:
+        """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks)."""
+        if self.comm.world_size == 1:
+            return
+        layout = unit.layout
+        buf = self._buffers.pop(layout.index, None)
+        if buf is None:
+            buf = torch.zeros(layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+        shard = torch.empty(layout.shard_numel, dtype=self.comm_dtype, device=self.device)
+        self.comm.reduce_scatter(shard, buf)
+        del buf
+        shard = shard.float() if shard.dtype != torch.float32 else shard
+        shard.div_(self.comm.world_size)
+        start, stop = self.rank_layout.unit_range(layout.index)
+        self._accumulate(self.grads[start:stop], shard, layout.index, 0)
+
+    def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, unit_index: int, slot_index: int) -> None:
+        if not self._fresh[unit_index][slot_index]:
+            dst.copy_(src, non_blocking=True)
+            self._fresh[unit_index][slot_index] = True
+            self._zero[unit_index][slot_index] = False
+        else:
+            if src.device != dst.device:
+                src = src.to(dst.device)
+            dst.add_(src)
+
+    # -- at the step ---------------------------------------------------------------------------
+    def zero_stale(self) -> None:
+        """Zero the slices that got no gradient since the last step (unused or frozen parameters)."""
+        for u in self.rank_layout.units:
+            base = self.rank_layout.offsets[u.index]
+            fresh, zero = self._fresh[u.index], self._zero[u.index]
+            for i in range(len(fresh)):
+                if fresh[i] or zero[i]:
+                    continue
+                if self.comm.world_size == 1:
+                    slot = u.slots[i]
+                    self.grads[base + slot.offset:base + slot.stop].zero_()
+                else:
+                    self.grads[base:base + u.shard_numel].zero_()
+                zero[i] = True
+
+    def clear(self) -> None:
+        """The step consumed the gradients: the next ones are copied, not added."""
+        for flags in self._fresh:
+            for i in range(len(flags)):
+                flags[i] = False
+
+    def any_fresh(self) -> bool:
+        return any(any(f) for f in self._fresh)
+
+    def fresh_units(self) -> List[int]:
+        return [i for i, f in enumerate(self._fresh) if any(f)]

@@ -1,0 +1,166 @@
+"""``zero.initialize``: DeepSpeed's entry point, returning ``(engine, optimizer, dataloader, lr_scheduler)``."""
+from __future__ import annotations
+
+import tempfile
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .build import OptimizerSpec, check_params_known
+from .comm import compute_device, init_distributed
+from .config import ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
+from .engine import ZeroEngine
+from .lr_schedules import build_scheduler
+from .optimizer import AdamKind
+
+_ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _hidden_size(model: nn.Module) -> Optional[int]:
+    value = getattr(getattr(model, "config", None), "hidden_size", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _param_groups(model: nn.Module, model_parameters) -> list:
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=list(g["params"])) for g in items]
+    return [{"params": items}]
+
+
+def _adam_hyper(group: dict) -> dict:
+    return {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+
+
+def _optimizer_spec(model, config: DeepSpeedConfig, optimizer, model_parameters) -> Optional[OptimizerSpec]:
+    if config.optimizer is not None and optimizer is not None:
+        raise ConfigError([Problem("optimizer", (
+            "an optimizer is given both in the config's optimizer section and as the optimizer "
+            "argument of zero.initialize; keep one"))])
+    if config.optimizer is not None:
+        params = config.optimizer.params
+        if not params.bias_correction:
+            raise ConfigError([Problem("optimizer.params.bias_correction", (
+                "false is not supported: torch's fused Adam always corrects the bias; remove the key"))])
+        hyper = {"lr": params.lr, "betas": tuple(params.betas), "eps": params.eps,
+                 "weight_decay": params.weight_decay}
+        groups = [dict(hyper, **g) for g in _param_groups(model, model_parameters)]
+        return OptimizerSpec(groups, AdamKind(config.optimizer.decoupled_weight_decay, params.amsgrad))
+    if optimizer is None:
+        return None
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable making one, "
+                        f"got {type(optimizer).__name__}")
+    groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
+    if type(optimizer) in _ADAM_TYPES:
+        first = optimizer.param_groups[0]
+        if first.get("maximize"):
+            raise ConfigError([Problem("optimizer", "maximize=True is not supported by the ZeRO optimizer")])
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(first.get("decoupled_weight_decay"))
+        groups = [dict(_adam_hyper(g), params=g["params"]) for g in groups]
+        return OptimizerSpec(groups, AdamKind(decoupled, bool(first.get("amsgrad", False))))
+    if not config.zero_allow_untested_optimizer:
+        raise ConfigError([Problem("zero_allow_untested_optimizer", (
+            f"optimizer {type(optimizer).__name__} is not Adam or AdamW, which the ZeRO optimizer "
+            f"implements; to step it on the partitions anyway (it must be elementwise) set "
+            f'"zero_allow_untested_optimizer": true'))])
+    hyper_keys = set(optimizer.defaults)
+    groups = [dict({k: v for k, v in g.items() if k in hyper_keys}, params=g["params"]) for g in groups]
+    return OptimizerSpec(groups, None, torch_type=type(optimizer), torch_defaults=dict(optimizer.defaults))
+
+
+def _check_nvme_writable(config: DeepSpeedConfig) -> None:
+    problems = []
+    zc = config.zero_optimization
+    for section in ("offload_param", "offload_optimizer"):
+        offload = getattr(zc, section)
+        if offload.device != "nvme":
+            continue
+        try:
+            with tempfile.NamedTemporaryFile(dir=offload.nvme_path, prefix=".zero-probe-"):
+                pass
+        except OSError as error:
+            problems.append(Problem(f"zero_optimization.{section}.nvme_path", (
+                f"cannot create a file in '{offload.nvme_path}': {error.strerror or error}")))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _resolve(config, model, optimizer, world_size: int) -> DeepSpeedConfig:
+    if not config.unresolved_autos():
+        return config
+    known = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        known.update(_adam_hyper(optimizer.param_groups[0]))
+        known["betas"] = list(known["betas"]) if "betas" in known else None
+        known = {k: v for k, v in known.items() if v is not None}
+    return resolve_auto(config, hidden_size=_hidden_size(model), world_size=world_size, **known)
+
+
+def initialize(args=None, model: nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None, collate_fn=None,
+               config=None, config_params=None):
+    """Wrap ``model`` in a :class:`~zero.engine.ZeroEngine`.
+
+    ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a
+    DeepSpeed JSON path, dict or :class:`~zero.config.DeepSpeedConfig`.
+    ``optimizer``: a torch optimizer (Adam/AdamW run as the ZeRO optimizer;
+    others need ``zero_allow_untested_optimizer``) or a callable making one;
+    omit it to use the config's ``optimizer`` section. ``lr_scheduler``: a
+    scheduler or a callable taking the returned optimizer; omit it to use the
+    config's ``scheduler`` section. Returns ``(engine, optimizer, dataloader,
+    lr_scheduler)``; ``dataloader`` is None without ``training_data``.
+    """
+    if model is None:
+        raise ValueError("zero.initialize needs model=")
+    if config is not None and config_params is not None:
+        raise ValueError("pass the config as config= or config_params=, not both")
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if source is None:
+        raise ValueError("zero.initialize needs a config (config=path or dict)")
+
+    comm = init_distributed()
+    device = compute_device(comm.local_rank)
+    loaded = load_config(source, world_size=comm.world_size, hidden_size=_hidden_size(model))
+    loaded = _resolve(loaded, model, optimizer, comm.world_size)
+    _check_nvme_writable(loaded)
+    spec = _optimizer_spec(model, loaded, optimizer, model_parameters)
+    if spec is not None:
+        check_params_known(model, spec)
+
+    engine = ZeroEngine(model, loaded, comm, device, spec)
+    scheduler = None
+    if lr_scheduler is not None:
+        scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
+            lr_scheduler, "step") else lr_scheduler
+    elif loaded.scheduler is not None and engine.optimizer is not None:
+        scheduler = build_scheduler(loaded.scheduler, engine.optimizer)
+    engine.lr_scheduler = scheduler
+
+    dataloader = None
+    if training_data is not None:
+        dataloader = _dataloader(training_data, loaded, comm, collate_fn)
+    return engine, engine.optimizer, dataloader, scheduler
+
+
+def _dataloader(data, config: DeepSpeedConfig, comm, collate_fn):
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    micro = config.train_micro_batch_size_per_gpu
+    if micro is None:
+        raise ConfigError([Problem("train_micro_batch_size_per_gpu", (
+            "is needed to batch training_data; set it (or train_batch_size) in the config"))])
+    sampler = DistributedSampler(data, num_replicas=comm.world_size, rank=comm.rank)
+    return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                      pin_memory=torch.cuda.is_available())
+
+
+__all__ = ["initialize"]

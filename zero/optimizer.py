@@ -1,0 +1,236 @@
+"""ZeroOptimizer: the step on fp32 master partitions, one sub-group at a time.
+
+The step, in order: zero the gradient slices nothing wrote since the last
+step; for fp16, skip the step when the gradients are not finite (the loss
+scaler lowers its scale); compute the global gradient norm across ranks;
+scale the gradients once by ``clip_coef / loss_scale``; run the update per
+sub-group; write the new values back to the parameter shards (cast to the
+compute dtype) unless the shards are the master itself.
+
+[Note: torch's fused Adam, and why results match plain PyTorch]
+The update is ``torch._fused_adam_`` / ``torch._fused_adamw_``, the kernels
+``torch.optim.Adam/AdamW(fused=True)`` call: on the CPU they run at memory
+bandwidth, as fast as DeepSpeed's CPUAdam. They are elementwise, so
+stepping a sub-group's flat views gives the same bits as stepping each
+parameter separately. The gradient norm is taken as
+``torch.nn.utils.clip_grad_norm_`` takes it (a norm per parameter, then the
+norm of those norms) and the clip coefficient ``max_norm / (norm + 1e-6)``,
+clamped to 1, is applied the same way; on one rank the whole step is
+therefore bit-identical to plain PyTorch AdamW with ``fused=True``. On several
+ranks a parameter may be split between two ranks: each rank takes the norm of
+its pieces and the squares are summed across ranks.
+
+A script's own torch optimizer (``zero_allow_untested_optimizer``) is rebuilt
+over views of the master partition and stepped once for all sub-groups; it
+must be elementwise (SGD, Adagrad, RMSprop, ...), since it only ever sees
+this rank's slices of each parameter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim import Optimizer
+
+from .comm import Comm
+from .grads import GradReducer
+from .loss_scaler import LossScaler
+from .optimizer_store import FlatOptimizerStore, OptimizerStore
+from .param_store import ParamStore
+from .partition import RankLayout, SubGroup
+
+Range = Tuple[int, int]
+
+
+@dataclass(frozen=True)
+class AdamKind:
+    decoupled_weight_decay: bool = True  # AdamW
+    amsgrad: bool = False
+
+    @property
+    def state_names(self) -> Tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
+
+
+def merge_ranges(ranges: Sequence[Range]) -> List[Range]:
+    out: List[Range] = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class ZeroOptimizer(Optimizer):
+    """The optimizer :func:`zero.initialize` returns; ``param_groups`` drive LR schedulers.
+
+    ``group_ranges[g]``: rank-space ranges of the parameters of group ``g``
+    (one per parameter piece); ``hyper[g]``: that group's settings.
+    """
+
+    def __init__(self, rank_layout: RankLayout, store: OptimizerStore, param_store: ParamStore,
+                 reducer: GradReducer, comm: Comm, hyper: List[dict], group_ranges: List[List[Range]],
+                 clip: float, scaler: LossScaler, adam: Optional[AdamKind], torch_optimizer_type=None,
+                 torch_defaults: Optional[dict] = None):
+        defaults = dict(hyper[0]) if hyper else {}
+        super().__init__([dict(h, params=[]) for h in hyper], defaults)
+        self.rank_layout = rank_layout
+        self.store = store
+        self.param_store = param_store
+        self.reducer = reducer
+        self.comm = comm
+        self.clip = float(clip)
+        self.scaler = scaler
+        self.adam = adam
+        self.adam_step = 0
+        self.skipped_steps = 0
+        self.global_grad_norm: Optional[float] = None
+        self._group_ranges = group_ranges
+        self._norm_ranges = [r for ranges in group_ranges for r in ranges]
+        # Per sub-group, per param group: merged ranges relative to the sub-group's start.
+        self._sg_ranges: Dict[int, List[List[Range]]] = {}
+        for sg in rank_layout.sub_groups:
+            per_group = []
+            for ranges in group_ranges:
+                inside = [(max(a, sg.start) - sg.start, min(b, sg.stop) - sg.start)
+                          for a, b in ranges if a < sg.stop and b > sg.start]
+                per_group.append(merge_ranges(inside))
+            self._sg_ranges[sg.index] = per_group
+        self.inner: Optional[Optimizer] = None
+        if torch_optimizer_type is not None:
+            self.inner = self._build_inner(torch_optimizer_type, torch_defaults or {}, group_ranges)
+
+    # -- DeepSpeed-compatible attributes -----------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale
+
+    cur_scale = loss_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are consumed by each step; nothing to clear."""
+
+    # -- the step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """One optimizer step; returns False when it was skipped for an fp16 overflow."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure; call engine.step()")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # copies in flight to and from pinned host memory are done
+        self.reducer.zero_stale()
+        scale = self.scaler.loss_scale
+        norm = None
+        if self.clip > 0 or self.scaler.dynamic:
+            norm = self._global_norm()
+            overflow = not math.isfinite(float(norm))
+            if self.scaler.dynamic and overflow:
+                self.global_grad_norm = None
+                self.reducer.clear()
+                self.skipped_steps += 1
+                self.last_overflow_message = self.scaler.update(True)
+                return False
+            self.global_grad_norm = float(norm) / scale
+        coef = None
+        if self.clip > 0:
+            clip_coef = self.clip / (norm / scale + 1e-6)
+            coef = torch.clamp(clip_coef, max=1.0)
+            if scale != 1.0:
+                coef = coef / scale
+        elif scale != 1.0:
+            coef = torch.tensor(1.0 / scale)
+        if self.inner is not None:
+            self._step_inner(coef)
+        else:
+            self.adam_step += 1
+            self.store.step(lambda sg, master, states, grad: self._step_sub_group(sg, master, states, grad, coef))
+        self.reducer.clear()
+        self.scaler.update(False)
+        return True
+
+    def _global_norm(self) -> torch.Tensor:
+        grads = self.store.grads
+        norms = [torch.linalg.vector_norm(grads[a:b]) for a, b in self._norm_ranges]
+        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=grads.device)
+        if self.comm.distributed:
+            squared = (total.double() ** 2).reshape(1)
+            self.comm.all_reduce(squared)
+            total = squared.sqrt().to(torch.float32).reshape(())
+        return total
+
+    def _step_sub_group(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor],
+                        grad: torch.Tensor, coef: Optional[torch.Tensor]) -> None:
+        if coef is not None:
+            grad.mul_(coef.to(grad.device))
+        step = torch.tensor(float(self.adam_step), device=master.device)
+        kernel = torch._fused_adamw_ if self.adam.decoupled_weight_decay else torch._fused_adam_
+        for group, ranges in zip(self.param_groups, self._sg_ranges[sg.index]):
+            if not ranges:
+                continue
+            views = lambda t: [t[a:b] for a, b in ranges]  # noqa: E731
+            beta1, beta2 = group["betas"]
+            kernel(views(master), views(grad), views(states["exp_avg"]), views(states["exp_avg_sq"]),
+                   views(states["max_exp_avg_sq"]) if self.adam.amsgrad else [], [step] * len(ranges),
+                   lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                   weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                   amsgrad=self.adam.amsgrad, maximize=False)
+        self._write_back(sg, master)
+
+    def _write_back(self, sg: SubGroup, master: torch.Tensor) -> None:
+        for unit_index in sg.units:
+            start, stop = self.rank_layout.unit_range(unit_index)
+            self.param_store.write(self.rank_layout.units[unit_index], master[start - sg.start:stop - sg.start])
+
+    # -- a script's own torch optimizer --------------------------------------------------------------
+    def _build_inner(self, optimizer_type, defaults: dict, group_ranges: List[List[Range]]) -> Optimizer:
+        if not isinstance(self.store, FlatOptimizerStore):
+            raise ValueError("a script's own optimizer needs offload_optimizer device none or cpu; "
+                             "for nvme use the config's optimizer section (Adam or AdamW)")
+        master, grads = self.store.master, self.store.grads
+        groups = []
+        for group, ranges in zip(self.param_groups, group_ranges):
+            views = []
+            for a, b in merge_ranges(ranges):
+                v = master[a:b]
+                v.grad = grads[a:b]
+                views.append(v)
+            groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=views))
+        groups = [g for g in groups if g["params"]]
+        return optimizer_type(groups, **defaults)
+
+    def _step_inner(self, coef: Optional[torch.Tensor]) -> None:
+        if coef is not None:
+            self.store.grads.mul_(coef.to(self.store.grads.device))
+        inner_groups = iter(self.inner.param_groups)
+        for group, ranges in zip(self.param_groups, self._group_ranges):
+            if ranges:
+                inner = next(inner_groups)
+                inner.update({k: v for k, v in group.items() if k != "params"})
+        self.inner.step()
+        for sg in self.rank_layout.sub_groups:
+            self._write_back(sg, self.store.master[sg.start:sg.stop])
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def hyper_state(self) -> dict:
+        """What a checkpoint keeps besides the partitions: settings, step count, scaler."""
+        state = {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "adam_step": self.adam_step,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.scaler.state_dict(),
+        }
+        if self.inner is not None:
+            state["inner"] = self.inner.state_dict()
+        return state
+
+    def load_hyper_state(self, state: dict) -> None:
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        self.adam_step = int(state["adam_step"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.scaler.load_state_dict(state["loss_scaler"])
+        if self.inner is not None and "inner" in state:
+            self.inner.load_state_dict(state["inner"])

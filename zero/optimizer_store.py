@@ -1,0 +1,177 @@
+"""Where a rank's fp32 master weights, optimizer states and gradient partition live.
+
+``offload_optimizer.device`` picks the store: ``none`` keeps everything on the
+compute device, ``cpu`` in host memory, ``nvme`` keeps master weights and
+states in one swap file per sub-group through
+:class:`swapper.PipelinedOptimizerSwapper` (which reads sub-group i+1 and
+writes i-1 while i is stepped when ``pipeline_read``/``pipeline_write`` are
+on). The fp32 gradient partition always stays in memory: on the device for
+``none``, in host memory for ``cpu`` and ``nvme``, so that backward never
+waits for the disk.
+
+Every store runs the step the same way: :meth:`OptimizerStore.step` calls
+``fn(sub_group, master, states, grad)`` once per sub-group, in order, with
+views the function updates in place.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, Sequence, Tuple
+
+import torch
+
+from .partition import RankLayout, SubGroup
+
+StepFn = Callable[[SubGroup, torch.Tensor, Dict[str, torch.Tensor], torch.Tensor], None]
+
+
+def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = False) -> torch.Tensor:
+    pin = pin and device.type == "cpu" and torch.cuda.is_available()
+    t = torch.empty(numel, dtype=torch.float32, device=device, pin_memory=pin)
+    return t.zero_() if zero else t
+
+
+class OptimizerStore:
+    """Interface; ``grads`` is the flat fp32 gradient partition of the rank."""
+
+    grads: torch.Tensor
+    io_seconds = 0.0  # time blocked on NVMe during steps (wall_clock_breakdown)
+
+    def __init__(self, rank_layout: RankLayout, state_names: Sequence[str]):
+        self.rank_layout = rank_layout
+        self.state_names = tuple(state_names)
+
+    def init_master(self, unit_index: int, values: torch.Tensor) -> None:
+        """Set the fp32 master of one unit's shard (units arrive in index order)."""
+        raise NotImplementedError
+
+    def step(self, fn: StepFn) -> None:
+        raise NotImplementedError
+
+    def write_master(self, unit_index: int, values: torch.Tensor) -> None:
+        """Replace one unit's master shard after training started (GatheredParameters)."""
+        raise NotImplementedError
+
+    def read(self, sub_group: SubGroup) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """Copies of one sub-group's master and states (for checkpoints)."""
+        raise NotImplementedError
+
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class FlatOptimizerStore(OptimizerStore):
+    """Master, states and gradients as flat fp32 tensors on ``device`` (``none``) or the host (``cpu``)."""
+
+    def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], device: torch.device,
+                 pin_memory: bool = False):
+        super().__init__(rank_layout, state_names)
+        n = rank_layout.numel
+        self.master = _host_or_device(n, device, pin_memory)
+        self.states = {name: _host_or_device(n, device, pin_memory, zero=True) for name in self.state_names}
+        self.grads = _host_or_device(n, device, pin_memory)
+
+    def init_master(self, unit_index: int, values: torch.Tensor) -> None:
+        start, stop = self.rank_layout.unit_range(unit_index)
+        self.master[start:stop].copy_(values)
+
+    def write_master(self, unit_index: int, values: torch.Tensor) -> None:
+        self.init_master(unit_index, values)
+
+    def _views(self, sg: SubGroup):
+        s = slice(sg.start, sg.stop)
+        return self.master[s], {k: v[s] for k, v in self.states.items()}, self.grads[s]
+
+    def step(self, fn: StepFn) -> None:
+        for sg in self.rank_layout.sub_groups:
+            fn(sg, *self._views(sg))
+
+    def read(self, sub_group: SubGroup):
+        master, states, _ = self._views(sub_group)
+        return master.detach().cpu().clone(), {k: v.detach().cpu().clone() for k, v in states.items()}
+
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor]) -> None:
+        m, s, _ = self._views(sub_group)
+        m.copy_(master)
+        for k, v in s.items():
+            v.copy_(states[k])
+
+
+class NvmeOptimizerStore(OptimizerStore):
+    """Master and states of each sub-group in its swap file under ``offload_optimizer.nvme_path``.
+
+    The swapper's pool holds 1 + pipeline_read + pipeline_write sub-groups (its
+    own count; ``offload_optimizer.buffer_count``, which DeepSpeed counts in
+    tensors, is checked by the config and otherwise not needed).
+    """
+
+    def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], offload, aio, job_id: str,
+                 rank: int, grad_pin: bool = False):
+        from swapper import PipelinedOptimizerSwapper
+
+        super().__init__(rank_layout, state_names)
+        self.swapper = PipelinedOptimizerSwapper(
+            offload.nvme_path, aio, None, torch.float32, state_names=self.state_names, job_id=job_id,
+            rank=rank, name="optimizer", pin_memory=offload.pin_memory, remove_stale=True,
+            pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
+        self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
+        for sg in self._groups:
+            self.swapper.register_sub_group(sg.index, sg.numel)
+        self.grads = _host_or_device(rank_layout.numel, torch.device("cpu"), grad_pin)
+        self._staging = None
+        self._staged_sg = None
+
+    def init_master(self, unit_index: int, values: torch.Tensor) -> None:
+        sg = self.rank_layout.sub_group_of(unit_index)
+        if sg.numel == 0:
+            return
+        if self._staged_sg is not sg:
+            self._staging = torch.empty(sg.numel, dtype=torch.float32)
+            self._staged_sg = sg
+        start, stop = self.rank_layout.unit_range(unit_index)
+        self._staging[start - sg.start:stop - sg.start].copy_(values)
+        if unit_index == sg.units[-1]:
+            self.swapper.initialize(sg.index, self._staging)
+            self._staging = self._staged_sg = None
+
+    def step(self, fn: StepFn) -> None:
+        by_index = {sg.index: sg for sg in self._groups}
+
+        def run(sub_group_id: int, tensors) -> None:
+            sg = by_index[sub_group_id]
+            fn(sg, tensors.master, tensors.states, self.grads[sg.start:sg.stop])
+
+        stats = self.swapper.step(run, [sg.index for sg in self._groups])
+        self.io_seconds += stats.io_wait_seconds
+
+    def write_master(self, unit_index: int, values: torch.Tensor) -> None:
+        sg = self.rank_layout.sub_group_of(unit_index)
+        start, stop = self.rank_layout.unit_range(unit_index)
+        tensors = self.swapper.swap_in(sg.index)
+        tensors.master[start - sg.start:stop - sg.start].copy_(values)
+        self.swapper.swap_out(sg.index)
+
+    def read(self, sub_group: SubGroup):
+        if sub_group.numel == 0:
+            return torch.empty(0), {k: torch.empty(0) for k in self.state_names}
+        t0 = time.perf_counter()
+        tensors = self.swapper.swap_in(sub_group.index)
+        try:
+            return tensors.master.clone(), {k: v.clone() for k, v in tensors.states.items()}
+        finally:
+            self.swapper.release(sub_group.index)
+            self.io_seconds += time.perf_counter() - t0
+
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor]) -> None:
+        if sub_group.numel:
+            self.swapper.initialize(sub_group.index, master, states)
+
+    @property
+    def swap_dir(self) -> str:
+        return self.swapper.swap_dir.path
+
+    def close(self) -> None:
+        self.swapper.cleanup()

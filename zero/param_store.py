@@ -1,0 +1,165 @@
+"""Where a rank's parameter shards live between uses: the device, host memory or NVMe.
+
+The shards are in the compute dtype (fp16/bf16/fp32). ``offload_param.device``
+picks the store: ``none`` keeps them on the compute device, ``cpu`` in host
+memory (pinned when computing on CUDA and ``pin_memory``), ``nvme`` in swap
+files through :class:`swapper.PartitionedParamSwapper`.
+
+[Note: a resident fp32 shard store can be the fp32 master itself]
+With fp32 compute, when the parameter shards and the optimizer's fp32 master
+weights would sit in the same memory (both on the device, or both in host
+memory), :class:`FlatParamStore` is handed the master tensor and keeps no
+copy: the optimizer step updates the shards in place and nothing is written
+back. On one rank the unit's full buffer is then the shard itself, so
+gathering a unit is pointing its parameters at a view (see unit.py).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Set
+
+import torch
+
+from .config import ConfigError, Problem
+from .partition import RankLayout, UnitLayout
+
+
+def unit_id(layout: UnitLayout) -> str:
+    """The stable swap id of a unit's shard (never ``id()``): its index and module name."""
+    return f"unit{layout.index}.{layout.module_name or 'root'}"
+
+
+class ParamStore:
+    """Interface of the shard stores; see the concrete classes."""
+
+    resident = True  # shards are tensors that live as long as the store and are updated in place
+    swap_seconds = 0.0  # time spent waiting for NVMe reads (wall_clock_breakdown)
+
+    def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+        """The shard's values, readable until :meth:`fetched`."""
+        raise NotImplementedError
+
+    def fetched(self, layout: UnitLayout) -> None:
+        """The caller is done with the tensor :meth:`fetch` returned."""
+
+    def prefetch(self, layouts: Iterable[UnitLayout]) -> None:
+        """Start bringing these shards in (NVMe); a later :meth:`fetch` finds them ready."""
+
+    def prefetch_capacity(self) -> int:
+        return 0
+
+    def drop_prefetched(self) -> None:
+        """Give back the memory of prefetched shards that were not fetched."""
+
+    def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        """Replace the shard with ``values`` (any dtype/device; cast on copy)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Complete writes in flight."""
+
+    def close(self) -> None:
+        pass
+
+
+class FlatParamStore(ParamStore):
+    """All shards of this rank in one flat tensor on ``device`` (``none``) or the host (``cpu``)."""
+
+    def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, device: torch.device,
+                 pin_memory: bool = False, flat: Optional[torch.Tensor] = None):
+        self.rank_layout = rank_layout
+        self.aliased = flat is not None
+        if flat is None:
+            pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+            flat = torch.empty(rank_layout.numel, dtype=dtype, device=device, pin_memory=pin)
+        self.flat = flat
+
+    def shard(self, layout: UnitLayout) -> torch.Tensor:
+        start, stop = self.rank_layout.unit_range(layout.index)
+        return self.flat[start:stop]
+
+    def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        if not self.aliased:
+            self.shard(layout).copy_(values)
+
+    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+        return self.shard(layout)
+
+    def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        if not self.aliased:
+            self.shard(layout).copy_(values, non_blocking=True)
+
+
+class NvmeParamStore(ParamStore):
+    """Shards in swap files under ``offload_param.nvme_path``, one file per unit.
+
+    The first ``max_in_cpu`` elements stay in host memory (DeepSpeed's rule).
+    Pool buffers are sized for the largest shard; ``offload_param.buffer_size``
+    smaller than that is refused when the engine is built.
+    """
+
+    resident = False
+
+    def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int):
+        from swapper import PartitionedParamSwapper
+
+        self.rank_layout = rank_layout
+        largest = max((u.shard_numel for u in rank_layout.units), default=1)
+        if offload.buffer_size < largest:
+            unit = max(rank_layout.units, key=lambda u: u.shard_numel)
+            raise ConfigError([Problem("zero_optimization.offload_param.buffer_size", (
+                f"{offload.buffer_size} elements is smaller than the largest parameter partition "
+                f"({largest} elements, module '{unit.module_name or '<root>'}' on this rank); each "
+                f"partition must fit one buffer: set buffer_size >= {largest}"))])
+        self.swapper = PartitionedParamSwapper(
+            offload.nvme_path, aio, buffer_count=offload.buffer_count, buffer_size=max(1, largest),
+            max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
+            pin_memory=offload.pin_memory, remove_stale=True)
+        self._ids = {u.index: unit_id(u) for u in rank_layout.units}
+        for u in rank_layout.units:
+            self.swapper.register(self._ids[u.index], u.shard_numel)
+        self._prefetched: Set[int] = set()
+
+    def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        self.swapper.swap_out_tensors([self._ids[layout.index]], [values], async_op=True)
+
+    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+        t0 = time.perf_counter()
+        tensor = self.swapper.swap_in([self._ids[layout.index]])[0]
+        self.swap_seconds += time.perf_counter() - t0
+        self._prefetched.discard(layout.index)
+        return tensor
+
+    def fetched(self, layout: UnitLayout) -> None:
+        self.swapper.release([self._ids[layout.index]])
+
+    def prefetch_capacity(self) -> int:
+        # One buffer for the shard being fetched, one for a write after the step.
+        return max(0, self.swapper.buffer_count - 2 - len(self._prefetched))
+
+    def prefetch(self, layouts: Iterable[UnitLayout]) -> None:
+        wanted = [u for u in layouts if u.index not in self._prefetched and u.shard_numel > 0]
+        if wanted:
+            self.swapper.swap_in([self._ids[u.index] for u in wanted], async_op=True)
+            self._prefetched.update(u.index for u in wanted)
+
+    def drop_prefetched(self) -> None:
+        if self._prefetched:
+            self.swapper.release([self._ids[i] for i in sorted(self._prefetched)])
+            self._prefetched.clear()
+
+    def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        self.swapper.swap_out_tensors([self._ids[layout.index]], [values], async_op=True)
+
+    def flush(self) -> None:
+        self.swapper.synchronize()
+
+    @property
+    def swap_dir(self) -> str:
+        return self.swapper.swap_dir.path
+
+    def close(self) -> None:
+        self.swapper.cleanup()

@@ -1,0 +1,174 @@
+"""Flat partitioning: where each parameter's elements live, on which rank.
+
+[Note: a unit is the parameters one module owns directly]
+Parameters are partitioned in *units*: the parameters a module registers
+itself (``module._parameters``, not its children's), flattened back to back
+in registration order. A unit is gathered, released and reduce-scattered as
+one flat buffer, so a Linear layer costs one collective, not two. The flat
+unit is padded to a multiple of the world size and rank ``r`` owns the
+``r``-th equal slice, its *shard*. A parameter shared by several modules
+(tied embeddings) belongs to the unit of the first module that registers it
+(``named_modules()`` order); the others gather that unit too.
+
+Each rank lays its shards of all units end to end in its *rank space*: one
+flat range ``[0, numel)`` that the fp32 master weights, the optimizer states,
+the gradient partition and (when resident) the parameter shards all share.
+Sub-groups, the optimizer's step tiles and the NVMe swap granularity, are runs
+of whole unit shards of at most ``sub_group_size`` elements (a larger shard is a
+sub-group alone), so a unit's shard is never split between two sub-groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside its unit's flat buffer."""
+
+    names: Tuple[str, ...]  # every name the model knows it by; names[0] is the canonical one
+    shape: Tuple[int, ...]
+    numel: int
+    offset: int  # first element in the unit's flat buffer
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def stop(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a parameter that falls in one rank's shard."""
+
+    slot: int  # index of the parameter in its unit
+    param_start: int  # first element, in the parameter's flattened coordinates
+    param_stop: int
+    shard_offset: int  # where it starts inside the shard
+
+    @property
+    def numel(self) -> int:
+        return self.param_stop - self.param_start
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The flat layout of one unit and how it is split across ``world_size`` ranks."""
+
+    index: int
+    module_name: str
+    slots: Tuple[ParamSlot, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    @property
+    def shard_numel(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def shard_start(self, rank: int) -> int:
+        """First element of rank ``rank``'s shard, in unit coordinates."""
+        return rank * self.shard_numel
+
+    def pieces(self, rank: int) -> List[Piece]:
+        """The parameters (or parts of them) inside rank ``rank``'s shard, in order."""
+        lo, hi = self.shard_start(rank), self.shard_start(rank) + self.shard_numel
+        out = []
+        for i, s in enumerate(self.slots):
+            a, b = max(lo, s.offset), min(hi, s.stop)
+            if a < b:
+                out.append(Piece(i, a - s.offset, b - s.offset, a - lo))
+        return out
+
+
+def build_unit_layout(index: int, module_name: str, params: Sequence[Tuple[Tuple[str, ...], tuple]],
+                      world_size: int) -> UnitLayout:
+    """A unit of ``params``: ``(names, shape)`` pairs in order."""
+    slots, offset = [], 0
+    for names, shape in params:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        slots.append(ParamSlot(tuple(names), tuple(int(d) for d in shape), numel, offset))
+        offset += numel
+    return UnitLayout(index, module_name, tuple(slots), world_size)
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """A step tile of the rank space: whole unit shards ``units``, elements ``[start, stop)``."""
+
+    index: int
+    start: int
+    stop: int
+    units: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Rank ``rank``'s shards of every unit, end to end, tiled into sub-groups."""
+
+    rank: int
+    units: Tuple[UnitLayout, ...]
+    offsets: Tuple[int, ...]  # rank-space offset of each unit's shard
+    sub_groups: Tuple[SubGroup, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(u.shard_numel for u in self.units)
+
+    def unit_range(self, unit_index: int) -> Tuple[int, int]:
+        start = self.offsets[unit_index]
+        return start, start + self.units[unit_index].shard_numel
+
+    def sub_group_of(self, unit_index: int) -> SubGroup:
+        for sg in self.sub_groups:
+            if unit_index in sg.units:
+                return sg
+        raise KeyError(unit_index)
+
+    def param_ranges(self) -> List[Tuple[int, int, int, int]]:
+        """``(unit, slot, start, stop)`` rank-space ranges of every parameter piece of this rank."""
+        out = []
+        for u in self.units:
+            base = self.offsets[u.index]
+            for p in u.pieces(self.rank):
+                out.append((u.index, p.slot, base + p.shard_offset, base + p.shard_offset + p.numel))
+        return out
+
+
+def build_rank_layout(units: Sequence[UnitLayout], rank: int, sub_group_size: int) -> RankLayout:
+    """Lay the shards of ``units`` end to end and tile them into sub-groups of whole shards.
+
+    A sub-group takes whole shards while it stays within ``sub_group_size``
+    elements; a shard larger than that forms a sub-group alone.
+    """
+    offsets, pos = [], 0
+    for u in units:
+        offsets.append(pos)
+        pos += u.shard_numel
+    groups: List[SubGroup] = []
+    members: List[int] = []
+    start = 0
+    for u, off in zip(units, offsets):
+        if members and off - start + u.shard_numel > sub_group_size:
+            groups.append(SubGroup(len(groups), start, off, tuple(members)))
+            members, start = [], off
+        members.append(u.index)
+    if members:
+        groups.append(SubGroup(len(groups), start, pos, tuple(members)))
+    return RankLayout(rank, tuple(units), tuple(offsets), tuple(groups))

@@ -1,0 +1,140 @@
+"""ParamUnit: the parameters one module owns, gathered and released together.
+
+See partition.py for the layout and param_state.py for the states. A unit
+moves between ``NOT_AVAILABLE`` and ``AVAILABLE`` by :meth:`ParamUnit.gather`
+(fetch the shard from its store, all-gather across ranks, point every
+parameter's ``.data`` at its part of the flat buffer) and
+:meth:`ParamUnit.release` (point them at an empty tensor; the flat buffer is
+freed with its last reference). Autograd keeps the parameter objects, not
+their data, so a released parameter is gathered again before backward uses it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm
+from .param_state import ParamState
+from .param_store import ParamStore
+from .partition import UnitLayout, build_unit_layout
+
+_EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def empty_like_released(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The shared 0-element tensor a released parameter holds."""
+    key = (dtype, device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
+class ParamUnit:
+    """One unit: its layout, its parameters and their state on this rank."""
+
+    def __init__(self, layout: UnitLayout, params: List[nn.Parameter], comm: Comm, device: torch.device,
+                 dtype: torch.dtype):
+        self.layout = layout
+        self.params = params
+        self.comm = comm
+        self.device = device
+        self.dtype = dtype
+        self.store: ParamStore = None  # set by the engine once the stores exist
+        self.optimizer_store = None  # fp32 master of the shard, when there is an optimizer
+        self.state = ParamState.NOT_AVAILABLE
+        self.full: torch.Tensor = None
+        self.persistent = False  # stays gathered between uses (threshold, or gathering is free)
+        self.fwd_refs = 0  # forwards in progress that use it
+        self.in_backward = False  # gathered for a backward that has not reduced its gradients yet
+        self.grad_count = sum(1 for p in params if p.requires_grad)
+        self.grads_left = self.grad_count
+        self.reduced = False  # gradients reduce-scattered during the current backward
+
+    @property
+    def index(self) -> int:
+        return self.layout.index
+
+    def __repr__(self) -> str:
+        return f"ParamUnit({self.layout.index}, {self.layout.module_name or '<root>'!r}, {self.state.name})"
+
+    def free_gather(self) -> bool:
+        """Gathering costs nothing: one rank, and the shard is a resident tensor in the compute dtype."""
+        store = self.store
+        return (self.comm.world_size == 1 and store.resident
+                and store.flat.device == self.device and store.flat.dtype == self.dtype)
+
+    def gather(self) -> None:
+        if self.state is ParamState.AVAILABLE:
+            return
+        shard = self.store.fetch(self.layout)
+        try:
+            if self.free_gather():
+                full = shard
+            else:
+                full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+                if shard.device != self.device:
+                    shard = shard.to(self.device, non_blocking=True)
+                self.comm.all_gather_into(full, shard)
+                if full.is_cuda and not self.store.resident:
+                    torch.cuda.current_stream(full.device).synchronize()  # before the pool buffer is reused
+        finally:
+            self.store.fetched(self.layout)
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = full[slot.offset:slot.stop].view(slot.shape)
+        self.full = full
+        self.state = ParamState.AVAILABLE
+
+    def release(self, force: bool = False) -> None:
+        """Point the parameters at an empty tensor; ``force`` also when the unit was never gathered."""
+        if self.state is ParamState.NOT_AVAILABLE and not force:
+            return
+        empty = empty_like_released(self.dtype, self.device)
+        for p in self.params:
+            p.data = empty
+        self.full = None
+        self.state = ParamState.NOT_AVAILABLE
+
+
+def named_param_aliases(module: nn.Module) -> Dict[nn.Parameter, List[str]]:
+    """Every name of every parameter, shared ones under all their names, in model order."""
+    names: Dict[nn.Parameter, List[str]] = OrderedDict()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(name)
+    return names
+
+
+def plan_units(module: nn.Module, world_size: int):
+    """Split ``module``'s parameters into units, one per module owning parameters directly.
+
+    Returns ``(layouts, params_per_unit, module_units)``, where
+    ``module_units[m]`` lists the units module ``m`` must gather before its
+    forward (its own, plus those of parameters it shares with an earlier module).
+    """
+    aliases = named_param_aliases(module)
+    owner: Dict[nn.Parameter, int] = {}
+    layouts: List[UnitLayout] = []
+    params_per_unit: List[List[nn.Parameter]] = []
+    module_units: Dict[nn.Module, List[int]] = OrderedDict()
+    for mod_name, mod in module.named_modules():
+        direct = [p for p in mod._parameters.values() if p is not None]
+        new = []
+        for p in direct:
+            if p not in owner and all(p is not q for q in new):
+                new.append(p)
+        if new:
+            index = len(layouts)
+            shapes = [(tuple(aliases[p]), tuple(getattr(p, "ds_shape", p.shape))) for p in new]
+            layouts.append(build_unit_layout(index, mod_name, shapes, world_size))
+            params_per_unit.append(new)
+            for p in new:
+                owner[p] = index
+        needed = []
+        for p in direct:
+            if owner[p] not in needed:
+                needed.append(owner[p])
+        if needed:
+            module_units[mod] = needed
+    return layouts, params_per_unit, module_units
