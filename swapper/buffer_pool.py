@@ -153,9 +153,6 @@ class PinnedBufferPool:
         with self._cond:
             return [b.holder or "?" for b in self._buffers if b not in self._free]
 
-    def fits(self, nbytes: int) -> bool:
-        return nbytes <= self.buffer_nbytes
-
     def acquire(self, count: int = 1, *, holder: str = "", timeout: Optional[float] = 0.0) -> List[PoolBuffer]:
         """Take ``count`` buffers, all or none.
 
