@@ -326,6 +326,34 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         """Per worker thread: requests, bytes, bounced, submit/reap calls, max_inflight."""
         return list(self._native.stats())
 
+    # -- lifetime -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Completes the ops in flight, then frees the worker threads and their
+        engines at once (kernel AIO contexts are a system-wide resource that
+        garbage collection would free only later). Further I/O raises
+        ValueError; closing twice is harmless. Errors of ops still pending are
+        raised here, as by ``wait()``.
+        """
+        try:
+            if self._native.pending() or self._inflight:
+                self.wait()
+        finally:
+            device = self._device_ops
+            if device is not None:
+                device.close()
+            self._native.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._native.closed())
+
+    def __enter__(self) -> "aio_handle":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
 
 def _async_kwarg(async_op: bool, kwargs: dict) -> bool:
     if "async" in kwargs:

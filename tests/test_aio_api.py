@@ -163,3 +163,33 @@ def test_bytearray_and_memoryview_buffers(nvme_dir):
     dst = bytearray(len(src))
     h.sync_pread(memoryview(dst), nvme_dir / "m.bin")
     assert bytes(dst) == src
+
+
+def _aio_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "[aio]" in line)
+
+
+def test_close_frees_kernel_aio_contexts_at_once(nvme_dir):
+    if "aio" not in nvmeio.available_backends():
+        pytest.skip("kernel AIO is refused here")
+    before = _aio_mappings()
+    h = nvmeio.aio_handle(backend="aio", intra_op_parallelism=4)
+    assert _aio_mappings() == before + 4          # one context per worker
+    src = random_bytes(100_000)
+    h.async_pwrite(src, nvme_dir / "c.bin")
+    h.close()                                      # completes the pending write first
+    assert _aio_mappings() == before
+    assert file_bytes(nvme_dir / "c.bin") == src.tobytes()
+    assert h.closed
+    with pytest.raises(ValueError, match="closed aio_handle"):
+        h.sync_pwrite(src, nvme_dir / "d.bin")
+    assert not (nvme_dir / "d.bin").exists()
+    h.close()                                      # twice is harmless
+
+
+def test_handle_as_context_manager(nvme_dir):
+    src = random_bytes(5000)
+    with nvmeio.aio_handle() as h:
+        h.async_pwrite(src, nvme_dir / "cm.bin")
+    assert h.closed and file_bytes(nvme_dir / "cm.bin") == src.tobytes()
