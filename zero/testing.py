@@ -182,3 +182,74 @@ def relative_error(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
+
+
+# -- several ranks in one test: gloo processes started by torch.multiprocessing ------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str) -> None:
+    import json
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    results = {}
+    for name, fn, kwargs in scenarios:
+        try:
+            results[name] = fn(rank, world_size, os.path.join(out_dir, name), **kwargs)
+        except Exception:  # reported to the test, which fails with the traceback
+            results[name] = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, scenarios, out_dir) -> List[dict]:
+    """Run ``scenarios`` (``(name, fn, kwargs)``; ``fn(rank, world_size, scratch_dir, **kwargs)``
+    returns something JSON-able) in ``world_size`` gloo processes; one result dict per rank."""
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    out_dir = os.fspath(out_dir)
+    for name, _, _ in scenarios:
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+    mp.start_processes(_worker, args=(world_size, free_port(), scenarios, out_dir), nprocs=world_size,
+                       start_method="fork")
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str = "none",
+                   offload_optimizer: str = "none", accumulation: int = 1, clip: float = 0.0,
+                   precision: str = "fp32", steps: int = 10, lr: float = 1e-2, **zero_extra) -> List[float]:
+    """Train the test GPT on this rank's half of each batch; returns this rank's losses."""
+    import zero
+
+    torch.manual_seed(0)
+    c = GPTConfig()
+    model = GPT(c)
+    batches = make_batches(c, steps * accumulation, 4 * world_size)
+    config = base_config(offload_param, offload_optimizer, scratch, accumulation=accumulation, clip=clip,
+                         precision=precision, lr=lr, world_size=world_size, sub_group_size=3000, **zero_extra)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    try:
+        return train_engine(engine, batches, steps, accumulation, rank=rank, shards=world_size)
+    finally:
+        engine.destroy()

@@ -1,0 +1,75 @@
+"""Two ranks (gloo processes on this CPU): partitioned parameters, reduce-scattered gradients.
+
+Each rank trains on its half of every batch; plain PyTorch trains on the whole
+batch with the mean of the two halves' losses. Losses agree within rtol 1e-4
+(the sum over ranks rounds differently from one backward over the whole
+batch) for offload none, cpu and nvme, gradient accumulation 1 and 4, with
+clipping. All scenarios run in one pair of processes, started once.
+"""
+import copy
+
+import pytest
+import torch
+
+from zero.testing import (GPT, GPTConfig, base_config, make_batches, run_ranks, scenario_train,
+                          train_reference)
+
+WORLD = 2
+CASES = {
+    "none-none-1": dict(offload_param="none", offload_optimizer="none", accumulation=1, clip=1.0),
+    "cpu-cpu-4": dict(offload_param="cpu", offload_optimizer="cpu", accumulation=4, clip=1.0),
+    "nvme-nvme-1": dict(offload_param="nvme", offload_optimizer="nvme", accumulation=1, clip=1.0),
+    "nvme-cpu-4": dict(offload_param="nvme", offload_optimizer="cpu", accumulation=4, clip=0.0),
+}
+
+
+def scenario_batch_size_check(rank, world_size, scratch):
+    """train_batch_size written for one process is refused with the real world size."""
+    import zero
+
+    config = base_config(world_size=1)  # 4 = 4 x 1 x 1
+    try:
+        zero.initialize(model=GPT(GPTConfig()), config=config)
+    except zero.ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    scenarios = [(name, scenario_train, kwargs) for name, kwargs in CASES.items()]
+    scenarios.append(("batch_size_check", scenario_batch_size_check, {}))
+    return run_ranks(WORLD, scenarios, tmp_path_factory.mktemp("ranks"))
+
+
+def reference_losses(accumulation, clip, steps=10):
+    torch.manual_seed(0)
+    c = GPTConfig()
+    model = GPT(c)
+    batches = make_batches(c, steps * accumulation, 4 * WORLD)
+    return train_reference(model, batches, steps, accumulation, lr=1e-2, clip=clip, shards=WORLD)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_track_plain_pytorch(results, name):
+    for rank in range(WORLD):
+        assert "error" not in results[rank][name], results[rank][name]["error"]
+    case = CASES[name]
+    expected = reference_losses(case["accumulation"], case["clip"])
+    # reference_losses interleaves the shards: [micro0 rank0, micro0 rank1, micro1 rank0, ...]
+    for rank in range(WORLD):
+        got = torch.tensor(results[rank][name], dtype=torch.float64)
+        want = torch.tensor(expected[rank::WORLD], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    assert expected[-1] < expected[0] - 0.3
+
+
+def test_ranks_differ_so_the_data_is_split(results):
+    assert results[0]["none-none-1"][0] != results[1]["none-none-1"][0]
+
+
+def test_batch_size_is_checked_against_the_real_world_size(results):
+    for rank in range(WORLD):
+        message = results[rank]["batch_size_check"]
+        assert "train_batch_size (4) must equal train_micro_batch_size_per_gpu (4) × " \
+               "gradient_accumulation_steps (1) × world_size (2) = 8" in message
