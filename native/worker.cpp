@@ -228,6 +228,9 @@ void Worker::activate(Slice sl) {
     }
     st->pos = a;
     st->mid_end = b;
+  } else if (!engine_->async_buffered()) {
+    run_sync(st.get(), op.file->buffered_fd(), begin, end - begin, op.buf + begin);
+    st->pos = st->mid_end = end;
   } else {
     st->pos = begin;
     st->mid_end = end;

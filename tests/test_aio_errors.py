@@ -113,8 +113,10 @@ def test_failed_extending_write_restores_the_old_size(h, nvme_dir):
     assert file_bytes(path) == old
 
 
-def test_error_during_io_is_raised_by_wait(h):
+@pytest.mark.parametrize("backend", nvmeio.available_backends())
+def test_error_during_io_is_raised_by_wait(backend):
     # /dev/full accepts the open and fails every write with ENOSPC.
+    h = nvmeio.aio_handle(backend=backend)
     with pytest.raises(nvmeio.AioError) as e:
         h.async_pwrite(random_bytes(100_000), "/dev/full")
         h.wait()

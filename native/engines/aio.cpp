@@ -57,6 +57,8 @@ class AioEngine final : public Engine {
   }
   ~AioEngine() override { sys_io_destroy(ctx_); }
 
+  bool async_buffered() const override { return false; }
+
   // io_submit copies each iocb before it returns, so one array reused for
   // every batch is enough.
   int submit(const Request* reqs, int n) override {

@@ -42,6 +42,11 @@ class Engine {
   uint64_t fixed_buffer_requests() const { return fixed_buffer_requests_; }
   uint64_t fixed_file_requests() const { return fixed_file_requests_; }
 
+  // False when requests on buffered (non-O_DIRECT) descriptors gain nothing
+  // here or may be refused: kernel AIO blocks in io_submit on them and
+  // returns EINVAL for some file types. The worker then runs them itself.
+  virtual bool async_buffered() const { return true; }
+
   // Optional registrations (io_uring's fixed buffers and files); engines
   // without them ignore the calls. A request whose memory lies inside a
   // registered buffer, or whose fd is registered, uses the fixed form.
