@@ -35,10 +35,36 @@ def scenario_batch_size_check(rank, world_size, scratch):
     return "no error"
 
 
+def scenario_fp16_overflow_on_one_rank(rank, world_size, scratch):
+    """An overflow on rank 1 only makes every rank skip that step and lower its scale."""
+    import math
+
+    import zero
+
+    torch.manual_seed(0)
+    c = GPTConfig()
+    model = GPT(c)
+    config = base_config(world_size=world_size, precision="fp16", lr=1e-2)
+    config["fp16"]["hysteresis"] = 1
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    scales, adam_steps = [], []
+    for step, (x, y) in enumerate(make_batches(c, 4, 4 * world_size)):
+        loss = engine(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
+        if step == 2 and rank == 1:
+            loss = loss * math.inf
+        engine.backward(loss)
+        engine.step()
+        scales.append(engine.get_loss_scale())
+        adam_steps.append(engine.optimizer.adam_step)
+    engine.destroy()
+    return {"scales": scales, "adam_steps": adam_steps, "skipped": engine.skipped_steps}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     scenarios = [(name, scenario_train, kwargs) for name, kwargs in CASES.items()]
     scenarios.append(("batch_size_check", scenario_batch_size_check, {}))
+    scenarios.append(("fp16_overflow", scenario_fp16_overflow_on_one_rank, {}))
     return run_ranks(WORLD, scenarios, tmp_path_factory.mktemp("ranks"))
 
 
@@ -73,3 +99,10 @@ def test_batch_size_is_checked_against_the_real_world_size(results):
         message = results[rank]["batch_size_check"]
         assert "train_batch_size (4) must equal train_micro_batch_size_per_gpu (4) × " \
                "gradient_accumulation_steps (1) × world_size (2) = 8" in message
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(results):
+    for rank in range(WORLD):
+        got = results[rank]["fp16_overflow"]
+        assert "error" not in got, got.get("error")
+        assert got == {"scales": [256.0, 256.0, 128.0, 128.0], "adam_steps": [1, 2, 2, 3], "skipped": 1}
