@@ -13,7 +13,6 @@ else 0.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.metadata
 import importlib.util
 import json
@@ -245,6 +244,7 @@ def _memlock_checks() -> list[Check]:
 # -- CUDA, cuFile, kvikio ---------------------------------------------------------------
 
 def _find_cufile() -> Optional[str]:
+    import ctypes
     import ctypes.util
 
     names = [ctypes.util.find_library("cufile"), "libcufile.so.0", "libcufile.so"]

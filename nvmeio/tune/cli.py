@@ -121,10 +121,9 @@ def _check_devices(args: argparse.Namespace) -> None:
             raise UsageError("--gds: this nvmeio has no gds_handle (GPUDirect Storage support "
                              "is not installed); see nvmeio_report")
         try:
-            probe = make()
+            make()  # constructs only where CUDA and kvikio are there
         except Exception as e:  # its message says what is missing (CUDA, cuFile, kvikio)
             raise UsageError(f"--gds: {e}") from None
-        del probe
     if args.gpu or args.gds:
         import torch
 

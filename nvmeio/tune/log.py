@@ -104,8 +104,10 @@ def plot_results(results: Results, path: str, title: str, read: bool = True,
         for i in range(len(depths)):
             for j in range(len(sizes)):
                 if not math.isnan(grid[i][j]):
-                    ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", color="white",
-                            fontsize=9)
+                    # dark text on the light (high) end of viridis, light on the dark end
+                    shade = image.norm(grid[i][j])
+                    ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=9,
+                            color="black" if shade > 0.6 else "white")
         ax.set_xticks(range(len(sizes)), [format_size(s) for s in sizes])
         ax.set_yticks(range(len(depths)), [str(d) for d in depths])
         ax.set_xlabel("block_size")

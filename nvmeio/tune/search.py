@@ -10,8 +10,8 @@ grid's pick is the luckiest single sample among 64 or more. The smart search
 spends at most a quarter of the grid's measurements (``len(space) // 4``,
 at least 8; a space of at most 8 points is swept in full) and at most a
 quarter of the grid's time, estimated after step 1 as ``len(space)`` times
-the mean wall time of a coarse run (handle set-up and teardown included),
-less a 20% margin since the coarse runs lean to the slow extremes:
+the median wall time of a coarse run (handle set-up and teardown included),
+less a 20% margin:
 
 1. coarse: per backend, the lowest and the highest ``intra_op_parallelism``
    at an anchor point (upper-median block size and queue depth,
@@ -49,6 +49,7 @@ __all__ = ["Results", "SearchResult", "grid_search", "smart_search", "planned_ev
            "SMALL_SPACE", "METHODS"]
 
 Measure = Callable[[Config, str], Sample]
+Clock = Callable[[], float]
 METHODS = ("smart", "grid")
 SMALL_SPACE = 8          # spaces this small are swept in full
 MIN_EVALS = 8            # the smart search's smallest budget
@@ -56,7 +57,7 @@ DESCENT_REPS = 2         # samples each of challenger and incumbent before a mov
 CONFIRM_REPS = 3         # samples each of the final contenders
 CONTENDERS = 3
 TIME_SHARE = 0.25        # of the grid's estimated time
-TIME_SAFETY = 0.8        # the coarse runs' mean overestimates the grid's mean run
+TIME_SAFETY = 0.8        # margin on the estimate of the grid's time
 DESCENT_ORDER = ("backend", "intra_op_parallelism", "queue_depth", "block_size",
                  "overlap_events", "single_submit")
 
@@ -124,10 +125,12 @@ class _Runner:
     of runs that still fit in both budgets at the mean run time so far.
     """
 
-    def __init__(self, measure: Measure, max_evals: int, budget_s: Optional[float]):
+    def __init__(self, measure: Measure, max_evals: int, budget_s: Optional[float],
+                 clock: Clock = time.monotonic):
         self.measure = measure
         self.max_evals = max_evals
-        self.t0 = time.monotonic()
+        self.clock = clock
+        self.t0 = clock()
         self.deadline = None if budget_s is None else self.t0 + budget_s
         self.time_cap: Optional[float] = None
         self.results = Results()
@@ -140,29 +143,30 @@ class _Runner:
         return self.results.total()
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.t0
+        return self.clock() - self.t0
 
-    def mean_run_s(self) -> float:
-        return statistics.fmean(self.run_s) if self.run_s else 0.0
+    def typical_run_s(self) -> float:
+        """Median wall time of a run: one stalled run must not stretch the time cap."""
+        return statistics.median(self.run_s) if self.run_s else 0.0
 
     def left(self) -> int:
         runs = self.max_evals - self.used
         if self.time_cap is not None and self.run_s:
-            runs = min(runs, int((self.time_cap - self.elapsed()) / self.mean_run_s()))
+            runs = min(runs, int((self.time_cap - self.elapsed()) / self.typical_run_s()))
         return runs
 
     def run(self, config: Config, phase: str) -> Sample:
         if self.used >= self.max_evals:
             raise _OutOfBudget()
-        now = time.monotonic()
+        now = self.clock()
         if self.deadline is not None and self.used and now >= self.deadline:
             self.stopped = "time budget (--budget) spent"
             raise _OutOfBudget()
-        if self.time_cap is not None and self.elapsed() + self.mean_run_s() > self.time_cap:
+        if self.time_cap is not None and self.elapsed() + self.typical_run_s() > self.time_cap:
             self.stopped = "time cap (a quarter of the grid's estimated time) reached"
             raise _OutOfBudget()
         sample = self.measure(config, phase)
-        self.run_s.append(time.monotonic() - now)
+        self.run_s.append(self.clock() - now)
         self.results.add(config, sample)
         self.phases[phase] = self.phases.get(phase, 0) + 1
         return sample
@@ -186,9 +190,12 @@ def _best_pick(results: Results, min_samples: int = 1) -> Optional[Config]:
 
 
 def grid_search(space: SweepSpace, measure: Measure, budget_s: Optional[float] = None,
-                phase: str = "grid") -> SearchResult:
-    """Every configuration once, in order; the pick is the best single sample."""
-    runner = _Runner(measure, len(space), budget_s)
+                phase: str = "grid", clock: Clock = time.monotonic) -> SearchResult:
+    """Every configuration once, in order; the pick is the best single sample.
+
+    ``clock``: seconds, monotonic (tests pass a simulated one).
+    """
+    runner = _Runner(measure, len(space), budget_s, clock)
     try:
         for config in space:
             runner.run(config, phase)
@@ -224,22 +231,26 @@ def coarse_points(space: SweepSpace, limit: int) -> list[Config]:
 
 
 def smart_search(space: SweepSpace, measure: Measure, max_evals: Optional[int] = None,
-                 budget_s: Optional[float] = None) -> SearchResult:
-    """Coarse grid, coordinate descent, confirmation; see [Note: the smart search]."""
+                 budget_s: Optional[float] = None,
+                 clock: Clock = time.monotonic) -> SearchResult:
+    """Coarse grid, coordinate descent, confirmation; see [Note: the smart search].
+
+    ``max_evals`` replaces the default run budget (and lifts the time cap).
+    """
     n = len(space)
     if n <= SMALL_SPACE:
-        result = grid_search(space, measure, budget_s)
+        result = grid_search(space, measure, budget_s, clock=clock)
         result.method = "smart (small space: every configuration once)"
         return result
     budget = planned_evals(space, "smart", max_evals)
-    runner = _Runner(measure, budget, budget_s)
+    runner = _Runner(measure, budget, budget_s, clock)
     results = runner.results
     reserve = max(2, budget // 5)
     try:
         for config in coarse_points(space, budget // 3):
             runner.run(config, "coarse")
         if max_evals is None:
-            runner.time_cap = TIME_SHARE * TIME_SAFETY * n * runner.mean_run_s()
+            runner.time_cap = TIME_SHARE * TIME_SAFETY * n * runner.typical_run_s()
         current = _best_pick(results) or next(iter(results.samples))
         starts = set()
         while current not in starts:
