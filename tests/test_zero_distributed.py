@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from zero.testing import (GPT, GPTConfig, base_config, make_batches, run_ranks, scenario_train,
+from zero.testing import (GPT, GPTConfig, base_config, make_batches, run_ranks, scenario_train, train_engine,
                           train_reference)
 
 WORLD = 2
@@ -60,11 +60,33 @@ def scenario_fp16_overflow_on_one_rank(rank, world_size, scratch):
     return {"scales": scales, "adam_steps": adam_steps, "skipped": engine.skipped_steps}
 
 
+def scenario_checkpoint(rank, world_size, scratch):
+    """Save after 3 steps on two ranks; rank 0 also writes the gathered weights; train 2 more."""
+    import zero
+
+    torch.manual_seed(0)
+    c = GPTConfig()
+    model = GPT(c)
+    config = base_config("nvme", "cpu", scratch, world_size=world_size, lr=1e-2, clip=1.0, sub_group_size=3000)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    batches = make_batches(c, 5, 4 * world_size)
+    train_engine(engine, batches[:3], 3, rank=rank, shards=world_size)
+    engine.save_checkpoint(f"{scratch}/ckpt")
+    with zero.GatheredParameters(list(model.parameters())):
+        full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(full, f"{scratch}/full.pt")
+    losses = train_engine(engine, batches[3:], 2, rank=rank, shards=world_size)
+    engine.destroy()
+    return {"losses": losses, "scratch": scratch}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     scenarios = [(name, scenario_train, kwargs) for name, kwargs in CASES.items()]
     scenarios.append(("batch_size_check", scenario_batch_size_check, {}))
     scenarios.append(("fp16_overflow", scenario_fp16_overflow_on_one_rank, {}))
+    scenarios.append(("checkpoint", scenario_checkpoint, {}))
     return run_ranks(WORLD, scenarios, tmp_path_factory.mktemp("ranks"))
 
 
@@ -106,3 +128,24 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(results):
         got = results[rank]["fp16_overflow"]
         assert "error" not in got, got.get("error")
         assert got == {"scales": [256.0, 256.0, 128.0, 128.0], "adam_steps": [1, 2, 2, 3], "skipped": 1}
+
+
+def test_a_two_rank_checkpoint_consolidates_and_resumes_on_one_rank(results, tmp_path):
+    import zero
+
+    got = [results[rank]["checkpoint"] for rank in range(WORLD)]
+    assert all("error" not in g for g in got), [g.get("error") for g in got]
+    scratch = got[0]["scratch"]
+    state = zero.get_fp32_state_dict_from_zero_checkpoint(f"{scratch}/ckpt")
+    full = torch.load(f"{scratch}/full.pt", weights_only=True)
+    assert set(full) <= set(state) and all(torch.equal(state[n], full[n]) for n in full)
+
+    torch.manual_seed(1)
+    c = GPTConfig()
+    engine, _, _, _ = zero.initialize(model=GPT(c), config=base_config("cpu", "nvme", tmp_path, lr=1e-2,
+                                                                        clip=1.0, micro=4 * WORLD))
+    engine.load_checkpoint(f"{scratch}/ckpt")
+    losses = train_engine(engine, make_batches(c, 5, 4 * WORLD)[3:], 2)
+    engine.destroy()
+    two_ranks = [(a + b) / 2 for a, b in zip(got[0]["losses"], got[1]["losses"])]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(two_ranks), rtol=1e-4, atol=0)

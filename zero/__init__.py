@@ -12,4 +12,14 @@ from .gathered import GatheredParameters
 from .init_context import Init
 from .initialize import initialize
 
-__all__ = ["ConfigError", "DeepSpeedConfig", "GatheredParameters", "Init", "ZeroEngine", "initialize", "load_config", "resolve_auto"]
+__all__ = ["ConfigError", "DeepSpeedConfig", "GatheredParameters", "Init", "ZeroEngine", "get_fp32_state_dict_from_zero_checkpoint",
+           "initialize", "load_config", "load_state_dict_from_zero_checkpoint", "resolve_auto"]
+
+
+def __getattr__(name):
+    # Imported on first use, so that ``python -m zero.zero_to_fp32`` runs a module not yet imported.
+    if name in ("get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint"):
+        from . import zero_to_fp32
+
+        return getattr(zero_to_fp32, name)
+    raise AttributeError(f"module 'zero' has no attribute {name!r}")

@@ -16,7 +16,7 @@ views the function updates in place.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,7 +56,8 @@ class OptimizerStore:
         """Copies of one sub-group's master and states (for checkpoints)."""
         raise NotImplementedError
 
-    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor]) -> None:
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Replace one sub-group's master and, unless ``states`` is None, its states."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -93,11 +94,12 @@ class FlatOptimizerStore(OptimizerStore):
         master, states, _ = self._views(sub_group)
         return master.detach().cpu().clone(), {k: v.detach().cpu().clone() for k, v in states.items()}
 
-    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor]) -> None:
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
         m, s, _ = self._views(sub_group)
         m.copy_(master)
         for k, v in s.items():
-            v.copy_(states[k])
+            if states is not None:
+                v.copy_(states[k])
 
 
 class NvmeOptimizerStore(OptimizerStore):
@@ -165,9 +167,15 @@ class NvmeOptimizerStore(OptimizerStore):
             self.swapper.release(sub_group.index)
             self.io_seconds += time.perf_counter() - t0
 
-    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor]) -> None:
-        if sub_group.numel:
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
+        if not sub_group.numel:
+            return
+        if states is not None:
             self.swapper.initialize(sub_group.index, master, states)
+            return
+        tensors = self.swapper.swap_in(sub_group.index)
+        tensors.master.copy_(master)
+        self.swapper.swap_out(sub_group.index)
 
     @property
     def swap_dir(self) -> str:

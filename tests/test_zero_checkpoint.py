@@ -1,0 +1,172 @@
+"""Checkpoints: resume bit for bit, atomic saves, zero_to_fp32 and save_16bit_model.
+
+A run saved after 3 steps and resumed in a fresh engine (fresh random
+weights, so nothing carries over by accident) continues with exactly the
+losses of the uninterrupted run, for every offload and for fp16 (whose loss
+scaler state is restored), with the LR schedule and client state restored. A
+save that dies half way leaves ``latest`` on the previous complete checkpoint.
+"""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zero
+import zero.checkpoint as checkpoint_module
+from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+
+CFG = GPTConfig()
+
+
+def make_engine(tmp_path, offload="none", precision="fp32", seed=0, **extra):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    config = base_config(offload, offload, tmp_path / "swap", clip=1.0, lr=1e-2, precision=precision)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 4}}
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    config.update(extra)
+    (tmp_path / "swap").mkdir(exist_ok=True)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    return engine, model
+
+
+def gathered(model):
+    with zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("offload,precision", [("none", "fp32"), ("cpu", "fp32"), ("nvme", "fp32"),
+                                               ("nvme", "fp16")])
+def test_resume_continues_exactly(tmp_path, offload, precision):
+    batches = make_batches(CFG, 6, 4)
+    engine, _ = make_engine(tmp_path, offload, precision)
+    train_engine(engine, batches[:3], 3)
+    engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 7})
+    expected = train_engine(engine, batches[3:], 3)
+    expected_lr = engine.get_lr()
+    engine.destroy()
+
+    resumed, _ = make_engine(tmp_path, offload, precision, seed=1)
+    path, client = resumed.load_checkpoint(tmp_path / "ckpt")
+    assert path == str(tmp_path / "ckpt" / "global_step3") and client == {"epoch": 7}
+    assert resumed.global_steps == 3 and resumed.lr_scheduler.last_batch_iteration == 2
+    assert train_engine(resumed, batches[3:], 3) == expected
+    assert resumed.get_lr() == expected_lr
+    resumed.destroy()
+
+
+def test_layout_latest_and_no_partial_left(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.save_checkpoint(tmp_path / "ckpt", tag="named")
+    engine.destroy()
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest").read_text() == "named"
+    assert sorted(os.listdir(ckpt)) == ["global_step1", "latest", "named"]
+    files = sorted(os.listdir(ckpt / "named" / "rank00000"))
+    n = len(engine.parts.rank_layout.sub_groups)
+    assert files == ["engine.pt"] + [f"subgroup{i:05d}.pt" for i in range(n)]
+
+
+def test_a_crash_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path, monkeypatch):
+    engine, model = make_engine(tmp_path)
+    batches = make_batches(CFG, 2, 4)
+    train_engine(engine, batches[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    first = gathered(model)
+    train_engine(engine, batches[1:], 1)
+
+    real_save, calls = torch.save, []
+
+    def dying_save(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", dying_save)
+    with pytest.raises(OSError, match="No space left"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step1"
+    assert not (tmp_path / "ckpt" / "global_step2").exists()
+
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(first[n], v) for n, v in gathered(model).items())
+    engine.save_checkpoint(tmp_path / "ckpt", tag="again")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["again", "global_step1", "latest"]
+    engine.destroy()
+
+
+def test_resaving_a_tag_replaces_it_whole(tmp_path):
+    engine, _ = make_engine(tmp_path)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    engine.destroy()
+    small, _ = make_engine(tmp_path, zero_optimization={**base_config()["zero_optimization"],
+                                                        "sub_group_size": 100_000})
+    small.save_checkpoint(tmp_path / "ckpt", tag="t")
+    small.destroy()
+    assert sorted(os.listdir(tmp_path / "ckpt" / "t" / "rank00000")) == ["engine.pt", "subgroup00000.pt"]
+
+
+def test_zero_to_fp32_cli_and_functions_give_the_trained_weights(tmp_path):
+    engine, model = make_engine(tmp_path, "nvme", "fp16")
+    train_engine(engine, make_batches(CFG, 3, 4), 3)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    master = {}
+    for sg in engine.parts.rank_layout.sub_groups:  # the fp32 masters, for comparison
+        m, _ = engine.parts.optimizer_store.read(sg)
+        master[sg.index] = m
+    engine.destroy()
+
+    out = tmp_path / "model.bin"
+    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path / "ckpt"), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    state = torch.load(out, weights_only=True)
+    direct = zero.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert list(state) == list(direct) and all(torch.equal(state[k], direct[k]) for k in state)
+    reference = GPT(CFG)
+    assert set(state) == set(reference.state_dict())
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert state["head.weight"].data_ptr() == state["wte.weight"].data_ptr()  # tied, stored once
+    layout = engine.parts.rank_layout
+    unit = layout.units[1]
+    start, _ = layout.unit_range(1)
+    sg = layout.sub_group_of(1)
+    flat = torch.cat([state[s.name].reshape(-1) for s in unit.slots])
+    assert torch.equal(flat, master[sg.index][start - sg.start:start - sg.start + unit.numel])
+
+    loaded = zero.load_state_dict_from_zero_checkpoint(GPT(CFG), tmp_path / "ckpt")
+    assert all(torch.equal(p, state[n]) for n, p in loaded.named_parameters())
+
+
+def test_zero_to_fp32_reports_a_missing_checkpoint(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path), str(tmp_path / "o.bin")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert f"{tmp_path} has no 'latest' file; pass the tag explicitly" in run.stderr
+
+
+def test_save_16bit_model(tmp_path, caplog):
+    engine, model = make_engine(tmp_path, "cpu", "bf16")
+    train_engine(engine, make_batches(CFG, 2, 4), 2)
+    assert engine.save_16bit_model(tmp_path / "export")
+    state = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+    with zero.GatheredParameters(list(model.parameters())):
+        for name, p in model.named_parameters():
+            assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], p.detach())
+    assert set(state) == set(GPT(CFG).state_dict())
+    engine.destroy()
+
+    off, _ = make_engine(tmp_path)
+    off.config.zero_optimization.__dict__["stage3_gather_16bit_weights_on_model_save"] = False
+    assert off.save_16bit_model(tmp_path / "none") is False
+    assert not (tmp_path / "none").exists()
+    assert "stage3_gather_16bit_weights_on_model_save is false" in caplog.text
+    off.destroy()
