@@ -4,7 +4,8 @@ Each rank trains on its half of every batch; plain PyTorch trains on the whole
 batch with the mean of the two halves' losses. Losses agree within rtol 1e-4
 (the sum over ranks rounds differently from one backward over the whole
 batch) for offload none, cpu and nvme, gradient accumulation 1 and 4, with
-clipping. All scenarios run in one pair of processes, started once.
+clipping, and for a model built inside zero.Init. All scenarios run in one
+pair of processes, started once.
 """
 import copy
 
@@ -20,6 +21,7 @@ CASES = {
     "cpu-cpu-4": dict(offload_param="cpu", offload_optimizer="cpu", accumulation=4, clip=1.0),
     "nvme-nvme-1": dict(offload_param="nvme", offload_optimizer="nvme", accumulation=1, clip=1.0),
     "nvme-cpu-4": dict(offload_param="nvme", offload_optimizer="cpu", accumulation=4, clip=0.0),
+    "init-cpu-1": dict(offload_param="cpu", offload_optimizer="none", accumulation=1, clip=1.0, use_init=True),
 }
 
 

@@ -8,11 +8,14 @@ The config layer is :mod:`zero.config`; see DESIGN.md for the layering.
 
 from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
 from .engine import ZeroEngine
+from .estimator import (estimate_zero3_model_states_mem_needs_all_cold,
+                        estimate_zero3_model_states_mem_needs_all_live)
 from .gathered import GatheredParameters
 from .init_context import Init
 from .initialize import initialize
 
-__all__ = ["ConfigError", "DeepSpeedConfig", "GatheredParameters", "Init", "ZeroEngine", "get_fp32_state_dict_from_zero_checkpoint",
+__all__ = ["ConfigError", "DeepSpeedConfig", "GatheredParameters",
+           "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live", "Init", "ZeroEngine", "get_fp32_state_dict_from_zero_checkpoint",
            "initialize", "load_config", "load_state_dict_from_zero_checkpoint", "resolve_auto"]
 
 

@@ -7,8 +7,10 @@
 Inside the block the parameters hold their full values on every rank. With
 ``modifier_rank`` set, that rank's values are broadcast on exit and become the
 new partitioned values: the compute-dtype shards and the fp32 master weights
-(so an engine's next step starts from them). Without it, changes are
-discarded. Works for parameters of an engine and for parameters partitioned
+(so an engine's next step starts from them). Without it, changes are not
+propagated: other ranks never see them and they may or may not survive the
+release (on one rank, fp32 parameters kept in memory are views of the master
+weights, so in-place changes stay). Works for parameters of an engine and for parameters partitioned
 by :class:`zero.Init` before any engine exists; other tensors pass through.
 """
 from __future__ import annotations

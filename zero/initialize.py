@@ -69,6 +69,11 @@ def _optimizer_spec(model, config: DeepSpeedConfig, optimizer, model_parameters)
             f"optimizer {type(optimizer).__name__} is not Adam or AdamW, which the ZeRO optimizer "
             f"implements; to step it on the partitions anyway (it must be elementwise) set "
             f'"zero_allow_untested_optimizer": true'))])
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        raise ConfigError([Problem("zero_optimization.offload_optimizer.device", (
+            f"'nvme' swaps the states of the ZeRO Adam optimizer only; a script's own "
+            f"{type(optimizer).__name__} keeps its states in memory: use device 'cpu' or 'none', or the "
+            f"config's optimizer section (Adam/AdamW)"))])
     hyper_keys = set(optimizer.defaults)
     groups = [dict({k: v for k, v in g.items() if k in hyper_keys}, params=g["params"]) for g in groups]
     return OptimizerSpec(groups, None, torch_type=type(optimizer), torch_defaults=dict(optimizer.defaults))

@@ -238,16 +238,24 @@ def run_ranks(world_size: int, scenarios, out_dir) -> List[dict]:
 
 def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str = "none",
                    offload_optimizer: str = "none", accumulation: int = 1, clip: float = 0.0,
-                   precision: str = "fp32", steps: int = 10, lr: float = 1e-2, **zero_extra) -> List[float]:
-    """Train the test GPT on this rank's half of each batch; returns this rank's losses."""
+                   precision: str = "fp32", steps: int = 10, lr: float = 1e-2, use_init: bool = False,
+                   **zero_extra) -> List[float]:
+    """Train the test GPT on this rank's part of each batch; returns this rank's losses.
+
+    ``use_init`` builds the model inside ``zero.Init``.
+    """
     import zero
 
-    torch.manual_seed(0)
-    c = GPTConfig()
-    model = GPT(c)
-    batches = make_batches(c, steps * accumulation, 4 * world_size)
     config = base_config(offload_param, offload_optimizer, scratch, accumulation=accumulation, clip=clip,
                          precision=precision, lr=lr, world_size=world_size, sub_group_size=3000, **zero_extra)
+    torch.manual_seed(0)
+    c = GPTConfig()
+    if use_init:
+        with zero.Init(config_dict_or_path=config):
+            model = GPT(c)
+    else:
+        model = GPT(c)
+    batches = make_batches(c, steps * accumulation, 4 * world_size)
     engine, _, _, _ = zero.initialize(model=model, config=config)
     try:
         return train_engine(engine, batches, steps, accumulation, rank=rank, shards=world_size)

@@ -1,0 +1,60 @@
+"""The memory estimator: its table, its sizes read from a (partitioned) model, and its terms."""
+import pytest
+
+import zero
+from zero.estimator import GB, estimate_zero3, model_sizes
+from zero.testing import GPT, GPTConfig
+
+CFG = GPTConfig()
+
+
+def expected_sizes():
+    d, v, s = CFG.d_model, CFG.vocab, CFG.seq
+    block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    total = v * d + s * d + CFG.layers * block + 2 * d  # head tied to wte
+    largest = max(v * d, 4 * d * d + 4 * d)
+    return total, largest
+
+
+def test_sizes_are_read_from_plain_and_partitioned_models():
+    assert model_sizes(GPT(CFG)) == expected_sizes()
+    with zero.Init():
+        partitioned = GPT(CFG)
+    assert model_sizes(partitioned) == expected_sizes()
+
+
+def test_the_table_has_every_offload_combination(capsys):
+    rows = zero.estimate_zero3_model_states_mem_needs_all_live(GPT(CFG), num_gpus_per_node=2)
+    out = capsys.readouterr().out.splitlines()
+    total, largest = expected_sizes()
+    assert out[:4] == [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        "HW: Setup with 1 node, 2 GPUs per node.",
+        f"SW: Model with {int(total / 1e6)}M total params, {int(largest / 1e6)}M largest layer params.",
+        "  per CPU  |  per GPU |  per NVMe |   Options",
+    ]
+    assert len(rows) == 18 and len(out) == 4 + 18 + 1
+    assert {(r.offload_param, r.offload_optimizer, r.zero_init) for r in rows} == {
+        (p, o, z) for p in ("none", "cpu", "nvme") for o in ("none", "cpu", "nvme") for z in (True, False)}
+    first = rows[0]
+    assert out[4] == (f"  {first.cpu_bytes / GB:7.2f}GB | {first.gpu_bytes / GB:6.2f}GB | "
+                      f"{first.nvme_bytes / GB:7.2f}GB | offload_param=none, offload_optimizer=none, zero_init=1")
+
+
+@pytest.mark.parametrize("param,opt", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), ("nvme", "cpu")])
+def test_terms(param, opt):
+    P, L, R, N = 8_000_000_000, 100_000_000, 4, 2
+    W = R * N
+    shard = P / W
+    e = estimate_zero3(P, L, param, opt, True, R, N, additional_buffer_factor=1.0, sub_group_size=10 ** 8)
+    gpu = 4 * L + (2 * shard if param == "none" else 0) + (16 * shard if opt == "none" else 0)
+    cpu_rank = (2 * shard if param == "cpu" else 0) + (16 * shard if opt == "cpu" else 0)
+    cpu_rank += 4 * shard if opt == "nvme" else 0  # gradients stay in host memory
+    cpu_rank += 5 * 2 * (L // W) if param == "nvme" else 0  # pinned parameter buffers
+    cpu_rank += 12 * 10 ** 8 if opt == "nvme" else 0  # one pinned optimizer sub-group
+    nvme_rank = (2 * shard if param == "nvme" else 0) + (12 * shard if opt == "nvme" else 0)
+    assert e.gpu_bytes == pytest.approx(gpu)
+    assert e.cpu_bytes == pytest.approx(cpu_rank * R)
+    assert e.nvme_bytes == pytest.approx(nvme_rank * R)
+    cold = estimate_zero3(P, L, param, opt, False, R, N, additional_buffer_factor=1.0, sub_group_size=10 ** 8)
+    assert cold.cpu_bytes == pytest.approx(max(cpu_rank * R, 4 * P * R))
