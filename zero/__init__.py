@@ -3,26 +3,42 @@
     engine, optimizer, _, scheduler = zero.initialize(model=model, config="ds_config.json")
     loss = engine(batch); engine.backward(loss); engine.step()
 
-The config layer is :mod:`zero.config`; see DESIGN.md for the layering.
+Also: ``zero.Init`` (build a model partitioned from the start),
+``zero.GatheredParameters``, ``engine.save_checkpoint / load_checkpoint /
+save_16bit_model``, ``get_fp32_state_dict_from_zero_checkpoint``,
+``load_state_dict_from_zero_checkpoint`` (and ``python -m zero.zero_to_fp32``),
+``estimate_zero3_model_states_mem_needs_all_live / _all_cold``.
+
+Importing ``zero`` loads only the config layer (:mod:`zero.config`, no torch);
+the engine's modules are imported on first use of their names.
 """
 
 from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
-from .engine import ZeroEngine
-from .estimator import (estimate_zero3_model_states_mem_needs_all_cold,
-                        estimate_zero3_model_states_mem_needs_all_live)
-from .gathered import GatheredParameters
-from .init_context import Init
-from .initialize import initialize
 
-__all__ = ["ConfigError", "DeepSpeedConfig", "GatheredParameters",
-           "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live", "Init", "ZeroEngine", "get_fp32_state_dict_from_zero_checkpoint",
-           "initialize", "load_config", "load_state_dict_from_zero_checkpoint", "resolve_auto"]
+_LAZY = {
+    "initialize": "initialize",
+    "ZeroEngine": "engine",
+    "Init": "init_context",
+    "GatheredParameters": "gathered",
+    "estimate_zero3_model_states_mem_needs_all_live": "estimator",
+    "estimate_zero3_model_states_mem_needs_all_cold": "estimator",
+    "get_fp32_state_dict_from_zero_checkpoint": "zero_to_fp32",
+    "load_state_dict_from_zero_checkpoint": "zero_to_fp32",
+}
+
+__all__ = ["ConfigError", "DeepSpeedConfig", "load_config", "resolve_auto", *_LAZY]
 
 
 def __getattr__(name):
-    # Imported on first use, so that ``python -m zero.zero_to_fp32`` runs a module not yet imported.
-    if name in ("get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zero_checkpoint"):
-        from . import zero_to_fp32
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zero' has no attribute {name!r}")
+    import importlib
 
-        return getattr(zero_to_fp32, name)
-    raise AttributeError(f"module 'zero' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
