@@ -102,13 +102,20 @@ PYBIND11_MODULE(_native, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("wait",
            [](Handle& h) {
-             WaitResult r;
-             {
-               py::gil_scoped_release release;
-               r = h.wait();
+             // Wake every 50 ms to let Python run signal handlers: Ctrl-C
+             // during a long wait raises KeyboardInterrupt (the ops go on;
+             // a later wait() collects them).
+             std::optional<WaitResult> r;
+             for (;;) {
+               {
+                 py::gil_scoped_release release;
+                 r = h.wait_for(50);
+               }
+               if (r) break;
+               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
              }
-             if (r.error) throw *r.error;
-             return r.completed;
+             if (r->error) throw *r->error;
+             return r->completed;
            })
       .def("add_region", [](Handle& h, uintptr_t p, int64_t len) { h.add_region(as_ptr(p), len); })
       .def("remove_region", [](Handle& h, uintptr_t p) { h.remove_region(as_ptr(p)); })

@@ -1,6 +1,7 @@
 #include "handle.h"
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 
 #include "aligned.h"
@@ -147,6 +148,18 @@ void Handle::add_region(char* p, int64_t len) {
 
 void Handle::remove_region(char* p) {
   for (auto& w : workers_) w->remove_region(p);
+}
+
+std::optional<WaitResult> Handle::wait_for(int ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, std::chrono::milliseconds(ms), [&] { return pending_ == 0; }))
+    return std::nullopt;
+  WaitResult r;
+  r.completed = completed_;
+  r.error = std::move(first_error_);
+  completed_ = 0;
+  first_error_.reset();
+  return r;
 }
 
 int64_t Handle::pending() {

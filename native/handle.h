@@ -44,6 +44,9 @@ class Handle final : public OpSink {
   void submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset);
   void submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset);
   WaitResult wait();
+  // Like wait(), but gives up after `ms` milliseconds (nullopt) so that the
+  // caller can check for signals in between.
+  std::optional<WaitResult> wait_for(int ms);
   // Waits for ops in flight, then stops the workers and frees their engines
   // (kernel AIO contexts are a system-wide resource). Later submits throw.
   void close();

@@ -1,5 +1,7 @@
 #include "worker.h"
 
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,6 +43,11 @@ Worker::Worker(const WorkerConfig& cfg, OpSink* sink)
   std::promise<void> ready;
   std::future<void> made = ready.get_future();
   thread_ = std::thread([this, &ready] {
+    // Signals (Ctrl-C, SIGTERM) belong to the application's threads: a worker
+    // never takes one, so Python's handler runs where Python can act on it.
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, nullptr);
     try {
       engine_ = make_engine(cfg_.engine, cfg_.queue_depth, cfg_.single_submit);
     } catch (...) {

@@ -251,7 +251,14 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
             checks, self._checks = self._checks, []
             device = self._device_ops
         if device is None:
-            n = self._native.wait()
+            try:
+                n = self._native.wait()
+            except KeyboardInterrupt:
+                # The ops go on: keep their buffers alive for the next wait().
+                with self._lock:
+                    self._inflight[:0] = done
+                    self._checks[:0] = checks
+                raise
         else:
             # Both halves complete before either's error is raised.
             error = None
