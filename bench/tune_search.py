@@ -119,7 +119,8 @@ def markdown(report: dict) -> str:
         f"Load before: `{m['uptime_before']}`; after: `{m['uptime_after']}` "
         "(2 cores shared with other engineers' jobs).", "",
         "| trial | grid runs | grid time | smart runs | smart time | time ratio | "
-        "grid pick (re-measured r+w GB/s) | smart pick (re-measured r+w GB/s) | "
+        "grid pick: r+w GB/s in the sweep → re-measured | "
+        "smart pick: r+w GB/s in the search → re-measured | "
         f"quality ratio (mean of {report['rounds']}) | median ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -127,8 +128,9 @@ def markdown(report: dict) -> str:
         g, s = t["grid"], t["smart"]
         lines.append(
             f"| {i} | {g['runs']} | {g['time_s']:.1f} s | {s['runs']} | {s['time_s']:.1f} s | "
-            f"**{t['time_ratio']:.3f}** | `{g['label']}` {g['sum_mean']:.2f} | "
-            f"`{s['label']}` {s['sum_mean']:.2f} | **{t['quality_ratio']:.3f}** | "
+            f"**{t['time_ratio']:.3f}** | `{g['label']}` {g['pick_search_gbps']:.2f} → "
+            f"{g['sum_mean']:.2f} | `{s['label']}` {s['pick_search_gbps']:.2f} → "
+            f"{s['sum_mean']:.2f} | **{t['quality_ratio']:.3f}** | "
             f"{t['quality_ratio_median']:.3f} |")
     v = report["verdict"]
     lines += [
@@ -139,10 +141,11 @@ def markdown(report: dict) -> str:
         f"{v['worst_quality_ratio']:.3f}).",
         "",
         "Times cover the searches' measurements only (the buffer and file are shared and "
-        "prepared once). The grid pick is its best single sample (ds_nvme_tune's rule); the "
+        "prepared once), handle set-up and teardown included. The grid pick is its best "
+        "single sample (ds_nvme_tune's rule), so its sweep figure is its luckiest run; the "
         "smart pick is the best mean among configurations measured at least twice. The "
         f"quality ratio is smart / grid of the mean read + write GB/s over {report['rounds']} "
-        "alternating re-measurements of each pick. JSON: "
+        "alternating re-measurements of each pick (the order flips every round). JSON: "
         f"`{report.get('json_path', 'stdout')}`.",
         "",
     ]
@@ -161,7 +164,8 @@ def update_results_md(path: Path, section_text: str) -> None:
         return
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
                len(lines))
-    path.write_text("".join(lines[:start]) + section_text + "\n" + "".join(lines[end:]))
+    tail = "".join(lines[end:])
+    path.write_text("".join(lines[:start]) + section_text + ("\n" + tail if tail else ""))
 
 
 def main() -> int:
