@@ -31,7 +31,8 @@ void Handle::close() {
     closed_ = true;
     workers.swap(workers_);
   }
-  workers.clear();  // joins the threads, outside the lock they report to
+  for (auto& w : workers) w->request_stop();  // all stop at once ...
+  workers.clear();  // ... then join, outside the lock they report to
 }
 
 bool Handle::closed() {

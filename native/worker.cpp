@@ -65,12 +65,16 @@ Worker::Worker(const WorkerConfig& cfg, OpSink* sink)
   }
 }
 
-Worker::~Worker() {
+void Worker::request_stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_one();
+}
+
+Worker::~Worker() {
+  request_stop();
   thread_.join();
 }
 
@@ -88,6 +92,7 @@ void Worker::enqueue(Slice s) {
 
 // Caller holds mu_.
 void Worker::publish_stats() {
+  if (!engine_) return;
   local_.submit_calls = engine_->submit_calls();
   local_.fixed_buffers = engine_->fixed_buffer_requests();
   local_.fixed_files = engine_->fixed_file_requests();
@@ -261,7 +266,14 @@ void Worker::run() {
       publish_stats();
       if (active_.empty() && inflight_ == 0 && unsubmitted_.empty()) {
         cv_.wait(lock, [&] { return stop_ || !queue_.empty() || !region_commands_.empty(); });
-        if (queue_.empty() && region_commands_.empty()) return;  // stop_, nothing left
+        if (queue_.empty() && region_commands_.empty()) {
+          // stop_, nothing left. The engine goes here, on this thread:
+          // io_destroy waits tens of milliseconds for in-kernel teardown,
+          // which the workers of a handle then spend side by side.
+          lock.unlock();
+          engine_.reset();
+          return;
+        }
       }
       incoming_.swap(queue_);
       commands_.swap(region_commands_);

@@ -44,7 +44,10 @@ struct WorkerStats {
 class Worker {
  public:
   Worker(const WorkerConfig& cfg, OpSink* sink);
-  ~Worker();  // stops the thread after the queued work is done
+  ~Worker();  // stops the thread after the queued work is done, and joins it
+  // Asks the thread to stop once its queue is done, without waiting: a handle
+  // stops all its workers first, so their engines are torn down in parallel.
+  void request_stop();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import threading
 import warnings
@@ -36,9 +37,16 @@ class ValidationError(AioError):
     """``validate=True`` found the file and the buffer differ."""
 
 
+@functools.lru_cache(maxsize=None)
+def _probed_backends() -> tuple[str, ...]:
+    # Probing sets up and tears down a ring and an AIO context (~30 ms); what
+    # the kernel allows does not change while the process runs.
+    return tuple(_native.available_backends())
+
+
 def available_backends() -> list[str]:
-    """Backends this build has and this kernel allows, fastest first."""
-    return list(_native.available_backends())
+    """Backends this build has and this kernel allows (io_uring, aio, psync order)."""
+    return list(_probed_backends())
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -46,7 +46,9 @@ def _one_round(backend: str, path: str, buf) -> float:
 
 def measure_backends(directory: str | None = None, rounds: int = 3) -> dict[str, float]:
     """Best seconds of the probe mix per available backend."""
-    backends = list(_native.available_backends())
+    from .aio_handle import available_backends  # noqa: PLC0415
+
+    backends = available_backends()
     directory = directory or os.environ.get("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
     buf = memoryview(_native.LockedBuffer(_BIG, True))
     best = {b: float("inf") for b in backends}
@@ -66,7 +68,9 @@ def fastest_backend() -> str:
     global _chosen
     if _chosen is None:
         forced = os.environ.get("NVMEIO_BACKEND")
-        available = list(_native.available_backends())
+        from .aio_handle import available_backends  # noqa: PLC0415
+
+        available = available_backends()
         if forced:
             if forced not in available:
                 raise ValueError(f"NVMEIO_BACKEND={forced!r} is not available here; available "

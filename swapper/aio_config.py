@@ -15,6 +15,7 @@ class AioConfig:
     single_submit: bool = False
     overlap_events: bool = False
     intra_op_parallelism: int = 1
+    backend: str = "auto"  # as nvme_tune prints it; "auto" = the fastest, measured
 
     @classmethod
     def coerce(cls, value: Union["AioConfig", Mapping[str, Any], None]) -> "AioConfig":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 import warnings
 from dataclasses import dataclass
@@ -103,28 +102,6 @@ class PageCache:
         elif evict or self.requested:
             for p in paths:
                 _evict(p)
-
-
-_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-
-
-@contextlib.contextmanager
-def _signals_blocked():
-    """Blocks SIGINT/SIGTERM/SIGHUP in this thread while a handle starts its workers.
-
-    [Note: Ctrl-C and the worker threads]
-    The handle's worker threads inherit the signal mask of the thread that
-    constructs it. Constructed with these signals blocked, the workers never
-    receive them, so a Ctrl-C always lands on the main thread, which raises
-    KeyboardInterrupt as soon as the op it waits for completes. Delivered to
-    a worker blocked in a syscall instead, it was seen to leave ``wait()``
-    hanging until a second Ctrl-C.
-    """
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _setup_backend() -> str:
@@ -234,8 +211,7 @@ class Workload:
         if self.gds:
             import nvmeio
 
-            with _signals_blocked():
-                self._allocator = nvmeio.gds_handle()
+            self._allocator = nvmeio.gds_handle()
             example = torch.empty(0, dtype=torch.uint8, device="cuda")
             self._buffer = self._allocator.new_pinned_device_tensor(self.nbytes, example)
         elif self.device == "cuda":
@@ -244,8 +220,7 @@ class Workload:
             import nvmeio
 
             # A named backend: "auto" would measure the backends first.
-            with _signals_blocked():
-                self._allocator = nvmeio.aio_handle(backend=_setup_backend())
+            self._allocator = nvmeio.aio_handle(backend=_setup_backend())
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 self._buffer = self._allocator.new_cpu_locked_tensor(
@@ -281,7 +256,7 @@ class Workload:
         else:  # the untimed set-up write
             kwargs = {"block_size": 8 << 20, "queue_depth": 32, "intra_op_parallelism": 4,
                       "backend": _setup_backend()}
-        with _quiet_buffered_warning(), _signals_blocked():
+        with _quiet_buffered_warning():
             if self.gds:
                 return nvmeio.gds_handle(**kwargs)
             return nvmeio.aio_handle(**kwargs)
