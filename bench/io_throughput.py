@@ -52,6 +52,9 @@ import torch
 
 import nvmeio
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import replace_section  # noqa: E402
+
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "## I/O throughput (bench/io_throughput.py)"
@@ -490,21 +493,6 @@ def header_lines(args: argparse.Namespace, info: dict, cache: PageCache, locked:
     ]
 
 
-def update_results_md(path: Path, section_body: str) -> None:
-    text = path.read_text() if path.exists() else "# nvmeio benchmark results\n"
-    section = f"{SECTION}\n\n{section_body.strip()}\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, l in enumerate(lines) if l.rstrip() == SECTION), None)
-    if start is None:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        later = (i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
-        end = next(later, len(lines))
-        tail = "".join(lines[end:])
-        text = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -619,7 +607,7 @@ def run(args: argparse.Namespace, bench_dir: str) -> int:
         cmd = " ".join(["python3 bench/io_throughput.py"] + (sys.argv[1:] if sys.argv[1:] else []))
         body = "\n".join([f"Latest run: {info['date']} on {info['hostname']}, `{cmd}`.", "",
                           "\n\n".join(head), "", tbl, "", *rlines, "", quiet_line])
-        update_results_md(Path(args.results_md), body)
+        replace_section(Path(args.results_md), SECTION, body)
         print(f"updated the section in {args.results_md}")
     return 1 if any(c.status.startswith("WRONG DATA") for c in contenders) else 0
 

@@ -134,6 +134,11 @@ void Handle::op_done(const std::shared_ptr<Op>& op) {
 WaitResult Handle::wait() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return pending_ == 0; });
+  return take_result();
+}
+
+// Caller holds mu_ and has seen pending_ == 0.
+WaitResult Handle::take_result() {
   WaitResult r;
   r.completed = completed_;
   r.error = std::move(first_error_);
@@ -155,12 +160,7 @@ std::optional<WaitResult> Handle::wait_for(int ms) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, std::chrono::milliseconds(ms), [&] { return pending_ == 0; }))
     return std::nullopt;
-  WaitResult r;
-  r.completed = completed_;
-  r.error = std::move(first_error_);
-  completed_ = 0;
-  first_error_.reset();
-  return r;
+  return take_result();
 }
 
 int64_t Handle::pending() {

@@ -67,6 +67,7 @@ class Handle final : public OpSink {
 
  private:
   void start(std::shared_ptr<Op> op);
+  WaitResult take_result();
 
   HandleConfig cfg_;
   std::mutex mu_;
