@@ -15,7 +15,6 @@ Buffers are sized from the registered sub-groups at first use.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
@@ -24,9 +23,9 @@ import torch
 
 from .aio_config import AioConfig
 from .async_swapper import AsyncTensorSwapper, SwapOutTicket
-from .buffer_pool import PinnedBufferPool, PoolBuffer, as_count
-from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
-from .errors import BufferTooSmallError, PoolExhaustedError, SwapFileTruncatedError, SwapStateError
+from .buffer_pool import PoolBuffer, as_count
+from .checksum import ChecksumAlgorithm, ChecksumTable
+from .errors import BufferTooSmallError, SwapStateError
 from .io_queue import IoKind, IoQueue
 from .sub_group import (
     ADAM_STATES,
@@ -36,7 +35,8 @@ from .sub_group import (
     SubGroupTensors,
     covered_elements,
 )
-from .swap_dir import FreeSpaceFn, SwapDirectory
+from .swap_dir import FreeSpaceFn
+from .swapper_base import SwapperBase
 
 StepFn = Callable[[int, SubGroupTensors], None]
 
@@ -51,7 +51,7 @@ class StepStats:
     wall_seconds: float = 0.0
 
 
-class PartitionedOptimizerSwapper:
+class PartitionedOptimizerSwapper(SwapperBase):
     """Per sub-group: master partition, optimizer states (and gradient) in, step, out.
 
     Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``state_names``
@@ -62,6 +62,8 @@ class PartitionedOptimizerSwapper:
 
     pipeline_read = False
     pipeline_write = False
+    _State = SubGroupState
+    _entry_noun = "optimizer sub-groups"
 
     def __init__(
         self,
@@ -94,20 +96,13 @@ class PartitionedOptimizerSwapper:
         if len(set(state_names)) != len(state_names) or "master" in state_names or "grad" in state_names:
             raise ValueError(f"state_names must be distinct and not 'master' or 'grad', got {state_names!r}")
         self.buffer_count = buffer_count
-        self.dtype = dtype
         self.state_names = tuple(state_names)
         self.swap_gradients = swap_gradients
-        self.pin_memory = pin_memory
-        self._checksums = checksum_table(checksum)
-        self._reads = IoQueue(config.make_handle())
-        self._writes = IoQueue(config.make_handle())
         self._groups: Dict[int, SubGroupEntry] = {}
-        self._pool: Optional[PinnedBufferPool] = None
         self._grad_swapper: Optional[AsyncTensorSwapper] = None
-        self._space_checked = 0
-        self._closed = False
-        self.swap_dir = SwapDirectory(
-            nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+        super().__init__(
+            nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
+            pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
 
     def buffers_needed(self) -> int:
@@ -142,10 +137,6 @@ class PartitionedOptimizerSwapper:
 
     def state(self, sub_group_id: int) -> SubGroupState:
         return self._group(sub_group_id).state
-
-    @property
-    def pool(self) -> Optional[PinnedBufferPool]:
-        return self._pool
 
     @property
     def nvme_bytes(self) -> int:
@@ -243,15 +234,7 @@ class PartitionedOptimizerSwapper:
         if g.state is SubGroupState.READING:
             self._wait(self._reads, None)
         if g.state is SubGroupState.AVAILABLE:
-            self._drop_buffer(g)
-            g.state = SubGroupState.ON_NVME
-
-    def synchronize(self) -> None:
-        """Complete every read and write in flight; raise the first error after all are done."""
-        try:
-            self._reads.drain()
-        finally:
-            self._writes.drain()
+            self._evict(g)
 
     def step(self, step_fn: StepFn, sub_group_ids: Optional[Sequence[int]] = None) -> StepStats:
         """For each sub-group in order: swap in, ``step_fn(sub_group_id, tensors)``, swap out.
@@ -266,48 +249,29 @@ class PartitionedOptimizerSwapper:
         stats = StepStats(sub_groups=len(ids))
         start = time.perf_counter()
         try:
-            for sg in ids:
-                g = self._group(sg)
-                if g.state is SubGroupState.ON_NVME:
-                    self._begin_read(g)
-                self._wait(self._reads, stats)
-                self._run_step(step_fn, g, stats)
-                self._begin_write(g)
-                self._wait(self._writes, stats)
+            self._schedule(step_fn, ids, stats)
         except BaseException:
             self._abort()
             raise
         stats.wall_seconds = time.perf_counter() - start
         return stats
 
-    # -- lifetime ----------------------------------------------------------------------------
-    def cleanup(self) -> None:
-        """Finish I/O, free the pool, delete every swap file and the swap directory."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.synchronize()
-        finally:
-            for g in self._groups.values():
-                self._drop_buffer(g)
-            self._groups.clear()
-            if self._pool is not None:
-                self._pool.close()
-            self.swap_dir.cleanup()
-
-    close = cleanup
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.cleanup()
+    def _schedule(self, step_fn: StepFn, ids: List[int], stats: StepStats) -> None:
+        """The I/O around each step: here read, step, write, one sub-group at a time."""
+        for sg in ids:
+            self._read_if_needed(sg)
+            self._wait(self._reads, stats)
+            g = self._group(sg)
+            self._run_step(step_fn, g, stats)
+            self._begin_write(g)
+            self._wait(self._writes, stats)
 
     # -- internals shared with the pipelined swapper -----------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SwapStateError("the swapper was cleaned up")
+    def _swapped_entries(self) -> List[SubGroupEntry]:
+        return list(self._groups.values())
+
+    def _forget_entries(self) -> None:
+        self._groups.clear()
 
     def _group(self, sub_group_id: int) -> SubGroupEntry:
         self._check_open()
@@ -328,19 +292,6 @@ class PartitionedOptimizerSwapper:
                 self.synchronize()
         return ids
 
-    def _ensure_pool(self) -> PinnedBufferPool:
-        if self._pool is None:
-            largest = max(g.layout.file_bytes for g in self._groups.values())
-            itemsize = torch.empty(0, dtype=self.dtype).element_size()
-            self._pool = PinnedBufferPool(
-                self.buffer_count,
-                math.ceil(largest / itemsize),
-                self.dtype,
-                pin_memory=self.pin_memory,
-                handle=self._reads.handle,
-            )
-        return self._pool
-
     def _gradients(self) -> AsyncTensorSwapper:
         if self._grad_swapper is None:
             self._grad_swapper = AsyncTensorSwapper(
@@ -354,21 +305,16 @@ class PartitionedOptimizerSwapper:
         return self._grad_swapper
 
     def _acquire(self, g: SubGroupEntry) -> PoolBuffer:
-        pool = self._ensure_pool()
-        holder = f"sub-group {g.sub_group_id}"
-        try:
-            return pool.acquire(1, holder=holder)[0]
-        except PoolExhaustedError:
-            if not len(self._writes):
-                raise
-        self._writes.drain()  # completed writes return their buffers
-        return pool.acquire(1, holder=holder)[0]
+        return self._take_buffers(1, f"sub-group {g.sub_group_id}")[0]
 
     def _drop_buffer(self, g: SubGroupEntry) -> None:
-        if g.buffer is not None:
-            self._pool.release([g.buffer])
-            g.buffer = None
-            g.read_grad = False
+        super()._drop_buffer(g)
+        g.read_grad = False  # only ever True while g holds a buffer
+
+    def _read_if_needed(self, sub_group_id: int) -> None:
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.ON_NVME:
+            self._begin_read(g)
 
     def _tensors(self, g: SubGroupEntry, with_grad: bool) -> SubGroupTensors:
         lay, buf = g.layout, g.buffer
@@ -377,14 +323,6 @@ class PartitionedOptimizerSwapper:
         states = {n: buf.view(lay.numel, lay.dtype, lay.offset(1 + i)) for i, n in enumerate(lay.state_names)}
         grad = buf.view(lay.numel, lay.dtype, lay.grad_offset) if with_grad else None
         return SubGroupTensors(g.sub_group_id, buf.view(lay.numel, lay.dtype, 0), states, grad)
-
-    def _check_space(self) -> None:
-        total = self.nvme_bytes
-        if total <= self._space_checked:
-            return
-        on_disk = sum(self.swap_dir.size(g.file_name) for g in self._groups.values())
-        self.swap_dir.check_free_space(total - on_disk, f"{len(self._groups)} optimizer sub-groups")
-        self._space_checked = total
 
     def _begin_read(self, g: SubGroupEntry) -> None:
         """Take a buffer for ``g`` and submit its read (state, and gradient if one was written)."""
@@ -399,30 +337,14 @@ class PartitionedOptimizerSwapper:
             if any(not t.done for t in g.grad_tickets):
                 self._writes.drain()
         length = lay.grad_offset + lay.tensor_bytes if with_grad else lay.written_bytes
+        self._check_file_size(g.file_name, f"sub-group {g.sub_group_id}", length, at_least=True)
         path = self.swap_dir.file(g.file_name)
-        size = self.swap_dir.size(g.file_name)
-        if size < length:
-            raise SwapFileTruncatedError(
-                f"swap file {path} of sub-group {g.sub_group_id} is {size} bytes, expected at least "
-                f"{length}: it was truncated behind the swapper's back",
-                path,
-            )
         g.buffer = self._acquire(g)
         g.state, g.read_grad = SubGroupState.READING, with_grad
         view = g.buffer.bytes()[:length]
 
         def on_done(error: Optional[BaseException]) -> None:
-            if error is None and self._checksums is not None:
-                try:
-                    self._checksums.verify(path, 0, view)
-                except BaseException:
-                    self._drop_buffer(g)
-                    g.state = SubGroupState.ON_NVME
-                    raise
-            if error is not None:
-                self._drop_buffer(g)
-                g.state = SubGroupState.ON_NVME
-            else:
+            if self._settle_read(g, error, path, view):
                 g.state = SubGroupState.AVAILABLE
 
         self._reads.submit(IoKind.READ, view, path, 0, on_done)
@@ -471,5 +393,4 @@ class PartitionedOptimizerSwapper:
                 pass
         for g in self._groups.values():
             if g.state in (SubGroupState.AVAILABLE, SubGroupState.READING):
-                self._drop_buffer(g)
-                g.state = SubGroupState.ON_NVME
+                self._evict(g)

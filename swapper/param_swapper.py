@@ -27,17 +27,12 @@ from urllib.parse import quote
 import torch
 
 from .aio_config import AioConfig
-from .buffer_pool import PinnedBufferPool, PoolBuffer, as_count
-from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
-from .errors import (
-    BufferTooSmallError,
-    PoolExhaustedError,
-    SwapFileTruncatedError,
-    SwapStateError,
-    add_note,
-)
-from .io_queue import IoKind, IoQueue
-from .swap_dir import FreeSpaceFn, SwapDirectory
+from .buffer_pool import PoolBuffer, as_count
+from .checksum import ChecksumAlgorithm, ChecksumTable
+from .errors import BufferTooSmallError, SwapStateError
+from .io_queue import IoKind
+from .swap_dir import FreeSpaceFn
+from .swapper_base import SwapperBase
 
 ParamId = Union[int, str]
 
@@ -92,7 +87,7 @@ class _Partition:
         return self.buffer.view(self.numel, self.dtype)
 
 
-class PartitionedParamSwapper:
+class PartitionedParamSwapper(SwapperBase):
     """Swaps parameter partitions, registered by stable id, between NVMe and pool buffers.
 
     Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``aio_config`` is a
@@ -103,6 +98,9 @@ class PartitionedParamSwapper:
     memory: they are valid until the partition is released or swapped out.
     Not thread-safe: one thread drives a swapper.
     """
+
+    _State = PartitionState
+    _entry_noun = "parameter partitions"
 
     def __init__(
         self,
@@ -127,20 +125,13 @@ class PartitionedParamSwapper:
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
             raise ValueError(f"max_in_cpu must be a non-negative integer, got {max_in_cpu!r}")
         self.max_in_cpu = int(max_in_cpu)
-        self.dtype = dtype
-        self.pin_memory = pin_memory
-        self._checksums = checksum_table(checksum)
-        self._reads = IoQueue(config.make_handle())
-        self._writes = IoQueue(config.make_handle())
         self._parts: Dict[ParamId, _Partition] = {}
         self._by_file: Dict[str, ParamId] = {}
         self._cpu_numel = 0
         self._nvme_bytes = 0
-        self._space_checked = 0
-        self._pool: Optional[PinnedBufferPool] = None
-        self._closed = False
-        self.swap_dir = SwapDirectory(
-            nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+        super().__init__(
+            nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
+            pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
         if self.buffer_size is not None:
             try:
@@ -207,11 +198,6 @@ class PartitionedParamSwapper:
     # -- queries ------------------------------------------------------------------------------
     def state(self, param_id: ParamId) -> PartitionState:
         return self._lookup([param_id])[0].state
-
-    @property
-    def pool(self) -> Optional[PinnedBufferPool]:
-        """The buffer pool; ``None`` until first needed when ``buffer_size=None``."""
-        return self._pool
 
     @property
     def cpu_numel(self) -> int:
@@ -297,7 +283,7 @@ class PartitionedParamSwapper:
                 raise SwapStateError(f"partition {p.param_id!r} was never written; nothing to swap in")
         wanted = list({id(p): p for p in parts if p.state is PartitionState.ON_NVME}.values())
         for p in wanted:
-            self._check_file_size(p)
+            self._check_file_size(p.file_name, f"partition {p.param_id!r}", p.nbytes)
         buffers = self._acquire(len(wanted), wanted, "swap_in") if wanted else []
         for p, buf in zip(wanted, buffers):
             p.buffer, p.state = buf, PartitionState.READING
@@ -311,8 +297,7 @@ class PartitionedParamSwapper:
                 submitted += 1
         except BaseException:
             for p in wanted[submitted + 1 :]:  # never submitted (the failed one was called back)
-                self._drop_buffer(p)
-                p.state = PartitionState.ON_NVME
+                self._evict(p)
             raise
         for p in parts:
             if p.state is PartitionState.WRITING:
@@ -339,45 +324,15 @@ class PartitionedParamSwapper:
                     raise SwapStateError(
                         f"partition {p.param_id!r} holds data that is not on NVMe yet; swap_out it instead"
                     )
-                self._drop_buffer(p)
-                p.state = PartitionState.ON_NVME
-
-    def synchronize(self) -> None:
-        """Complete every read and write in flight; raise the first error after all are done."""
-        try:
-            self._reads.drain()
-        finally:
-            self._writes.drain()
-
-    # -- lifetime ----------------------------------------------------------------------------
-    def cleanup(self) -> None:
-        """Finish I/O, free the pool, delete every swap file and the swap directory."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.synchronize()
-        finally:
-            for p in self._parts.values():
-                self._drop_buffer(p)
-            self._parts.clear()
-            self._by_file.clear()
-            if self._pool is not None:
-                self._pool.close()
-            self.swap_dir.cleanup()
-
-    close = cleanup
-
-    def __enter__(self) -> "PartitionedParamSwapper":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.cleanup()
+                self._evict(p)
 
     # -- internals ---------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SwapStateError("the swapper was cleaned up")
+    def _swapped_entries(self) -> List[_Partition]:
+        return [p for p in self._parts.values() if p.cpu_tensor is None]
+
+    def _forget_entries(self) -> None:
+        self._parts.clear()
+        self._by_file.clear()
 
     def _lookup(self, param_ids: Iterable[ParamId]) -> List[_Partition]:
         self._check_open()
@@ -388,9 +343,6 @@ class PartitionedParamSwapper:
         except KeyError as exc:
             raise KeyError(f"partition id {exc.args[0]!r} is not registered") from None
 
-    def _itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
-
     def _buffer_nbytes(self) -> Optional[int]:
         if self._pool is not None:
             return self._pool.buffer_nbytes
@@ -398,59 +350,14 @@ class PartitionedParamSwapper:
             return self.buffer_size * self._itemsize()
         return None
 
-    def _make_pool(self, buffer_size: int) -> PinnedBufferPool:
-        return PinnedBufferPool(
-            self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory, handle=self._reads.handle
-        )
-
-    def _ensure_pool(self) -> PinnedBufferPool:
-        if self._pool is None:
-            largest = max((p.nbytes for p in self._parts.values() if p.cpu_tensor is None), default=0)
-            self._pool = self._make_pool(max(1, math.ceil(largest / self._itemsize())))
-        return self._pool
-
     def _acquire(self, count: int, parts: List[_Partition], what: str) -> List[PoolBuffer]:
-        pool = self._ensure_pool()
         holder = f"partition {parts[0].param_id!r}" if count == 1 else f"{what} of {count} partitions"
-        try:
-            buffers = pool.acquire(count, holder=holder)
-        except PoolExhaustedError as exc:
-            if not len(self._writes):
-                add_note(exc, "release() partitions that are no longer needed, or raise buffer_count")
-                raise
-            self._writes.drain()  # completed writes return their buffers
-            try:
-                buffers = pool.acquire(count, holder=holder)
-            except PoolExhaustedError as exc2:
-                add_note(exc2, "release() partitions that are no longer needed, or raise buffer_count")
-                raise
+        buffers = self._take_buffers(
+            count, holder, hint="release() partitions that are no longer needed, or raise buffer_count"
+        )
         for p, b in zip(parts, buffers):
             b.holder = f"partition {p.param_id!r}"
         return buffers
-
-    def _drop_buffer(self, p: _Partition) -> None:
-        if p.buffer is not None:
-            self._pool.release([p.buffer])
-            p.buffer = None
-
-    def _check_space(self) -> None:
-        total = self.nvme_bytes
-        if total <= self._space_checked:
-            return
-        on_disk = sum(self.swap_dir.size(p.file_name) for p in self._parts.values() if p.cpu_tensor is None)
-        count = sum(1 for p in self._parts.values() if p.cpu_tensor is None)
-        self.swap_dir.check_free_space(total - on_disk, f"{count} parameter partitions")
-        self._space_checked = total
-
-    def _check_file_size(self, p: _Partition) -> None:
-        size = self.swap_dir.size(p.file_name)
-        if size < p.nbytes:
-            path = self.swap_dir.file(p.file_name)
-            raise SwapFileTruncatedError(
-                f"swap file {path} of partition {p.param_id!r} is {size} bytes, expected {p.nbytes}: "
-                f"it was truncated behind the swapper's back",
-                path,
-            )
 
     def _submit_write(self, p: _Partition) -> None:
         self._check_space()
@@ -477,18 +384,10 @@ class PartitionedParamSwapper:
         return on_done
 
     def _on_read(self, p: _Partition):
+        path, data = self.swap_dir.file(p.file_name), p.tensor()  # p holds its buffer from now to on_done
+
         def on_done(error: Optional[BaseException]) -> None:
-            if error is None and self._checksums is not None:
-                try:
-                    self._checksums.verify(self.swap_dir.file(p.file_name), 0, p.tensor())
-                except BaseException:
-                    self._drop_buffer(p)
-                    p.state = PartitionState.ON_NVME
-                    raise
-            if error is not None:
-                self._drop_buffer(p)
-                p.state = PartitionState.ON_NVME
-                return
-            p.state, p.on_nvme = PartitionState.AVAILABLE, True
+            if self._settle_read(p, error, path, data):
+                p.state, p.on_nvme = PartitionState.AVAILABLE, True
 
         return on_done

@@ -20,10 +20,9 @@ order, so results are bit-identical (tests/test_swapper_pipelined.py pins that).
 """
 from __future__ import annotations
 
-import time
-from typing import Optional, Sequence
+from typing import List
 
-from .optimizer_swapper import PartitionedOptimizerSwapper, StepFn, StepStats, SubGroupState
+from .optimizer_swapper import PartitionedOptimizerSwapper, StepFn, StepStats
 
 
 class PipelinedOptimizerSwapper(PartitionedOptimizerSwapper):
@@ -39,35 +38,22 @@ class PipelinedOptimizerSwapper(PartitionedOptimizerSwapper):
         self.pipeline_write = bool(pipeline_write)
         super().__init__(*args, **kwargs)
 
-    def step(self, step_fn: StepFn, sub_group_ids: Optional[Sequence[int]] = None) -> StepStats:
-        ids = self._step_ids(sub_group_ids)
-        stats = StepStats(sub_groups=len(ids))
-        start = time.perf_counter()
-        try:
-            if ids:
-                self._read_if_needed(ids[0])
-            for k, sg in enumerate(ids):
-                nxt = ids[k + 1] if k + 1 < len(ids) else None
-                self._wait(self._reads, stats)
-                if nxt is not None and self.pipeline_read:
-                    self._read_if_needed(nxt)
-                g = self._group(sg)
-                self._run_step(step_fn, g, stats)
-                if self.pipeline_write:
-                    self._wait(self._writes, stats)
-                self._begin_write(g)
-                if not self.pipeline_write:
-                    self._wait(self._writes, stats)
-                if nxt is not None and not self.pipeline_read:
-                    self._read_if_needed(nxt)
-            self._wait(self._writes, stats)
-        except BaseException:
-            self._abort()
-            raise
-        stats.wall_seconds = time.perf_counter() - start
-        return stats
-
-    def _read_if_needed(self, sub_group_id: int) -> None:
-        g = self._group(sub_group_id)
-        if g.state is SubGroupState.ON_NVME:
-            self._begin_read(g)
+    def _schedule(self, step_fn: StepFn, ids: List[int], stats: StepStats) -> None:
+        """Steps 1-6 of the [Note] above."""
+        if ids:
+            self._read_if_needed(ids[0])
+        for k, sg in enumerate(ids):
+            nxt = ids[k + 1] if k + 1 < len(ids) else None
+            self._wait(self._reads, stats)
+            if nxt is not None and self.pipeline_read:
+                self._read_if_needed(nxt)
+            g = self._group(sg)
+            self._run_step(step_fn, g, stats)
+            if self.pipeline_write:
+                self._wait(self._writes, stats)
+            self._begin_write(g)
+            if not self.pipeline_write:
+                self._wait(self._writes, stats)
+            if nxt is not None and not self.pipeline_read:
+                self._read_if_needed(nxt)
+        self._wait(self._writes, stats)

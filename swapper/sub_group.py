@@ -103,6 +103,11 @@ class SubGroupEntry:
     grad_tickets: List[SwapOutTicket] = field(default_factory=list)
     read_grad: bool = False  # the buffer holds a gradient read with the state
 
+    @property
+    def nbytes(self) -> int:
+        """The size of its swap file."""
+        return self.layout.file_bytes
+
 
 def covered_elements(ranges: List[Tuple[int, int]]) -> int:
     """How many distinct elements the half-open ``(start, stop)`` ranges cover."""

@@ -25,6 +25,24 @@ def file_bytes(path) -> bytes:
         return f.read()
 
 
+@pytest.fixture
+def swappers(tmp_path):
+    """Keeps the swappers a test makes: ``s = swappers(Swapper(tmp_path, ...))``.
+
+    After the test, cleans each one up and checks that nothing is left in tmp_path.
+    """
+    made = []
+
+    def keep(swapper):
+        made.append(swapper)
+        return swapper
+
+    yield keep
+    for s in made:
+        s.cleanup()
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param

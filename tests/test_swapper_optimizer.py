@@ -18,18 +18,8 @@ def _randn(n, seed, dtype=torch.float32):
 
 
 @pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def factory(**kwargs):
-        s = PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, **kwargs)
-        made.append(s)
-        return s
-
-    yield factory
-    for s in made:
-        s.cleanup()
-    assert os.listdir(tmp_path) == []
+def make(tmp_path, swappers):
+    return lambda **kwargs: swappers(PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

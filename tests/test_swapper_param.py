@@ -32,21 +32,16 @@ def _disk_bytes(root):
 
 
 @pytest.fixture
-def swapper_factory(tmp_path):
-    made = []
+def swapper_factory(tmp_path, swappers):
+    def make(buffer_count=4, buffer_size=None, max_in_cpu=0, **kwargs):
+        return swappers(
+            PartitionedParamSwapper(
+                tmp_path, {"queue_depth": 8}, buffer_count=buffer_count, buffer_size=buffer_size,
+                max_in_cpu=max_in_cpu, **kwargs,
+            )
+        )
 
-    def make(**kwargs):
-        kwargs.setdefault("buffer_count", 4)
-        kwargs.setdefault("buffer_size", None)
-        kwargs.setdefault("max_in_cpu", 0)
-        s = PartitionedParamSwapper(tmp_path, {"queue_depth": 8}, **kwargs)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.cleanup()
-    assert os.listdir(tmp_path) == []
+    return make
 
 
 @pytest.mark.parametrize("async_op", [False, True])

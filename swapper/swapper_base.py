@@ -1,0 +1,191 @@
+"""SwapperBase: what the parameter and optimizer swappers share.
+
+Two I/O queues (one handle for reads, one for writes: see io_queue.py), the
+swap directory, a pool of pinned buffers made at first use, the free-space
+check before writes, and a lifetime: ``synchronize`` / ``cleanup`` / ``with``.
+
+A subclass keeps one *entry* per thing it swaps (a partition, a sub-group),
+each with ``file_name``, ``nbytes`` (its swap file's size), ``state`` (a member
+of the subclass's ``_State`` enum, which has ``ON_NVME``) and ``buffer`` (its
+pool buffer or ``None``), and provides :meth:`_swapped_entries`,
+:meth:`_forget_entries` and :attr:`nvme_bytes`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional
+
+import torch
+
+from .aio_config import AioConfig
+from .buffer_pool import PinnedBufferPool, PoolBuffer
+from .checksum import checksum_table
+from .errors import PoolExhaustedError, SwapFileTruncatedError, SwapStateError, add_note
+from .io_queue import IoQueue
+from .swap_dir import SwapDirectory
+
+
+class SwapperBase:
+    """Queues, pool, swap directory and lifetime of a swapper. Not thread-safe."""
+
+    _State: type  # the subclass's state enum
+    _entry_noun: str  # what the entries are, in the plural, for error messages
+    buffer_count: int
+
+    def __init__(
+        self,
+        nvme_path,
+        config: AioConfig,
+        dtype: torch.dtype,
+        *,
+        job_id,
+        rank,
+        name,
+        checksum,
+        pin_memory,
+        free_space_fn,
+        remove_stale,
+    ):
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self._checksums = checksum_table(checksum)
+        self._reads = IoQueue(config.make_handle())
+        self._writes = IoQueue(config.make_handle())
+        self._pool: Optional[PinnedBufferPool] = None
+        self._space_checked = 0
+        self._closed = False
+        self.swap_dir = SwapDirectory(
+            nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+        )
+
+    # -- what a subclass provides -------------------------------------------------------------
+    def _swapped_entries(self) -> Iterable:
+        """The entries that live on NVMe (have a swap file, may hold a pool buffer)."""
+        raise NotImplementedError
+
+    def _forget_entries(self) -> None:
+        """Drop every entry's record (at cleanup, once their buffers are back)."""
+        raise NotImplementedError
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes the swapped entries take on disk."""
+        raise NotImplementedError
+
+    # -- shared API ---------------------------------------------------------------------------
+    @property
+    def pool(self) -> Optional[PinnedBufferPool]:
+        """The buffer pool; ``None`` until first needed when it is sized from the entries."""
+        return self._pool
+
+    def synchronize(self) -> None:
+        """Complete every read and write in flight; raise the first error after all are done."""
+        try:
+            self._reads.drain()
+        finally:
+            self._writes.drain()
+
+    def cleanup(self) -> None:
+        """Finish I/O, free the pool, delete every swap file and the swap directory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.synchronize()
+        finally:
+            for entry in self._swapped_entries():
+                self._drop_buffer(entry)
+            self._forget_entries()
+            if self._pool is not None:
+                self._pool.close()
+            self.swap_dir.cleanup()
+
+    close = cleanup
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SwapStateError("the swapper was cleaned up")
+
+    def _itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    def _make_pool(self, buffer_size: int) -> PinnedBufferPool:
+        return PinnedBufferPool(
+            self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory, handle=self._reads.handle
+        )
+
+    def _ensure_pool(self) -> PinnedBufferPool:
+        """The pool; made at first use with buffers that hold the largest entry."""
+        if self._pool is None:
+            largest = max((e.nbytes for e in self._swapped_entries()), default=0)
+            self._pool = self._make_pool(max(1, math.ceil(largest / self._itemsize())))
+        return self._pool
+
+    def _take_buffers(self, count: int, holder: str, hint: Optional[str] = None) -> List[PoolBuffer]:
+        """``count`` pool buffers; when none are free, completes the writes in flight (which
+        return theirs) and tries once more. ``hint`` is noted on a final PoolExhaustedError."""
+        pool = self._ensure_pool()
+        try:
+            try:
+                return pool.acquire(count, holder=holder)
+            except PoolExhaustedError:
+                if not len(self._writes):
+                    raise
+            self._writes.drain()
+            return pool.acquire(count, holder=holder)
+        except PoolExhaustedError as exc:
+            if hint is not None:
+                add_note(exc, hint)
+            raise
+
+    def _drop_buffer(self, entry) -> None:
+        if entry.buffer is not None:
+            self._pool.release([entry.buffer])
+            entry.buffer = None
+
+    def _evict(self, entry) -> None:
+        """Give ``entry``'s buffer back unwritten: its data is the one in its swap file."""
+        self._drop_buffer(entry)
+        entry.state = self._State.ON_NVME
+
+    def _check_space(self) -> None:
+        """Refuse, before writing, when the file system cannot hold every swap file in full."""
+        total = self.nvme_bytes
+        if total <= self._space_checked:
+            return
+        entries = list(self._swapped_entries())
+        on_disk = sum(self.swap_dir.size(e.file_name) for e in entries)
+        self.swap_dir.check_free_space(total - on_disk, f"{len(entries)} {self._entry_noun}")
+        self._space_checked = total
+
+    def _check_file_size(self, file_name: str, holder: str, expected: int, at_least: bool = False) -> None:
+        size = self.swap_dir.size(file_name)
+        if size < expected:
+            path = self.swap_dir.file(file_name)
+            raise SwapFileTruncatedError(
+                f"swap file {path} of {holder} is {size} bytes, expected {'at least ' if at_least else ''}"
+                f"{expected}: it was truncated behind the swapper's back",
+                path,
+            )
+
+    def _settle_read(self, entry, error: Optional[BaseException], path: str, data: torch.Tensor) -> bool:
+        """On completion of ``entry``'s read into ``data``: True if the data is good. A failed
+        read (False) or a checksum mismatch (raised) evicts the entry; the caller sets the
+        state of a good one."""
+        if error is None and self._checksums is not None:
+            try:
+                self._checksums.verify(path, 0, data)
+            except BaseException:
+                self._evict(entry)
+                raise
+        if error is not None:
+            self._evict(entry)
+            return False
+        return True
