@@ -7,6 +7,7 @@ accumulation 1: the 10-step losses match within rtol 1e-6 (in practice bit for
 bit) and so do the final parameters.
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -79,3 +80,23 @@ def test_user_adamw_optimizer_is_run_as_the_zero_optimizer(tmp_path):
     losses = train_engine(engine, batches, STEPS)
     assert losses == train_reference(reference, batches, STEPS, lr=1e-2)
     assert zero_opt is engine.optimizer and zero_opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_nvme_parameters_kept_in_host_memory_by_max_in_cpu(tmp_path):
+    """DeepSpeed's default max_in_cpu keeps a small model's parameters in host memory: no parameter
+    swap file is written, parameters view those host tensors, and the run is still exact."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    batches = make_batches(CFG, STEPS, 4)
+    config = base_config("nvme", "nvme", tmp_path, lr=1e-2, clip=1.0, sub_group_size=3000)
+    del config["zero_optimization"]["offload_param"]["max_in_cpu"]
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    try:
+        losses = train_engine(engine, batches, STEPS)
+        assert all(u.free for u in engine.parts.units)
+        assert os.listdir(engine.parts.param_store.swap_dir) == []
+        assert os.listdir(engine.parts.optimizer_store.swap_dir)
+    finally:
+        engine.destroy()
+    assert losses == train_reference(reference, batches, STEPS, lr=1e-2, clip=1.0)

@@ -140,7 +140,8 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
 
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
-        if u.free_gather():
+        u.free = u.free_gather()
+        if u.free:
             u.persistent = True
         elif u.layout.numel <= threshold and u.layout.numel <= budget:
             u.persistent = True
@@ -159,7 +160,7 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
                               zc.stage3_prefetch_bucket_size, timers)
     coordinator.install()
     for u in units:
-        if u.persistent and u.free_gather():
+        if u.free:
             u.gather()
     return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id)
 

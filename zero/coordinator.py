@@ -156,7 +156,7 @@ class Coordinator:
         for u in self.units:
             u.fwd_refs = 0
             u.in_backward = False
-            if not u.persistent or not u.free_gather():
+            if not u.free:
                 u.release()
 
     # -- forward --------------------------------------------------------------------------------

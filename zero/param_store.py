@@ -32,7 +32,7 @@ def unit_id(layout: UnitLayout) -> str:
 class ParamStore:
     """Interface of the shard stores; see the concrete classes."""
 
-    resident = True  # shards are tensors that live as long as the store and are updated in place
+    resident = True  # every shard is a tensor that lives as long as the store, updated in place
     swap_seconds = 0.0  # time spent waiting for NVMe reads (wall_clock_breakdown)
 
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
@@ -41,6 +41,10 @@ class ParamStore:
     def fetch(self, layout: UnitLayout) -> torch.Tensor:
         """The shard's values, readable until :meth:`fetched`."""
         raise NotImplementedError
+
+    def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
+        """The shard itself when it lives in memory for good (updated in place by :meth:`write`)."""
+        return None
 
     def fetched(self, layout: UnitLayout) -> None:
         """The caller is done with the tensor :meth:`fetch` returned."""
@@ -86,6 +90,9 @@ class FlatParamStore(ParamStore):
             self.shard(layout).copy_(values)
 
     def fetch(self, layout: UnitLayout) -> torch.Tensor:
+        return self.shard(layout)
+
+    def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
         return self.shard(layout)
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
@@ -135,6 +142,14 @@ class NvmeParamStore(ParamStore):
 
     def fetched(self, layout: UnitLayout) -> None:
         self.swapper.release([self._ids[layout.index]])
+
+    def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
+        from swapper import PartitionState
+
+        pid = self._ids[layout.index]
+        if self.swapper.state(pid) is not PartitionState.IN_CPU:
+            return None
+        return self.swapper.swap_in([pid])[0]  # the partition's host tensor; no I/O
 
     def prefetch_capacity(self) -> int:
         # One buffer for the shard being fetched, one for a write after the step.

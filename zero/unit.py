@@ -47,6 +47,7 @@ class ParamUnit:
         self.state = ParamState.NOT_AVAILABLE
         self.full: torch.Tensor = None
         self.persistent = False  # stays gathered between uses (threshold, or gathering is free)
+        self.free = False  # gathering is free (see free_gather); decided once the stores are filled
         self.fwd_refs = 0  # forwards in progress that use it
         self.in_backward = False  # gathered for a backward that has not reduced its gradients yet
         self.grad_count = sum(1 for p in params if p.requires_grad)
@@ -61,17 +62,19 @@ class ParamUnit:
         return f"ParamUnit({self.layout.index}, {self.layout.module_name or '<root>'!r}, {self.state.name})"
 
     def free_gather(self) -> bool:
-        """Gathering costs nothing: one rank, and the shard is a resident tensor in the compute dtype."""
-        store = self.store
-        return (self.comm.world_size == 1 and store.resident
-                and store.flat.device == self.device and store.flat.dtype == self.dtype)
+        """Whether gathering costs nothing: one rank, and the shard lives in memory for good, on
+        the compute device, in the compute dtype (so the parameters can view it)."""
+        if self.comm.world_size != 1:
+            return False
+        shard = self.store.resident_shard(self.layout)
+        return shard is not None and shard.device == self.device and shard.dtype == self.dtype
 
     def gather(self) -> None:
         if self.state is ParamState.AVAILABLE:
             return
         shard = self.store.fetch(self.layout)
         try:
-            if self.free_gather():
+            if self.free:
                 full = shard
             else:
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)

@@ -1,0 +1,306 @@
+"""One training step of a 27M-parameter GPT: plain PyTorch, nvmeio's ZeRO-3, DeepSpeed's ZeRO-3.
+
+    python3 bench/train_step.py                      # every contender, 3 rounds, table on stdout
+    python3 bench/train_step.py --results-md bench/RESULTS.md --json bench/out/train_step.json
+    python3 bench/train_step.py --contenders torch zero-none --rounds 1
+
+Model: zero.testing.GPT with 6 layers, d_model 512, 8 heads, vocab 8192 (head
+not tied), seq 128, batch 4, fp32, AdamW (lr 1e-4, weight decay 0.01).
+Contenders: ``torch`` (torch.optim.AdamW(fused=True)), ``zero-none``,
+``zero-cpu``, ``zero-nvme`` (this repository: parameters and optimizer states
+both on that device) and ``ds-none``, ``ds-cpu``, ``ds-nvme`` (DeepSpeed ZeRO-3
+with the same config dict, run by ``--ds-python`` when it exists).
+
+Each contender runs in a fresh process, so its peak RSS (VmHWM) is its own:
+2 warm-up steps, then the median of ``--steps`` step times (wall clock, from
+the forward to the end of the optimizer step). Contenders are run
+round-robin ``--rounds`` times and the median over rounds is reported, since
+the 2-CPU machine is shared. The NVMe config keeps DeepSpeed's defaults for
+the parameters (``max_in_cpu`` 1e9 elements: this model's parameters stay in
+host memory) and swaps the optimizer states in sub-groups of 1e7 elements
+with pipelined reads and writes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONTENDERS = ["torch", "zero-none", "zero-cpu", "zero-nvme", "ds-none", "ds-cpu", "ds-nvme"]
+SECTION = "## Training step (bench/train_step.py)"
+MODEL = dict(vocab=8192, d_model=512, heads=8, layers=6, seq=128, tie=False)
+BATCH = 4
+LR = 1e-4
+AIO = {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
+       "overlap_events": True}
+
+
+NVME_OPTIMIZER = json.loads(os.environ.get("TRAIN_STEP_NVME_OPTIMIZER", "{}"))
+SUB_GROUP_SIZE = int(float(os.environ.get("TRAIN_STEP_SUB_GROUP_SIZE", "1e7")))
+
+
+def ds_config(device: str, nvme_path: str) -> dict:
+    """The DeepSpeed config both engines get for one offload device."""
+    zero = {"stage": 3, "sub_group_size": SUB_GROUP_SIZE, "stage3_param_persistence_threshold": 100_000,
+            "offload_param": {"device": device}, "offload_optimizer": {"device": device}}
+    if device == "nvme":
+        zero["offload_param"].update(nvme_path=nvme_path)
+        zero["offload_optimizer"].update(nvme_path=nvme_path, **NVME_OPTIMIZER)
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "aio": AIO,
+        "steps_per_print": 10 ** 6,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_child(contender: str, steps: int, warmup: int, nvme_path: str) -> dict:
+    """Measure one contender in this process; returns the result dict."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from zero.testing import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**MODEL)
+    model = GPT(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
+    y = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
+    kind, _, device = contender.partition("-")
+
+    if kind == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+
+        def step():
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    else:
+        config = ds_config(device, nvme_path)
+        if kind == "zero":
+            import zero
+
+            engine, _, _, _ = zero.initialize(model=model, config=config)
+        else:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+            import deepspeed
+
+            engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+
+        def step():
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+    times, losses = [], []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    measured = times[warmup:]
+    return {"contender": contender, "params": params, "median_ms": 1000 * statistics.median(measured),
+            "times_ms": [round(1000 * t, 2) for t in measured], "peak_rss_gib": _status("VmHWM") / 2 ** 30,
+            "losses": losses}
+
+
+def run_contender(contender: str, args, nvme_root: str) -> dict:
+    python = args.ds_python if contender.startswith("ds-") else sys.executable
+    nvme_path = tempfile.mkdtemp(prefix=f"{contender}-", dir=nvme_root)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [python, os.path.abspath(__file__), "--child", contender, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--nvme_path", nvme_path]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    finally:
+        shutil.rmtree(nvme_path, ignore_errors=True)
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"contender": contender, "error": (out.stderr or out.stdout)[-2000:]}
+
+
+def summarize(rounds: list) -> dict:
+    by = {}
+    for result in (r for batch in rounds for r in batch):
+        by.setdefault(result["contender"], []).append(result)
+    summary = {}
+    for name, results in by.items():
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            summary[name] = {"error": results[-1]["error"]}
+            continue
+        summary[name] = {
+            "median_ms": statistics.median(r["median_ms"] for r in ok),
+            "round_medians_ms": [round(r["median_ms"], 1) for r in ok],
+            "peak_rss_gib": statistics.median(r["peak_rss_gib"] for r in ok),
+            "params": ok[0]["params"],
+            "first_losses": ok[0]["losses"][:3],
+        }
+    return summary
+
+
+def table(summary: dict) -> list:
+    base = summary.get("torch", {}).get("median_ms")
+    lines = ["| contender | median step ms | / plain torch | / DeepSpeed same mode | peak RSS GiB | round medians ms |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name in CONTENDERS:
+        s = summary.get(name)
+        if s is None:
+            continue
+        if "error" in s:
+            lines.append(f"| {name} | failed: {s['error'].strip().splitlines()[-1][:80]} | | | | |")
+            continue
+        ratio = f"{s['median_ms'] / base:.2f}" if base else "—"
+        ds = summary.get("ds-" + name.split("-", 1)[1]) if name.startswith("zero-") else None
+        vs_ds = f"{s['median_ms'] / ds['median_ms']:.2f}" if ds and "median_ms" in ds else "—"
+        lines.append(f"| {name} | {s['median_ms']:.1f} | {ratio} | {vs_ds} | {s['peak_rss_gib']:.2f} | "
+                     f"{', '.join(str(x) for x in s['round_medians_ms'])} |")
+    return lines
+
+
+def verdicts(summary: dict) -> list:
+    out = []
+    base = summary.get("torch", {}).get("median_ms")
+    for mode in ("none", "cpu", "nvme"):
+        ours, theirs = summary.get(f"zero-{mode}", {}), summary.get(f"ds-{mode}", {})
+        if "median_ms" not in ours:
+            continue
+        parts = []
+        if base and mode in ("none", "cpu"):
+            r = ours["median_ms"] / base
+            parts.append(f"{r:.2f}x plain torch ({'meets' if r <= 1.15 else 'misses'} the 1.15 goal)")
+        if "median_ms" in theirs:
+            r = ours["median_ms"] / theirs["median_ms"]
+            parts.append(f"{r:.2f}x DeepSpeed {mode} ({'faster' if r < 1 else 'not faster'})")
+            m = ours["peak_rss_gib"] / theirs["peak_rss_gib"]
+            parts.append(f"peak RSS {ours['peak_rss_gib']:.2f} vs {theirs['peak_rss_gib']:.2f} GiB "
+                         f"({'below' if m < 1 else 'not below'} DeepSpeed)")
+        out.append(f"- zero-{mode}: " + "; ".join(parts))
+    return out
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def write_markdown(path: str, summary: dict, args, started: str, load_start: str, load_end: str,
+                   elapsed: float) -> None:
+    params = next((s["params"] for s in summary.values() if "params" in s), 0)
+    body = [
+        SECTION,
+        "",
+        f"Latest run: {started} on {platform.node()}, `python3 bench/train_step.py "
+        f"--rounds {args.rounds} --steps {args.steps}`.",
+        "",
+        f"GPT ({params / 1e6:.1f}M parameters: 6 layers, d_model 512, 8 heads, vocab 8192, untied head), "
+        f"seq 128, batch {BATCH}, fp32, AdamW; {args.warmup} warm-up steps, median of {args.steps} steps per "
+        f"process, median over {args.rounds} round-robin rounds; peak RSS is the process's VmHWM. "
+        "DeepSpeed 0.19.8 runs in its own venv with the same config dict (stage 3, sub_group_size 1e7, "
+        "persistence threshold 1e5; NVMe: DeepSpeed's parameter defaults, i.e. max_in_cpu 1e9 keeps this "
+        "model's parameters in host memory, optimizer states swapped with pipelined reads and writes, aio "
+        f"{json.dumps(AIO)}). Machine: {os.cpu_count()} CPUs, no GPU; NVMe path on the VM's ext4 disk.",
+        "",
+        *table(summary),
+        "",
+        *verdicts(summary),
+        f"- load average {load_start} at start, {load_end} at end (2 CPUs shared with other work); run took "
+        f"{elapsed:.0f} s",
+        "",
+    ]
+    text = open(path).read() if os.path.exists(path) else "# nvmeio benchmark results\n\n"
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(body)
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + "\n".join(body) + (text[end + 1:] if end >= 0 else "")
+    with open(path, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contenders", nargs="+", default=CONTENDERS, choices=CONTENDERS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--nvme_path", default=None, help="directory for swap files (default: a temp dir)")
+    parser.add_argument("--ds-python", default="/opt/dsvenv/bin/python")
+    parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--results-md", default=None, help="replace this section of a RESULTS.md")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)))
+        return 0
+
+    contenders = [c for c in args.contenders if not c.startswith("ds-") or os.path.exists(args.ds_python)]
+    nvme_root = args.nvme_path or tempfile.mkdtemp(prefix="train_step-")
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load_start, t0 = load_average(), time.time()
+    rounds = []
+    for r in range(args.rounds):
+        batch = []
+        for contender in contenders:
+            result = run_contender(contender, args, nvme_root)
+            batch.append(result)
+            shown = f"{result['median_ms']:.1f} ms, {result['peak_rss_gib']:.2f} GiB" if "median_ms" in result \
+                else "failed"
+            print(f"round {r + 1}: {contender}: {shown}", flush=True)
+        rounds.append(batch)
+    if not args.nvme_path:
+        shutil.rmtree(nvme_root, ignore_errors=True)
+    summary = summarize(rounds)
+    print("\n".join(table(summary) + verdicts(summary)))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"started": started, "rounds": rounds, "summary": summary, "load_start": load_start,
+                       "load_end": load_average()}, f, indent=1)
+    if args.results_md:
+        write_markdown(args.results_md, summary, args, started, load_start, load_average(), time.time() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
