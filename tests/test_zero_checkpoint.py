@@ -6,7 +6,6 @@ losses of the uninterrupted run, for every offload and for fp16 (whose loss
 scaler state is restored), with the LR schedule and client state restored. A
 save that dies half way leaves ``latest`` on the previous complete checkpoint.
 """
-import copy
 import os
 import subprocess
 import sys

@@ -7,7 +7,6 @@ batch) for offload none, cpu and nvme, gradient accumulation 1 and 4, with
 clipping, and for a model built inside zero.Init. All scenarios run in one
 pair of processes, started once.
 """
-import copy
 
 import pytest
 import torch

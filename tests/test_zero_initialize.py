@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import zero
 from zero.config import ConfigError, UnresolvedAutoError
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine, train_reference
+from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
 
 CFG = GPTConfig()
 

@@ -9,7 +9,7 @@ import torch
 
 import zero
 from zero.lr_schedules import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+from zero.testing import GPT, GPTConfig, base_config, make_batches
 
 DS_PYTHON = "/opt/dsvenv/bin/python"
 CASES = {

@@ -5,7 +5,6 @@ test GPT: bf16 within rtol 2e-2 (measured 6e-3), fp16 within rtol 5e-3
 (measured 4e-4). Master weights stay fp32 in every case: only the compute
 copies are 16-bit.
 """
-import copy
 import logging
 import math
 

@@ -20,7 +20,7 @@ from .comm import Comm
 from .config import ConfigError, DeepSpeedConfig, Problem
 from .coordinator import Coordinator
 from .grads import GradReducer
-from .init_context import full_param_value, is_init_partitioned, forget_init_shard
+from .init_context import forget_init_shard, full_param_value
 from .logging import Timers
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer
@@ -71,6 +71,22 @@ def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
             if b.is_floating_point() and dtype != torch.float32:
                 b = b.to(dtype)
             m._buffers[name] = b
+
+
+def _return_freed_host_memory() -> None:
+    """Hand the heap pages freed while filling the stores back to the OS (glibc ``malloc_trim``).
+
+    The model's full values (or zero.Init's slices) are many allocations of a
+    few MiB, below glibc's mmap threshold, freed one unit at a time: without a
+    trim their pages stay in the process, counted in its RSS, although nothing
+    uses them.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
 
 
 def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
@@ -137,6 +153,7 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
             forget_init_shard(p)
         u.release(force=True)
     param_store.flush()
+    _return_freed_host_memory()
 
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
@@ -157,7 +174,7 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
                                   clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=adam,
                                   torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
     coordinator = Coordinator(module, units, module_units, reducer, param_store,
-                              zc.stage3_prefetch_bucket_size, timers)
+                              zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear)
     coordinator.install()
     for u in units:
         if u.free:

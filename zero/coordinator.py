@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from . import linear
 from .grads import GradReducer
 from .logging import Timers, logger
 from .param_state import ParamState
@@ -92,7 +93,8 @@ class Coordinator:
     """Installs and runs the hooks for one engine's module."""
 
     def __init__(self, root: nn.Module, units: List[ParamUnit], module_units: Dict[nn.Module, List[int]],
-                 reducer: Optional[GradReducer], store: ParamStore, prefetch_numel: int, timers: Timers):
+                 reducer: Optional[GradReducer], store: ParamStore, prefetch_numel: int, timers: Timers,
+                 memory_efficient_linear: bool = True):
         self.root = root
         self.units = units
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
@@ -106,6 +108,8 @@ class Coordinator:
         for u in units:
             for i, p in enumerate(u.params):
                 self.slot_of[p] = (u, i)
+        self.memory_efficient_linear = memory_efficient_linear
+        self._linears: List[nn.Module] = []
         self._handles = []
         self._callback_queued = False
         self._trace: Optional[List[int]] = None
@@ -129,11 +133,19 @@ class Coordinator:
             for p in self.slot_of:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._post_accumulate))
+        if self.memory_efficient_linear:
+            for m, units in self.module_units.items():
+                if type(m) is nn.Linear and not all(u.free for u in units):
+                    linear.install(m)
+                    self._linears.append(m)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for m in self._linears:
+            linear.uninstall(m)
+        self._linears.clear()
         for m in self.root.modules():
             if isinstance(m._parameters, _ZeroParams):
                 m.__dict__["_parameters"] = dict(m._parameters)

@@ -1,0 +1,54 @@
+"""``memory_efficient_linear``: nn.Linear layers whose gathered weight autograd does not keep.
+
+``F.linear`` saves ``weight.t()`` for backward, a view that keeps the gathered
+flat buffer of the layer alive from the forward until the backward, so
+releasing the layer after its forward frees nothing. :class:`ZeroLinear`
+computes the same forward with ``F.linear`` but saves the weight parameter
+itself: its data is then whatever the parameter holds when backward runs,
+which the coordinator re-gathers just before the layer's backward. The
+backward replays the matrix products autograd would run for ``F.linear``
+(``grad @ W``, ``grad^T @ x``, the bias gradient as a sum over rows), in the
+same layouts, so gradients are bit-identical. Installed only on layers whose
+weights are really released (not on one rank with resident shards).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ZeroLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias):
+        ctx.save_for_backward(input, weight, bias)
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        input, weight, bias = ctx.saved_tensors
+        grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_2d.mm(weight).view(input.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_2d.t().mm(input.reshape(-1, input.shape[-1]))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if input.dim() < 2 or not input.is_contiguous() or not torch.is_grad_enabled():
+        return F.linear(input, self.weight, self.bias)
+    return ZeroLinear.apply(input, self.weight, self.bias)
+
+
+def install(module: nn.Linear) -> None:
+    module.__dict__["forward"] = types.MethodType(_forward, module)
+
+
+def uninstall(module: nn.Linear) -> None:
+    module.__dict__.pop("forward", None)
