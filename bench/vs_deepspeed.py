@@ -2,8 +2,10 @@
 
     /opt/dsvenv/bin/python bench/vs_deepspeed.py [--dir DIR] [--repeats 3]
 
-Both handles get identical settings and the same page-locked buffers; the
-two alternate within every repeat (best of N), so disk drift hits both alike.
+Both handles get identical settings and identical page-locked buffers, each
+allocated by its own handle's new_cpu_locked_tensor (DeepSpeed stages a
+buffer it did not lock through a bounce copy); the two alternate within
+every repeat (best of N), so disk drift hits both alike.
 Rows: 1 GiB write and read at intra_op_parallelism 1/4/8 x queue_depth
 32/128 (block 1 MiB, overlap_events on), and 10,000 x 64 KiB ops to 10,000
 existing files and to one file at different offsets. Every nvmeio backend is
@@ -67,10 +69,12 @@ def big_rows(ds, d: str, repeats: int, size: int) -> list[dict]:
             ours = nvmeio.aio_handle(block_size=1 << 20, queue_depth=qd, single_submit=False,
                                      overlap_events=True, intra_op_parallelism=intra)
             theirs = ds.aio_handle(1 << 20, qd, False, True, intra)
-            buf = ours.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
-            buf.random_(0, 256)
-            path = {"nvmeio": os.path.join(d, "big_nv.bin"), "deepspeed": os.path.join(d, "big_ds.bin")}
             handle = {"nvmeio": ours, "deepspeed": theirs}
+            buf = {k: h.new_cpu_locked_tensor(size, torch.empty(0, dtype=torch.uint8))
+                   for k, h in handle.items()}
+            buf["nvmeio"].random_(0, 256)
+            buf["deepspeed"].copy_(buf["nvmeio"])
+            path = {"nvmeio": os.path.join(d, "big_nv.bin"), "deepspeed": os.path.join(d, "big_ds.bin")}
 
             def fresh(k):
                 if os.path.exists(path[k]):
@@ -78,26 +82,26 @@ def big_rows(ds, d: str, repeats: int, size: int) -> list[dict]:
                 os.sync()
 
             def writer(k):
-                return lambda: (handle[k].sync_pwrite(buf, path[k]))
+                return lambda: (handle[k].sync_pwrite(buf[k], path[k]))
 
             def reader(k):
-                return lambda: (handle[k].sync_pread(buf, path[k]))
+                return lambda: (handle[k].sync_pread(buf[k], path[k]))
 
             names = ("nvmeio", "deepspeed")
             w_new = best_of(repeats, {k: writer(k) for k in names}, setup=fresh)
             w_over = best_of(repeats, {k: writer(k) for k in names}, setup=lambda k: os.sync())
             rd = best_of(repeats, {k: reader(k) for k in names})
-            check = torch.empty_like(buf)
-            theirs.sync_pread(check, path["nvmeio"])      # each reads what the other wrote
-            assert torch.equal(check, buf), "DeepSpeed read different bytes than nvmeio wrote"
-            ours.sync_pread(check, path["deepspeed"])
-            assert torch.equal(check, buf), "nvmeio read different bytes than DeepSpeed wrote"
+            theirs.sync_pread(buf["deepspeed"], path["nvmeio"])   # each reads what the other wrote
+            ours.sync_pread(buf["nvmeio"], path["deepspeed"])
+            assert torch.equal(buf["nvmeio"], buf["deepspeed"]), "the two handles disagree on the bytes"
             for what, t in (("write (new file)", w_new), ("write (overwrite)", w_over), ("read", rd)):
                 rows.append({"case": f"{size >> 20} MiB {what}", "intra_op_parallelism": intra,
                              "queue_depth": qd, "nvmeio_gibps": size / GIB / t["nvmeio"],
                              "deepspeed_gibps": size / GIB / t["deepspeed"]})
             for p in path.values():
                 os.unlink(p)
+            for k, h in handle.items():
+                h.free_cpu_locked_tensor(buf[k])
             del buf
     return rows
 
@@ -108,10 +112,12 @@ def small_rows(ds, d: str, repeats: int) -> list[dict]:
         ours = nvmeio.aio_handle(block_size=1 << 20, queue_depth=32, overlap_events=True,
                                  intra_op_parallelism=intra)
         theirs = ds.aio_handle(1 << 20, 32, False, True, intra)
-        buf = ours.new_cpu_locked_tensor(NSMALL * SMALL, torch.empty(0, dtype=torch.uint8))
-        buf.random_(0, 256)
-        parts = [buf[i * SMALL:(i + 1) * SMALL] for i in range(NSMALL)]
         handle = {"nvmeio": ours, "deepspeed": theirs}
+        buf = {k: h.new_cpu_locked_tensor(NSMALL * SMALL, torch.empty(0, dtype=torch.uint8))
+               for k, h in handle.items()}
+        buf["nvmeio"].random_(0, 256)
+        buf["deepspeed"].copy_(buf["nvmeio"])
+        parts = {k: [b[i * SMALL:(i + 1) * SMALL] for i in range(NSMALL)] for k, b in buf.items()}
         for layout in ("files", "one file"):
             if layout == "files":
                 targets = {k: [(os.path.join(d, f"{k}_{i}.bin"), 0) for i in range(NSMALL)]
@@ -121,13 +127,13 @@ def small_rows(ds, d: str, repeats: int) -> list[dict]:
                            for k in handle}
             for k in handle:                      # files exist before timing: creation is not I/O
                 for p, off in targets[k]:
-                    handle[k].async_pwrite(parts[0], p, off)
+                    handle[k].async_pwrite(parts[k][0], p, off)
                 handle[k].wait()
 
             def run(k, write):
                 def go():
                     op = handle[k].async_pwrite if write else handle[k].async_pread
-                    for part, (p, off) in zip(parts, targets[k]):
+                    for part, (p, off) in zip(parts[k], targets[k]):
                         op(part, p, off)
                     handle[k].wait()
                 return go
