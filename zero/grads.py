@@ -4,6 +4,11 @@ On one rank a parameter's gradient goes straight into its slice of the fp32
 partition as soon as autograd has accumulated it: copied the first time after
 an optimizer step, added afterwards (gradient accumulation), exactly the
 ``p.grad += g`` torch does, so the result is bit-identical to plain PyTorch.
+When the gradient is already fp32 and where the partition lives (fp32 compute,
+optimizer on the compute device, or both on the host), the tensor autograd
+produced is kept instead of copied (``hold``): :meth:`GradReducer.grad` hands
+it to the optimizer, as ``p.grad`` would be in plain PyTorch, and the step
+releases it. That saves one pass over all gradients per micro-batch.
 On several ranks the unit's gradients are first laid into one flat buffer
 (compute dtype, on the device); when the unit's last gradient arrives the
 buffer is reduce-scattered (summed over ranks in ``communication_data_type``)
@@ -34,8 +39,10 @@ class GradReducer:
     """Accumulates gradients into ``grads``, the flat fp32 partition of the rank."""
 
     def __init__(self, rank_layout: RankLayout, grads: torch.Tensor, comm: Comm, device: torch.device,
-                 dtype: torch.dtype, comm_dtype: torch.dtype):
+                 dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True):
         self.rank_layout = rank_layout
+        self.hold = hold and comm.world_size == 1
+        self._held: Dict[int, torch.Tensor] = {}  # rank-space start of a parameter -> its gradient
         self.grads = grads
         self.comm = comm
         self.device = device
@@ -58,8 +65,17 @@ class GradReducer:
         slot = layout.slots[slot_index]
         if self.comm.world_size == 1:
             start = self.rank_layout.offsets[layout.index] + slot.offset
-            self._accumulate(self.grads[start:start + slot.numel], grad.reshape(-1),
-                             layout.index, slot_index)
+            flat = grad.reshape(-1)
+            held = self._held.get(start)
+            if held is not None:
+                held.add_(flat)
+            elif (self.hold and not self._fresh[layout.index][slot_index] and flat.dtype == torch.float32
+                  and flat.device == self.grads.device):
+                self._held[start] = flat
+                self._fresh[layout.index][slot_index] = True
+                self._zero[layout.index][slot_index] = False
+            else:
+                self._accumulate(self.grads[start:start + slot.numel], flat, layout.index, slot_index)
             return
         buf = self._buffers.get(layout.index)
         if buf is None:
@@ -94,6 +110,13 @@ class GradReducer:
             dst.add_(src)
 
     # -- at the step ---------------------------------------------------------------------------
+    def grad(self, start: int, stop: int) -> torch.Tensor:
+        """The gradient of rank-space elements ``[start, stop)``: one parameter piece."""
+        held = self._held.get(start)
+        if held is not None and held.numel() == stop - start:
+            return held
+        return self.grads[start:stop]
+
     def zero_stale(self) -> None:
         """Zero the slices that got no gradient since the last step (unused or frozen parameters)."""
         for u in self.rank_layout.units:
@@ -111,6 +134,7 @@ class GradReducer:
 
     def clear(self) -> None:
         """The step consumed the gradients: the next ones are copied, not added."""
+        self._held.clear()
         for flags in self._fresh:
             for i in range(len(flags)):
                 flags[i] = False

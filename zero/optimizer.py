@@ -89,18 +89,15 @@ class ZeroOptimizer(Optimizer):
         self.skipped_steps = 0
         self.global_grad_norm: Optional[float] = None
         self._group_ranges = group_ranges
-        self._norm_ranges = [r for ranges in group_ranges for r in ranges]
-        # Per sub-group, per param group: merged ranges relative to the sub-group's start.
-        self._sg_ranges: Dict[int, List[List[Range]]] = {}
-        for sg in rank_layout.sub_groups:
-            per_group = []
-            for ranges in group_ranges:
-                inside = [(max(a, sg.start) - sg.start, min(b, sg.stop) - sg.start)
-                          for a, b in ranges if a < sg.stop and b > sg.start]
-                per_group.append(merge_ranges(inside))
-            self._sg_ranges[sg.index] = per_group
+        self._norm_ranges = sorted(r for ranges in group_ranges for r in ranges)
+        # Per sub-group, per param group: the parameter pieces inside it (a piece never straddles
+        # two sub-groups: sub-groups are whole unit shards).
+        self._sg_ranges: Dict[int, List[List[Range]]] = {
+            sg.index: [[(a, b) for a, b in ranges if sg.start <= a < sg.stop] for ranges in group_ranges]
+            for sg in rank_layout.sub_groups}
         self.inner: Optional[Optimizer] = None
         if torch_optimizer_type is not None:
+            reducer.hold = False  # the torch optimizer reads .grad views of the flat partition
             self.inner = self._build_inner(torch_optimizer_type, torch_defaults or {}, group_ranges)
 
     # -- DeepSpeed-compatible attributes -----------------------------------------------------------
@@ -152,9 +149,9 @@ class ZeroOptimizer(Optimizer):
         return True
 
     def _global_norm(self) -> torch.Tensor:
-        grads = self.store.grads
-        norms = [torch.linalg.vector_norm(grads[a:b]) for a, b in self._norm_ranges]
-        total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=grads.device)
+        norms = [torch.linalg.vector_norm(self.reducer.grad(a, b)) for a, b in self._norm_ranges]
+        total = (torch.linalg.vector_norm(torch.stack(norms)) if norms
+                 else torch.zeros((), device=self.store.grads.device))
         if self.comm.distributed:
             squared = (total.double() ** 2).reshape(1)
             self.comm.all_reduce(squared)
@@ -163,16 +160,19 @@ class ZeroOptimizer(Optimizer):
 
     def _step_sub_group(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor],
                         grad: torch.Tensor, coef: Optional[torch.Tensor]) -> None:
-        if coef is not None:
-            grad.mul_(coef.to(grad.device))
+        """Adam on one sub-group; ``grad`` (the store's flat view) is read through the reducer,
+        which may hold some parameters' gradients as separate tensors."""
         step = torch.tensor(float(self.adam_step), device=master.device)
         kernel = torch._fused_adamw_ if self.adam.decoupled_weight_decay else torch._fused_adam_
         for group, ranges in zip(self.param_groups, self._sg_ranges[sg.index]):
             if not ranges:
                 continue
-            views = lambda t: [t[a:b] for a, b in ranges]  # noqa: E731
+            grads = [self.reducer.grad(a, b) for a, b in ranges]
+            if coef is not None:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]  # noqa: E731
             beta1, beta2 = group["betas"]
-            kernel(views(master), views(grad), views(states["exp_avg"]), views(states["exp_avg_sq"]),
+            kernel(views(master), grads, views(states["exp_avg"]), views(states["exp_avg_sq"]),
                    views(states["max_exp_avg_sq"]) if self.adam.amsgrad else [], [step] * len(ranges),
                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                    weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
