@@ -99,3 +99,24 @@ def test_process_memory_stays_below_the_model_states(tmp_path):
     model_states = 16 * result["params"]  # fp32 parameter, gradient, exp_avg, exp_avg_sq
     assert result["params"] > 12_000_000
     assert result["peak"] < model_states, result
+
+
+def test_optimizer_states_are_read_during_the_last_backward(tmp_path):
+    """The first sub-group is read while the backward of the last micro-batch runs, not in step()."""
+    from swapper import SubGroupState
+
+    config = base_config("none", "nvme", tmp_path, accumulation=2, sub_group_size=3000)
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    swapper = engine.parts.optimizer_store.swapper
+    first = engine.parts.rank_layout.sub_groups[0].index
+    try:
+        (x, y), (x2, y2) = make_batches(CFG, 2, 4)
+        engine.backward(engine(x, y))
+        assert swapper.state(first) in (SubGroupState.ON_NVME, SubGroupState.WRITING)  # not a boundary
+        engine.step()
+        engine.backward(engine(x2, y2))
+        assert swapper.state(first) in (SubGroupState.READING, SubGroupState.AVAILABLE)
+        engine.step()
+        assert engine.optimizer.adam_step == 1
+    finally:
+        engine.destroy()

@@ -130,6 +130,8 @@ class ZeroEngine(nn.Module):
             scaled = scaled / gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
+        if self.is_gradient_accumulation_boundary():
+            self.parts.optimizer_store.prefetch()
         with self.timers.phase("backward"):
             scaled.backward(retain_graph=retain_graph)
         return loss
