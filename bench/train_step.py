@@ -246,6 +246,9 @@ def write_markdown(path: str, summary: dict, args, started: str, load_start: str
         *table(summary),
         "",
         *verdicts(summary),
+        "- zero-nvme reads the optimizer states while the backward runs and writes them during the next "
+        "forward (zero/optimizer_store.py), so its step waits for no I/O; DeepSpeed reads, steps and writes "
+        "inside step()",
         f"- load average {load_start} at start, {load_end} at end (2 CPUs shared with other work); run took "
         f"{elapsed:.0f} s",
         "",
@@ -272,8 +275,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--results-md", default=None, help="replace this section of a RESULTS.md")
+    parser.add_argument("--from-json", default=None, help="only rewrite --results-md from a saved --json")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        args.rounds = len(saved["rounds"])
+        write_markdown(args.results_md, saved["summary"], args, saved["started"], saved["load_start"],
+                       saved["load_end"], saved.get("elapsed_s", 0.0))
+        return 0
 
     if args.child:
         print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)))
@@ -301,7 +313,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"started": started, "rounds": rounds, "summary": summary, "load_start": load_start,
-                       "load_end": load_average()}, f, indent=1)
+                       "load_end": load_average(), "elapsed_s": time.time() - t0}, f, indent=1)
     if args.results_md:
         write_markdown(args.results_md, summary, args, started, load_start, load_average(), time.time() - t0)
     return 0
