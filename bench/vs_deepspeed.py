@@ -192,7 +192,8 @@ def fio_rows(d: str, repeats: int, size: int) -> list[dict]:
 
 def render(rows: list[dict], fio: list[dict], info: dict, repeats: int) -> str:
     out = [f"{info['date']}, {info['nproc']} cores, kernel {info['kernel']}, {info['disk']} "
-           f"({info['fstype']}), nvmeio {info['commit']}, deepspeed {info.get('deepspeed')}; "
+           f"({info['fstype']}), nvmeio {info['commit']} (auto backend: {info.get('backend')}), "
+           f"deepspeed {info.get('deepspeed')}; load {os.getloadavg()[0]:.1f}; "
            f"best of {repeats}, alternating; GiB/s.", "",
            "| case | intra | qd | nvmeio | DeepSpeed | ratio |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         info = machine_info(d)
         import deepspeed
         info["deepspeed"] = deepspeed.__version__
+        info["backend"] = nvmeio.aio_handle().get_backend()   # what "auto" means in this run
         size = args.size_mib << 20
         rows = [] if "big" in skip else big_rows(ds, d, args.repeats, size)
         rows += [] if "small" in skip else small_rows(ds, d, args.repeats)

@@ -3,8 +3,11 @@
 [Note: how auto is decided]
 Once per process, on first use, each available backend moves a typical mix
 through a small file: one 8 MiB op each way plus 64 ops of 64 KiB, from a
-locked buffer, best of 3 rounds with the backends alternating so that disk
-noise hits all alike. The fastest total wins. The probe runs in
+locked buffer, 5 rounds with the backends alternating so that disk noise
+hits all alike. The probe is short and the disk noisy (a loaded machine
+once made psync look fastest), so the order io_uring, aio, psync is kept
+unless a later backend's median time is at least MARGIN (15%) better: psync
+cannot queue requests and wins only where queues do not work. The probe runs in
 ``$NVMEIO_PROBE_DIR`` (default: the system temp directory); put that on the
 NVMe for a choice that reflects it, or name the backend with
 ``NVMEIO_BACKEND`` or ``nvme_tune``'s ``"backend"``. A probe that cannot run
@@ -15,6 +18,7 @@ io_uring, aio, psync order.
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -26,6 +30,7 @@ __all__ = ["fastest_backend", "measure_backends"]
 _chosen: str | None = None
 _SMALL = 64 * 1024
 _BIG = 8 << 20
+MARGIN = 0.15
 
 
 def _one_round(backend: str, path: str, buf) -> float:
@@ -44,23 +49,33 @@ def _one_round(backend: str, path: str, buf) -> float:
     return time.perf_counter() - start
 
 
-def measure_backends(directory: str | None = None, rounds: int = 3) -> dict[str, float]:
-    """Best seconds of the probe mix per available backend."""
+def measure_backends(directory: str | None = None, rounds: int = 5) -> dict[str, float]:
+    """Median seconds of the probe mix per available backend."""
     from .aio_handle import available_backends  # noqa: PLC0415
 
     backends = available_backends()
     directory = directory or os.environ.get("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
     buf = memoryview(_native.LockedBuffer(_BIG, True))
-    best = {b: float("inf") for b in backends}
+    times: dict[str, list[float]] = {b: [] for b in backends}
     fd, path = tempfile.mkstemp(prefix=".nvmeio-probe-", dir=directory)
     os.close(fd)
     try:
-        for _ in range(rounds):
-            for b in backends:
-                best[b] = min(best[b], _one_round(b, path, buf))
+        for r in range(rounds):
+            for b in (backends if r % 2 == 0 else backends[::-1]):
+                times[b].append(_one_round(b, path, buf))
     finally:
         os.unlink(path)
-    return best
+    return {b: statistics.median(t) for b, t in times.items()}
+
+
+def pick(times: dict[str, float]) -> str:
+    """The first backend in preference order unless a later one is clearly faster."""
+    order = list(times)  # available_backends() order: io_uring, aio, psync
+    chosen = order[0]
+    for b in order[1:]:
+        if times[b] < times[chosen] * (1 - MARGIN):
+            chosen = b
+    return chosen
 
 
 def fastest_backend() -> str:
@@ -80,8 +95,7 @@ def fastest_backend() -> str:
             _chosen = available[0]
         else:
             try:
-                times = measure_backends()
-                _chosen = min(times, key=times.get)
+                _chosen = pick(measure_backends())
             except OSError as e:
                 warnings.warn(f"nvmeio: could not measure the backends ({e}); using "
                               f"{available[0]!r}", RuntimeWarning, stacklevel=2)

@@ -20,12 +20,19 @@ def test_every_available_backend_is_measured(tmp_path):
     assert os.listdir(tmp_path) == []        # the probe file is removed
 
 
-def test_auto_takes_the_measured_fastest(monkeypatch):
-    fake = {b: 1.0 + i for i, b in enumerate(nvmeio.available_backends())}
-    slowest_first = dict(zip(fake, sorted(fake.values(), reverse=True)))
-    monkeypatch.setattr(backend_choice, "measure_backends", lambda: slowest_first)
-    expected = min(slowest_first, key=slowest_first.get)
-    assert nvmeio.aio_handle().get_backend() == expected
+def test_auto_keeps_the_preferred_order_unless_clearly_beaten(monkeypatch):
+    order = nvmeio.available_backends()
+    if len(order) < 2:
+        pytest.skip("only one backend here")
+    first, second = order[0], order[1]
+    slightly = {b: 1.0 for b in order}
+    slightly[second] = 1.0 * (1 - backend_choice.MARGIN / 2)   # faster, but within the margin
+    assert backend_choice.pick(slightly) == first
+    clearly = dict(slightly)
+    clearly[second] = 1.0 * (1 - 2 * backend_choice.MARGIN)    # clearly faster
+    assert backend_choice.pick(clearly) == second
+    monkeypatch.setattr(backend_choice, "measure_backends", lambda: clearly)
+    assert nvmeio.aio_handle().get_backend() == second
 
 
 def test_environment_fixes_auto(monkeypatch):
