@@ -4,9 +4,11 @@ Each rank trains on its half of every batch; plain PyTorch trains on the whole
 batch with the mean of the two halves' losses. Losses agree within rtol 1e-4
 (the sum over ranks rounds differently from one backward over the whole
 batch) for offload none, cpu and nvme, gradient accumulation 1 and 4, with
-clipping, and for a model built inside zero.Init. All scenarios run in one
-pair of processes, started once.
+clipping, with gradient_predivide_factor, and for a model built inside
+zero.Init. All scenarios run in one pair of processes, started once.
 """
+
+import os
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ CASES = {
     "nvme-nvme-1": dict(offload_param="nvme", offload_optimizer="nvme", accumulation=1, clip=1.0),
     "nvme-cpu-4": dict(offload_param="nvme", offload_optimizer="cpu", accumulation=4, clip=0.0),
     "init-cpu-1": dict(offload_param="cpu", offload_optimizer="none", accumulation=1, clip=1.0, use_init=True),
+    "predivide-none-1": dict(offload_param="none", offload_optimizer="none", accumulation=1, clip=1.0,
+                             config_extra={"gradient_predivide_factor": 2.0}),
 }
 
 
@@ -82,12 +86,31 @@ def scenario_checkpoint(rank, world_size, scratch):
     return {"losses": losses, "scratch": scratch}
 
 
+def scenario_tags(rank, world_size, scratch):
+    """Ranks that disagree on the tag: Fail raises on every rank, Warn saves under rank 0's tag."""
+    import zero
+
+    outcome = {}
+    for policy in ("Fail", "Warn"):
+        config = base_config(world_size=world_size)
+        config["checkpoint"] = {"tag_validation": policy}
+        engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+        try:
+            engine.save_checkpoint(f"{scratch}/{policy}", tag=f"mine{rank}")
+            outcome[policy] = sorted(os.listdir(f"{scratch}/{policy}"))
+        except ValueError as error:
+            outcome[policy] = str(error)
+        engine.destroy()
+    return outcome
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     scenarios = [(name, scenario_train, kwargs) for name, kwargs in CASES.items()]
     scenarios.append(("batch_size_check", scenario_batch_size_check, {}))
     scenarios.append(("fp16_overflow", scenario_fp16_overflow_on_one_rank, {}))
     scenarios.append(("checkpoint", scenario_checkpoint, {}))
+    scenarios.append(("tags", scenario_tags, {}))
     return run_ranks(WORLD, scenarios, tmp_path_factory.mktemp("ranks"))
 
 
@@ -150,3 +173,12 @@ def test_a_two_rank_checkpoint_consolidates_and_resumes_on_one_rank(results, tmp
     engine.destroy()
     two_ranks = [(a + b) / 2 for a, b in zip(got[0]["losses"], got[1]["losses"])]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(two_ranks), rtol=1e-4, atol=0)
+
+
+def test_checkpoint_tags_are_validated_across_ranks(results):
+    for rank in range(WORLD):
+        got = results[rank]["tags"]
+        assert "error" not in got, got.get("error")
+        assert got["Fail"] == (f"ranks save different checkpoint tags (rank {rank}: 'mine{rank}', rank 0: "
+                               f"'mine0') and checkpoint.tag_validation is Fail")
+        assert got["Warn"] == ["latest", "mine0"]

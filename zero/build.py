@@ -167,7 +167,8 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
     reducer = optimizer = None
     if spec is not None:
         comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
-        reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype)
+        reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
+                              predivide=config.gradient_predivide_factor)
         optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
                                   hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
                                   group_ranges=_group_ranges(spec, units, rank_layout),

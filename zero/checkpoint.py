@@ -61,6 +61,22 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
+def _agreed_tag(engine, tag: str) -> str:
+    """Rank 0's tag; ``checkpoint.tag_validation`` says what a rank with another tag does."""
+    comm = engine.comm
+    first = comm.broadcast_object(tag, 0)
+    policy = engine.config.checkpoint.tag_validation
+    if policy == "Ignore":
+        return first
+    if policy == "Fail" and comm.any(first != tag, engine.device):  # every rank raises, none waits
+        raise ValueError(f"ranks save different checkpoint tags (rank {comm.rank}: {tag!r}, rank 0: "
+                         f"{first!r}) and checkpoint.tag_validation is Fail")
+    if first != tag:
+        logging.getLogger("zero").warning("rank %d saves checkpoint tag %r but rank 0 saves %r; using rank 0's",
+                                          comm.rank, tag, first)
+    return first
+
+
 def _master_of(engine, sg):
     """(master, states) of one sub-group; from the parameter shards when there is no optimizer."""
     store = engine.parts.optimizer_store
@@ -79,6 +95,7 @@ def _master_of(engine, sg):
 def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool) -> bool:
     comm, parts = engine.comm, engine.parts
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = _agreed_tag(engine, tag)
     partial = os.path.join(save_dir, f".{tag}.partial")
     if comm.rank == 0:
         os.makedirs(save_dir, exist_ok=True)

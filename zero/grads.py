@@ -13,7 +13,8 @@ On several ranks the unit's gradients are first laid into one flat buffer
 (compute dtype, on the device); when the unit's last gradient arrives the
 buffer is reduce-scattered (summed over ranks in ``communication_data_type``)
 and this rank's slice, divided by the world size, is copied or added into the
-partition. The partition lives where the optimizer states live (device for
+partition (``gradient_predivide_factor`` f divides by f before the sum and by
+world_size / f after, which keeps fp16 sums in range). The partition lives where the optimizer states live (device for
 ``offload_optimizer: none``, host memory otherwise).
 
 [Note: every rank reduces the same units in the same order]
@@ -39,7 +40,7 @@ class GradReducer:
     """Accumulates gradients into ``grads``, the flat fp32 partition of the rank."""
 
     def __init__(self, rank_layout: RankLayout, grads: torch.Tensor, comm: Comm, device: torch.device,
-                 dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True):
+                 dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True, predivide: float = 1.0):
         self.rank_layout = rank_layout
         self.hold = hold and comm.world_size == 1
         self._held: Dict[int, torch.Tensor] = {}  # rank-space start of a parameter -> its gradient
@@ -48,6 +49,7 @@ class GradReducer:
         self.device = device
         self.dtype = dtype
         self.comm_dtype = comm_dtype
+        self.predivide = float(predivide)  # gradient_predivide_factor: divide before the sum, the rest after
         n_units = len(rank_layout.units)
         # Which slices hold a gradient accumulated since the last step, and which are known zero.
         if comm.world_size == 1:
@@ -92,10 +94,12 @@ class GradReducer:
         if buf is None:
             buf = torch.zeros(layout.padded_numel, dtype=self.comm_dtype, device=self.device)
         shard = torch.empty(layout.shard_numel, dtype=self.comm_dtype, device=self.device)
+        if self.predivide != 1.0:
+            buf.div_(self.predivide)
         self.comm.reduce_scatter(shard, buf)
         del buf
         shard = shard.float() if shard.dtype != torch.float32 else shard
-        shard.div_(self.comm.world_size)
+        shard.div_(self.comm.world_size / self.predivide)
         start, stop = self.rank_layout.unit_range(layout.index)
         self._accumulate(self.grads[start:stop], shard, layout.index, 0)
 

@@ -239,15 +239,16 @@ def run_ranks(world_size: int, scenarios, out_dir) -> List[dict]:
 def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str = "none",
                    offload_optimizer: str = "none", accumulation: int = 1, clip: float = 0.0,
                    precision: str = "fp32", steps: int = 10, lr: float = 1e-2, use_init: bool = False,
-                   **zero_extra) -> List[float]:
+                   config_extra: dict = None, **zero_extra) -> List[float]:
     """Train the test GPT on this rank's part of each batch; returns this rank's losses.
 
-    ``use_init`` builds the model inside ``zero.Init``.
+    ``use_init`` builds the model inside ``zero.Init``; ``config_extra`` adds top-level keys.
     """
     import zero
 
     config = base_config(offload_param, offload_optimizer, scratch, accumulation=accumulation, clip=clip,
                          precision=precision, lr=lr, world_size=world_size, sub_group_size=3000, **zero_extra)
+    config.update(config_extra or {})
     torch.manual_seed(0)
     c = GPTConfig()
     if use_init:
