@@ -169,3 +169,47 @@ def test_save_16bit_model(tmp_path, caplog):
     assert not (tmp_path / "none").exists()
     assert "stage3_gather_16bit_weights_on_model_save is false" in caplog.text
     off.destroy()
+
+
+CONVERT_SCRIPT = """
+import sys, threading, time
+
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) * 1024
+
+import torch
+from zero.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+base = anon()
+peak, stop = [base], [False]
+
+def sample():
+    while not stop[0]:
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.001)
+
+thread = threading.Thread(target=sample)
+thread.start()
+convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2])
+stop[0] = True
+thread.join()
+print(peak[0] - base)
+"""
+
+
+def test_zero_to_fp32_holds_the_model_once(tmp_path):
+    """Anonymous memory grows by the fp32 model, once: shards are read memory-mapped, the optimizer
+    states (three times the model) are never read, and no second copy of the model is made."""
+    cfg = GPTConfig(vocab=1024, d_model=256, heads=4, layers=16, seq=32, tie=True)
+    engine, _, _, _ = zero.initialize(model=GPT(cfg), config=base_config(sub_group_size=1_000_000))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    model_bytes = 4 * engine.parts.rank_layout.numel
+    engine.destroy()
+    run = subprocess.run([sys.executable, "-c", CONVERT_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "o.bin")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    growth = int(run.stdout.strip().splitlines()[-1])
+    assert model_bytes > 50_000_000
+    assert growth < 1.25 * model_bytes, (growth, model_bytes)
