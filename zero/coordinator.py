@@ -253,6 +253,9 @@ class Coordinator:
         self._recording = []
         self._trace_ok = self._trace is not None
         self.store.drop_prefetched()
+        for u in self.units:
+            if u.state is ParamState.INFLIGHT:  # prefetched, never used
+                u.state = ParamState.NOT_AVAILABLE
 
     def _record(self, u: ParamUnit) -> None:
         pos = len(self._recording)
@@ -271,9 +274,10 @@ class Coordinator:
             if room <= 0 or budget <= 0:
                 break
             nxt = self.units[index]
-            if nxt.state is ParamState.AVAILABLE or nxt is u or index in wanted:
+            if nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or index in wanted:
                 continue
             wanted[index] = nxt.layout
+            nxt.state = ParamState.INFLIGHT
             room -= 1
             budget -= nxt.layout.shard_numel
         if wanted:
