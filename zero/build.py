@@ -57,9 +57,8 @@ class EngineParts:
 
 
 def _aio(config: DeepSpeedConfig) -> dict:
-    kw = config.aio.handle_kwargs()
-    kw.pop("backend", None)  # swapper.AioConfig takes the five DeepSpeed keys only
-    return kw
+    """The handle settings for the swappers, ``backend`` included."""
+    return config.aio.handle_kwargs()
 
 
 def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
