@@ -75,3 +75,14 @@ def test_mlock_refused_falls_back_visibly():
     assert out.returncode == 0, out.stderr
     assert f"pinned False sum {16 << 20}" in out.stdout
     assert "could not lock 67108864 bytes" in out.stdout and "memlock limit 1048576 bytes" in out.stdout
+
+
+def test_large_locked_tensor_sits_on_a_huge_page_boundary():
+    # See [Note: huge pages for I/O buffers] in native/locked.cpp.
+    h = nvmeio.aio_handle()
+    t = h.new_cpu_locked_tensor(3 << 20, torch.empty(0, dtype=torch.uint8))
+    assert t.data_ptr() % (2 << 20) == 0
+    t.fill_(9)
+    assert int(t.sum()) == 9 * (3 << 20)
+    small = h.new_cpu_locked_tensor(100, torch.empty(0))
+    assert small.data_ptr() % 4096 == 0
