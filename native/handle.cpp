@@ -1,5 +1,7 @@
 #include "handle.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
@@ -8,7 +10,7 @@
 
 namespace nvmeio {
 
-Handle::Handle(const HandleConfig& cfg) : cfg_(cfg) {
+Handle::Handle(const HandleConfig& cfg) : cfg_(cfg), owner_pid_(::getpid()) {
   if (cfg_.block_size <= 0) throw std::invalid_argument("block_size must be positive");
   if (cfg_.queue_depth <= 0) throw std::invalid_argument("queue_depth must be positive");
   if (cfg_.intra_op_parallelism <= 0)
@@ -21,9 +23,26 @@ Handle::Handle(const HandleConfig& cfg) : cfg_(cfg) {
     workers_.push_back(std::make_unique<Worker>(wc, this));
 }
 
-Handle::~Handle() { close(); }
+Handle::~Handle() {
+  if (forked()) {
+    // See [Note: handles and fork]: the threads behind these objects live
+    // only in the parent.
+    for (auto& w : workers_) w.release();
+    return;
+  }
+  close();
+}
+
+bool Handle::forked() const { return ::getpid() != owner_pid_; }
+
+void Handle::check_not_forked() const {
+  if (forked())
+    throw std::runtime_error("this aio_handle was created in another process (before a fork); "
+                             "create a new handle in this process");
+}
 
 void Handle::close() {
+  if (forked()) return;
   std::vector<std::unique_ptr<Worker>> workers;
   {
     std::unique_lock<std::mutex> lock(mu_);
@@ -36,11 +55,13 @@ void Handle::close() {
 }
 
 bool Handle::closed() {
+  if (forked()) return true;
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
 }
 
 void Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset) {
+  check_not_forked();
   if (offset < 0) throw IoError(EINVAL, path, offset, nbytes, "negative file offset");
   // The buffered descriptor is needed only for parts that are not aligned.
   int64_t end = offset + nbytes;
@@ -56,6 +77,7 @@ void Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& pa
 }
 
 void Handle::submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset) {
+  check_not_forked();
   if (offset < 0) throw IoError(EINVAL, "<fd>", offset, nbytes, "negative file offset");
   auto op = std::make_shared<Op>();
   op->file = File::from_fd(fd, write ? OpenMode::kWrite : OpenMode::kRead);
@@ -132,6 +154,7 @@ void Handle::op_done(const std::shared_ptr<Op>& op) {
 }
 
 WaitResult Handle::wait() {
+  check_not_forked();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return pending_ == 0; });
   return take_result();
@@ -148,15 +171,17 @@ WaitResult Handle::take_result() {
 }
 
 void Handle::add_region(char* p, int64_t len) {
-  if (len <= 0) return;
+  if (len <= 0 || forked()) return;
   for (auto& w : workers_) w->add_region(p, len);
 }
 
 void Handle::remove_region(char* p) {
+  if (forked()) return;
   for (auto& w : workers_) w->remove_region(p);
 }
 
 std::optional<WaitResult> Handle::wait_for(int ms) {
+  check_not_forked();
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, std::chrono::milliseconds(ms), [&] { return pending_ == 0; }))
     return std::nullopt;
@@ -164,16 +189,19 @@ std::optional<WaitResult> Handle::wait_for(int ms) {
 }
 
 int64_t Handle::pending() {
+  if (forked()) return 0;
   std::lock_guard<std::mutex> lock(mu_);
   return pending_;
 }
 
 bool Handle::refused_direct() {
+  if (forked()) return false;
   std::lock_guard<std::mutex> lock(mu_);
   return refused_direct_;
 }
 
 std::vector<WorkerStats> Handle::stats() {
+  if (forked()) return {};
   std::vector<WorkerStats> out;
   for (auto& w : workers_) out.push_back(w->stats());
   return out;

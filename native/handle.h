@@ -5,6 +5,8 @@
 // until every submitted op is done and reports the first error.
 #pragma once
 
+#include <sys/types.h>
+
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -78,6 +80,15 @@ class Handle final : public OpSink {
   bool refused_direct_ = false;         // guarded by mu_
   unsigned next_worker_ = 0;            // guarded by mu_
   bool closed_ = false;                 // guarded by mu_
+  // [Note: handles and fork]
+  // A forked child inherits this object but none of its worker threads, and
+  // possibly a mutex a worker held at the fork. In the child the handle is
+  // dead: I/O calls raise, and destruction leaks the workers instead of
+  // joining threads that do not exist there (which would hang forever, e.g.
+  // a DataLoader worker or a test rank collecting a parent's handle).
+  const pid_t owner_pid_;
+  bool forked() const;
+  void check_not_forked() const;
   // Last member: destroyed (threads joined) before the mutex and condition
   // variable the workers report to.
   std::vector<std::unique_ptr<Worker>> workers_;

@@ -2,6 +2,11 @@
 
 import os
 
+# Child Pythons started by tests (python -c / -m) must import the installed
+# nvmeio, not the source tree of the current directory (it has no built
+# _native); PYTHONSAFEPATH keeps the current directory off their sys.path.
+os.environ["PYTHONSAFEPATH"] = "1"
+
 import numpy as np
 import pytest
 
