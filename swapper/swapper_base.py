@@ -12,6 +12,8 @@ pool buffer or ``None``), and provides :meth:`_swapped_entries`,
 """
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import Iterable, List, Optional
 
@@ -25,7 +27,7 @@ from .io_queue import IoQueue
 from .swap_dir import SwapDirectory
 
 
-class SwapperBase:
+class SwapperBase(abc.ABC):
     """Queues, pool, swap directory and lifetime of a swapper. Not thread-safe."""
 
     _State: type  # the subclass's state enum
@@ -59,18 +61,21 @@ class SwapperBase:
         )
 
     # -- what a subclass provides -------------------------------------------------------------
+    @abc.abstractmethod
     def _swapped_entries(self) -> Iterable:
         """The entries that live on NVMe (have a swap file, may hold a pool buffer)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _forget_entries(self) -> None:
         """Drop every entry's record (at cleanup, once their buffers are back)."""
-        raise NotImplementedError
+        ...
 
     @property
+    @abc.abstractmethod
     def nvme_bytes(self) -> int:
         """Bytes the swapped entries take on disk."""
-        raise NotImplementedError
+        ...
 
     # -- shared API ---------------------------------------------------------------------------
     @property

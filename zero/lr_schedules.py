@@ -8,6 +8,8 @@ step taken; at ``-1`` (not started) the schedules set their starting lr.
 """
 from __future__ import annotations
 
+import abc
+
 import math
 from typing import List, Sequence, Union
 
@@ -22,14 +24,15 @@ def _per_group(optimizer, value: Number, name: str) -> List[float]:
     return [float(value)] * len(optimizer.param_groups)
 
 
-class _Schedule:
+class _Schedule(abc.ABC):
     def __init__(self, optimizer, last_batch_iteration: int):
         self.optimizer = optimizer
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: List[float] = [g["lr"] for g in optimizer.param_groups]
 
+    @abc.abstractmethod
     def get_lr(self) -> List[float]:
-        raise NotImplementedError
+        ...
 
     def _apply(self, lrs: List[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs):

@@ -15,6 +15,8 @@ views the function updates in place.
 """
 from __future__ import annotations
 
+import abc
+
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -31,7 +33,7 @@ def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = Fa
     return t.zero_() if zero else t
 
 
-class OptimizerStore:
+class OptimizerStore(abc.ABC):
     """Interface; ``grads`` is the flat fp32 gradient partition of the rank."""
 
     grads: torch.Tensor
@@ -41,27 +43,32 @@ class OptimizerStore:
         self.rank_layout = rank_layout
         self.state_names = tuple(state_names)
 
+    @abc.abstractmethod
     def init_master(self, unit_index: int, values: torch.Tensor) -> None:
         """Set the fp32 master of one unit's shard (units arrive in index order)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def step(self, fn: StepFn) -> None:
-        raise NotImplementedError
+        ...
 
     def prefetch(self) -> None:
         """A step is coming (backward of the last micro-batch started): start reading."""
 
+    @abc.abstractmethod
     def write_master(self, unit_index: int, values: torch.Tensor) -> None:
         """Replace one unit's master shard after training started (GatheredParameters)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def read(self, sub_group: SubGroup) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """Copies of one sub-group's master and states (for checkpoints)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
         """Replace one sub-group's master and, unless ``states`` is None, its states."""
-        raise NotImplementedError
+        ...
 
     def close(self) -> None:
         pass

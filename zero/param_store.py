@@ -15,6 +15,8 @@ gathering a unit is pointing its parameters at a view (see unit.py).
 """
 from __future__ import annotations
 
+import abc
+
 import time
 from typing import Iterable, Optional, Set
 
@@ -29,18 +31,20 @@ def unit_id(layout: UnitLayout) -> str:
     return f"unit{layout.index}.{layout.module_name or 'root'}"
 
 
-class ParamStore:
+class ParamStore(abc.ABC):
     """Interface of the shard stores; see the concrete classes."""
 
     resident = True  # every shard is a tensor that lives as long as the store, updated in place
     swap_seconds = 0.0  # time spent waiting for NVMe reads (wall_clock_breakdown)
 
+    @abc.abstractmethod
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def fetch(self, layout: UnitLayout) -> torch.Tensor:
         """The shard's values, readable until :meth:`fetched`."""
-        raise NotImplementedError
+        ...
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
         """The shard itself when it lives in memory for good (updated in place by :meth:`write`)."""
@@ -58,9 +62,10 @@ class ParamStore:
     def drop_prefetched(self) -> None:
         """Give back the memory of prefetched shards that were not fetched."""
 
+    @abc.abstractmethod
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         """Replace the shard with ``values`` (any dtype/device; cast on copy)."""
-        raise NotImplementedError
+        ...
 
     def flush(self) -> None:
         """Complete writes in flight."""
