@@ -2,6 +2,7 @@
 before any I/O) that names the path, never a hang, never a half-written new
 file, and the handle stays usable."""
 
+import contextlib
 import errno
 import os
 import resource
@@ -18,6 +19,17 @@ from conftest import file_bytes, is_root, random_bytes
 @pytest.fixture
 def h():
     return nvmeio.aio_handle(queue_depth=8, intra_op_parallelism=2)
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes):
+    """RLIMIT_FSIZE for this process while the block runs (Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def check_error(exc_info, path, offset, length):
@@ -82,13 +94,9 @@ def test_write_past_file_size_limit_fails_before_any_write(h, nvme_dir):
     # The extending write preallocates its range first, so the limit is hit
     # at submit time: nothing written, no file left, nothing pending.
     path = nvme_dir / "big.bin"
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
-    try:
+    with file_size_limit(1 << 20):
         with pytest.raises(nvmeio.AioError) as e:
             h.async_pwrite(random_bytes(4 << 20), path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert e.value.errno == errno.EFBIG
     assert e.value.filename == str(path) and "File too large" in str(e.value)
     assert not path.exists()
@@ -103,13 +111,9 @@ def test_failed_extending_write_restores_the_old_size(h, nvme_dir):
     path = nvme_dir / "grow.bin"
     old = random_bytes(5000).tobytes()
     path.write_bytes(old)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
-    try:
+    with file_size_limit(1 << 20):
         with pytest.raises(nvmeio.AioError, match="File too large"):
             h.sync_pwrite(random_bytes(2 << 20), path, file_offset=4096)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert file_bytes(path) == old
 
 
@@ -145,13 +149,9 @@ def test_failed_overwrite_keeps_existing_file(h, nvme_dir):
     path = nvme_dir / "keep.bin"
     old = random_bytes(5000).tobytes()
     path.write_bytes(old)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
-    try:
+    with file_size_limit(1 << 20):
         with pytest.raises(nvmeio.AioError):
             h.write(random_bytes(2 << 20), path)   # whole-file write goes via a temporary
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert file_bytes(path) == old
     assert os.listdir(nvme_dir) == ["keep.bin"]
 
