@@ -7,7 +7,20 @@
 
 from __future__ import annotations
 
+import os as _os
 import resource as _resource
+
+try:
+    from . import _native  # noqa: F401
+except ImportError as _e:
+    if _os.path.exists(_os.path.join(_os.path.dirname(__file__), _os.pardir, "CMakeLists.txt")):
+        raise ImportError(
+            f"nvmeio is being imported from its source tree ({_os.path.dirname(__file__)}), which "
+            "has no built native module: run from a directory other than the repository root "
+            "(python puts the current directory first on sys.path for -m and -c), use the "
+            "console scripts (zero_demo, nvme_tune, ...), or install in place with "
+            "`pip install -e . --no-build-isolation`") from _e
+    raise
 
 from .aio_handle import ValidationError, aio_handle, available_backends
 from .errors import AioError, ShortReadError

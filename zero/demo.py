@@ -1,7 +1,7 @@
 """nvmeio's main job in one run: ZeRO-3 training with parameters and optimizer
 states on NVMe, checked step by step against plain PyTorch.
 
-    python -m zero.demo [--nvme_dir DIR] [--steps 20] [--offload nvme|cpu|none]
+    zero_demo [--nvme_dir DIR] [--steps 20] [--offload nvme|cpu|none]   (or python -m zero.demo)
 
 A GPT-style model (4 layers, d_model 128, vocab 256) learns a synthetic
 language. The DeepSpeed config below is the kind users already have
