@@ -1,5 +1,6 @@
 """The three shared DeepSpeed configs load unchanged (copies kept here so the test
-runs anywhere; a test checks them against /work/shared/configs when present)."""
+runs anywhere; a test checks them against shared/configs beside the repository,
+where CI and developers have it)."""
 
 import json
 import pathlib
@@ -9,7 +10,9 @@ import pytest
 
 from zero.config import ConfigDeprecationWarning, load_config, resolve_auto
 
-SHARED = pathlib.Path("/work/shared/configs")
+SHARED = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared" / "configs",
+                           pathlib.Path("/work/shared/configs")) if p.is_dir()),
+              pathlib.Path("/work/shared/configs"))
 
 MANUAL_FP16 = """{
   "fp16": {"enabled": true, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
