@@ -39,6 +39,7 @@ from .aio_handle import aio_handle
 from .cuda_staging import DeviceOpQueue, compare_with_file, cuda_unavailable_reason, \
     prepare_target, stream_fence
 from .errors import AioError, make_error
+from .locked import check_new_tensor_args
 
 __all__ = ["gds_handle", "gds_unavailable_reason"]
 
@@ -309,11 +310,7 @@ class gds_handle(aio_handle):  # noqa: N801 - the name users know from DeepSpeed
         """
         import torch
 
-        if not isinstance(example_tensor, torch.Tensor):
-            raise TypeError("example_tensor must be a torch.Tensor (its dtype is used), "
-                            f"got {type(example_tensor).__name__}")
-        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
-            raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+        check_new_tensor_args(num_elem, example_tensor)
         device = example_tensor.device
         if device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())

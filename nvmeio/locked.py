@@ -20,12 +20,23 @@ import weakref
 
 from . import _native
 
-__all__ = ["LockedTensors"]
+__all__ = ["LockedTensors", "check_new_tensor_args"]
 
 
 def _memlock_limit() -> str:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+
+
+def check_new_tensor_args(num_elem, example_tensor) -> None:
+    """The (num_elem, example_tensor) arguments of DeepSpeed's tensor factories."""
+    import torch
+
+    if not isinstance(example_tensor, torch.Tensor):
+        raise TypeError("example_tensor must be a torch.Tensor (its dtype is used), "
+                        f"got {type(example_tensor).__name__}")
+    if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
+        raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
 
 
 class LockedTensors:
@@ -40,11 +51,7 @@ class LockedTensors:
     def new(self, num_elem: int, example_tensor):
         import torch
 
-        if not isinstance(example_tensor, torch.Tensor):
-            raise TypeError("example_tensor must be a torch.Tensor (its dtype is used), "
-                            f"got {type(example_tensor).__name__}")
-        if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
-            raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+        check_new_tensor_args(num_elem, example_tensor)
         dtype = example_tensor.dtype
         nbytes = num_elem * example_tensor.element_size()
         region = _native.LockedBuffer(nbytes, os.environ.get("NVMEIO_MLOCK", "1") != "0")
