@@ -4,7 +4,7 @@
     python3 bench/train_step.py --results-md bench/RESULTS.md --json bench/out/train_step.json
     python3 bench/train_step.py --contenders torch zero-none --rounds 1
 
-Model: zero.testing.GPT with 6 layers, d_model 512, 8 heads, vocab 8192 (head
+Model: zero.examples.GPT with 6 layers, d_model 512, 8 heads, vocab 8192 (head
 not tied), seq 128, batch 4, fp32, AdamW (lr 1e-4, weight decay 0.01).
 Contenders: ``torch`` (torch.optim.AdamW(fused=True)), ``zero-none``,
 ``zero-cpu``, ``zero-nvme`` (this repository: parameters and optimizer states
@@ -91,7 +91,7 @@ def run_child(contender: str, steps: int, warmup: int, nvme_path: str) -> dict:
     sys.path.insert(0, ROOT)
     import torch
 
-    from zero.testing import GPT, GPTConfig
+    from zero.examples import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(**MODEL)

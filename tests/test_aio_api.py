@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import file_bytes, random_bytes
+from helpers import file_bytes, random_bytes
 
 DEEPSPEED_METHODS = ("async_pread async_pwrite free_cpu_locked_tensor get_alignment get_block_size "
                      "get_intra_op_parallelism get_overlap_events get_queue_depth get_single_submit "

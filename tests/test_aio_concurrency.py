@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import BACKENDS, file_bytes, random_bytes
+from helpers import BACKENDS, file_bytes, random_bytes
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import file_bytes, is_root, random_bytes
+from helpers import file_bytes, is_root, random_bytes
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import numpy as np
 
 import nvmeio
-from conftest import random_bytes
+from helpers import random_bytes
 
 
 def _child(path, queue):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import file_bytes, random_bytes
+from helpers import file_bytes, random_bytes
 
 BLOCK = 65536
 QUEUE_BACKENDS = [b for b in ("io_uring", "aio") if b in nvmeio.available_backends()]

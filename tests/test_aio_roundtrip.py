@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nvmeio
-from conftest import BACKENDS, file_bytes, random_bytes, unaligned_view
+from helpers import BACKENDS, file_bytes, random_bytes, unaligned_view
 
 MiB = 1 << 20
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nvmeio
-from conftest import file_bytes, random_bytes
+from helpers import file_bytes, random_bytes
 from nvmeio import cuda_staging
 from nvmeio.buffers import DeviceBuffer
 from nvmeio.cuda_staging import (FILE_ALIGN, DeviceOpQueue, StagingConfig, StagingEngine,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import file_bytes, random_bytes
+from helpers import file_bytes, random_bytes
 from test_cuda_paths import on_fake_cuda, plain
 
 gds_module = importlib.import_module("nvmeio.gds_handle")

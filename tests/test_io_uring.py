@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import file_bytes, random_bytes
+from helpers import file_bytes, random_bytes
 
 pytestmark = pytest.mark.skipif("io_uring" not in nvmeio.available_backends(),
                                 reason="io_uring not built (no liburing-dev) or refused by this kernel")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nvmeio
-from conftest import is_root
+from helpers import is_root
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])

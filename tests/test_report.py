@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import nvmeio
-from conftest import is_root
+from helpers import is_root
 
 
 def report(*args):

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import nvmeio
-from conftest import is_root
+from helpers import is_root
 
 BACKEND = nvmeio.available_backends()[0]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

@@ -15,7 +15,8 @@ import torch
 
 import zero
 import zero.checkpoint as checkpoint_module
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, train_engine
 
 CFG = GPTConfig()
 

@@ -1,6 +1,5 @@
-"""The three shared DeepSpeed configs load unchanged: the files of shared/configs
-beside the repository (where CI and developers have it), read as they are, with
-only nvme_path pointed at a temporary directory."""
+"""The three real-world DeepSpeed configs (copies of the project's shared/configs in
+tests/data) load unchanged, with only nvme_path pointed at a temporary directory."""
 
 import json
 import pathlib
@@ -10,15 +9,10 @@ import pytest
 
 from zero.config import ConfigDeprecationWarning, load_config, resolve_auto
 
-SHARED = next((p for p in (pathlib.Path(__file__).resolve().parents[2] / "shared" / "configs",
-                           pathlib.Path("/work/shared/configs")) if p.is_dir()),
-              pathlib.Path("/work/shared/configs"))
-
+DATA = pathlib.Path(__file__).resolve().parent / "data"
 NAMES = ("ds_config_zero3_cpu_auto.json", "ds_config_zero3_manual_fp16.json",
          "ds_config_zero3_nvme.json")
-pytestmark = pytest.mark.skipif(not SHARED.is_dir(),
-                                reason="shared/configs (beside the repository) is not here")
-FILES = {name: (SHARED / name).read_text() for name in NAMES} if SHARED.is_dir() else {}
+FILES = {name: (DATA / name).read_text() for name in NAMES}
 
 
 def write(tmp_path, name):

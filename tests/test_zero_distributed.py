@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from zero.testing import (GPT, GPTConfig, base_config, make_batches, run_ranks, scenario_train, train_engine,
-                          train_reference)
+from zero.examples import GPT, GPTConfig, make_batches, train_reference
+from helpers import base_config, run_ranks, scenario_train, train_engine
 
 WORLD = 2
 CASES = {

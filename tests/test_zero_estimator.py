@@ -3,7 +3,7 @@ import pytest
 
 import zero
 from zero.estimator import GB, estimate_zero3, model_sizes
-from zero.testing import GPT, GPTConfig
+from zero.examples import GPT, GPTConfig
 
 CFG = GPTConfig()
 

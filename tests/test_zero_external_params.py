@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
-from zero.testing import Block, Embedding, GPTConfig, base_config, make_batches, train_engine, train_reference
+from zero.examples import Block, Embedding, GPTConfig, make_batches, train_reference
+from helpers import base_config, train_engine
 
 CFG = GPTConfig()
 

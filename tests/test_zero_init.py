@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import zero
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine, train_reference
+from zero.examples import GPT, GPTConfig, make_batches, train_reference
+from helpers import base_config, train_engine
 
 CFG = GPTConfig()
 

@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import zero
 from zero.config import ConfigError, UnresolvedAutoError
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, train_engine
 
 CFG = GPTConfig()
 

@@ -5,7 +5,8 @@ import re
 import torch
 
 import zero
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, train_engine
 
 CFG = GPTConfig()
 

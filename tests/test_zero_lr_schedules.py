@@ -9,7 +9,8 @@ import torch
 
 import zero
 from zero.lr_schedules import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR
-from zero.testing import GPT, GPTConfig, base_config, make_batches
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config
 
 DS_PYTHON = "/opt/dsvenv/bin/python"
 CASES = {

@@ -17,7 +17,8 @@ import torch
 
 import zero
 from zero.param_store import unit_id
-from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, train_engine
 from swapper import swap_file_name
 
 CFG = GPTConfig()
@@ -64,7 +65,8 @@ def test_swap_files_hold_exactly_the_partitions_in_fp32(tmp_path):
 
 MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys, torch, zero
-    from zero.testing import GPT, GPTConfig, base_config, make_batches, train_engine
+    from zero.examples import GPT, GPTConfig, make_batches
+    from helpers import base_config, train_engine
 
     def status(key):
         for line in open("/proc/self/status"):
@@ -74,7 +76,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     # Warm the runtime up first (a torch optimizer imports ~70 MB of torch._dynamo; the first
     # backward loads the kernels): every training process pays that, whatever its model size.
-    from zero.testing import train_reference
+    from zero.examples import train_reference
     small = GPTConfig()
     train_reference(GPT(small), make_batches(small, 1, 2), 1)
     cfg = GPTConfig(vocab=1024, d_model=256, heads=4, layers=16, seq=32, tie=True)

@@ -24,7 +24,7 @@ import time
 import torch
 
 import zero
-from zero.testing import GPT, GPTConfig, make_batches, relative_error, train_reference
+from zero.examples import GPT, GPTConfig, make_batches, relative_error, train_reference
 
 MODEL = GPTConfig(vocab=256, d_model=128, heads=4, layers=4, seq=64)
 LR = 1e-3

@@ -1,0 +1,162 @@
+"""Test helpers: the engine training loop, test configs, several ranks in one test,
+and byte-level helpers for the I/O tests.
+
+Tests import this module directly (``from helpers import ...``): pytest puts the
+tests folder on ``sys.path`` (rootdir-relative, no package).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+import nvmeio
+from zero.examples import GPT, GPTConfig, make_batches
+
+BACKENDS = nvmeio.available_backends()
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+def file_bytes(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def unaligned_view(n: int, shift: int = 1) -> np.ndarray:
+    """A writable n-byte numpy view whose address is not 4096-aligned."""
+    base = np.empty(n + 4096 + shift, dtype=np.uint8)
+    start = (-base.__array_interface__["data"][0]) % 4096 + shift
+    return base[start:start + n]
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def train_engine(engine, batches: Sequence, steps: int, accumulation: int = 1, rank: int = 0,
+                 shards: int = 1) -> List[float]:
+    """The same loop through a ZeRO engine; rank ``rank`` of ``shards`` takes its part of each batch."""
+    losses: List[float] = []
+    it = iter(batches)
+    for _ in range(steps * accumulation):
+        x, y = next(it)
+        if shards > 1:
+            x, y = x.chunk(shards)[rank], y.chunk(shards)[rank]
+        loss = engine(x, y)
+        losses.append(loss.detach().item())
+        engine.backward(loss)
+        engine.step()
+    return losses
+
+
+def base_config(offload_param: str = "none", offload_optimizer: str = "none", nvme_path=None,
+                accumulation: int = 1, micro: int = 4, world_size: int = 1, clip: float = 0.0,
+                precision: str = "fp32", lr: float = 1e-3, weight_decay: float = 0.01, **zero_extra) -> dict:
+    """A DeepSpeed config dict for the tests: stage 3, AdamW, the given offload."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": 4096}
+    zero.update(zero_extra)
+    for key, device in (("offload_param", offload_param), ("offload_optimizer", offload_optimizer)):
+        zero[key] = {"device": device}
+        if device == "nvme":
+            zero[key]["nvme_path"] = str(nvme_path)
+        if key == "offload_param" and device == "nvme":
+            zero[key]["max_in_cpu"] = 0
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro * accumulation * world_size,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay}},
+        "zero_optimization": zero,
+        "steps_per_print": 1000,
+    }
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+# -- several ranks in one test: gloo processes started by torch.multiprocessing ------------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str) -> None:
+    import json
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    results = {}
+    for name, fn, kwargs in scenarios:
+        try:
+            results[name] = fn(rank, world_size, os.path.join(out_dir, name), **kwargs)
+        except Exception:  # reported to the test, which fails with the traceback
+            results[name] = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, scenarios, out_dir) -> List[dict]:
+    """Run ``scenarios`` (``(name, fn, kwargs)``; ``fn(rank, world_size, scratch_dir, **kwargs)``
+    returns something JSON-able) in ``world_size`` gloo processes; one result dict per rank."""
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    out_dir = os.fspath(out_dir)
+    for name, _, _ in scenarios:
+        os.makedirs(os.path.join(out_dir, name), exist_ok=True)
+    mp.start_processes(_worker, args=(world_size, free_port(), scenarios, out_dir), nprocs=world_size,
+                       start_method="fork")
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str = "none",
+                   offload_optimizer: str = "none", accumulation: int = 1, clip: float = 0.0,
+                   precision: str = "fp32", steps: int = 10, lr: float = 1e-2, use_init: bool = False,
+                   config_extra: dict = None, **zero_extra) -> List[float]:
+    """Train the test GPT on this rank's part of each batch; returns this rank's losses.
+
+    ``use_init`` builds the model inside ``zero.Init``; ``config_extra`` adds top-level keys.
+    """
+    import zero
+
+    config = base_config(offload_param, offload_optimizer, scratch, accumulation=accumulation, clip=clip,
+                         precision=precision, lr=lr, world_size=world_size, sub_group_size=3000, **zero_extra)
+    config.update(config_extra or {})
+    torch.manual_seed(0)
+    c = GPTConfig()
+    if use_init:
+        with zero.Init(config_dict_or_path=config):
+            model = GPT(c)
+    else:
+        model = GPT(c)
+    batches = make_batches(c, steps * accumulation, 4 * world_size)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    try:
+        return train_engine(engine, batches, steps, accumulation, rank=rank, shards=world_size)
+    finally:
+        engine.destroy()

@@ -1,0 +1,141 @@
+"""The example model: a small GPT and the plain-PyTorch loop that trains it.
+
+The demo, the benchmarks and the tests all train this model; the engine must
+reproduce ``train_reference`` exactly.
+
+``GPT`` is nanoGPT-shaped: token embedding tied to the output head (a shared
+parameter), a position embedding held by the root module itself, pre-norm
+blocks of causal attention and an MLP. ``train_reference`` trains a copy with
+``torch.optim.AdamW(fused=True)``, ``loss / accumulation`` per micro-batch and
+``clip_grad_norm_``, the loop a ZeRO engine must reproduce.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 64
+    d_model: int = 32
+    heads: int = 4
+    layers: int = 2
+    seq: int = 16
+    tie: bool = True
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` initialised with std 0.02 (GPT-2's), inside its own constructor so
+    that :class:`zero.Init` partitions the final values."""
+
+    def __init__(self, num: int, dim: int):
+        super().__init__(num, dim)
+        with torch.no_grad():
+            self.weight.mul_(0.02)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.heads = c.heads
+        self.qkv = nn.Linear(c.d_model, 3 * c.d_model)
+        self.proj = nn.Linear(c.d_model, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(c.d_model)
+        self.attn = Attention(c)
+        self.ln2 = nn.LayerNorm(c.d_model)
+        self.fc = nn.Linear(c.d_model, 4 * c.d_model)
+        self.out = nn.Linear(4 * c.d_model, c.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.config = c
+        self.wte = Embedding(c.vocab, c.d_model)
+        self.pos = nn.Parameter(torch.randn(c.seq, c.d_model) * 0.02)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.d_model)
+        self.head = nn.Linear(c.d_model, c.vocab, bias=False)
+        if c.tie:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor = None):
+        x = self.wte(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_batches(c: GPTConfig, count: int, batch: int, seed: int = 0) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` fixed (inputs, targets) micro-batches of a learnable language.
+
+    Each sequence starts at a random token and follows a fixed random
+    permutation of the vocabulary, so the loss falls quickly from ln(vocab).
+    """
+    g = torch.Generator().manual_seed(seed)
+    successor = torch.randperm(c.vocab, generator=g)
+    out = []
+    for _ in range(count):
+        tokens = torch.empty(batch, c.seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, c.vocab, (batch,), generator=g)
+        for t in range(c.seq):
+            tokens[:, t + 1] = successor[tokens[:, t]]
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def train_reference(model: nn.Module, batches: Sequence, steps: int, accumulation: int = 1, lr: float = 1e-3,
+                    weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip: float = 0.0,
+                    shards: int = 1) -> List[float]:
+    """Plain PyTorch: fused AdamW; returns the loss of every micro-batch (of every shard).
+
+    ``shards > 1`` mimics data parallelism: each micro-batch is split into that
+    many equal parts, the loss of each part is recorded, and the gradient is
+    that of their mean.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            fused=True)
+    losses: List[float] = []
+    it = iter(batches)
+    for _ in range(steps):
+        for _ in range(accumulation):
+            x, y = next(it)
+            parts = [model(xs, ys) for xs, ys in zip(x.chunk(shards), y.chunk(shards))]
+            losses.extend(p.detach().item() for p in parts)
+            loss = parts[0] if shards == 1 else sum(parts) / shards
+            if accumulation > 1:
+                loss = loss / accumulation
+            loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def relative_error(a: Sequence[float], b: Sequence[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
