@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "engines/engine.h"
+#include "faults.h"
 #include "file.h"
 #include "handle.h"
 #include "locked.h"
@@ -43,6 +44,7 @@ py::dict stats_dict(const WorkerStats& s) {
   d["max_inflight"] = s.max_inflight;
   d["fixed_buffers"] = s.fixed_buffers;
   d["fixed_files"] = s.fixed_files;
+  d["backoffs"] = s.backoffs;
   return d;
 }
 
@@ -74,6 +76,43 @@ PYBIND11_MODULE(_native, m) {
     return out;
   }, "Backends this build compiled and this kernel accepts, fastest first.");
   m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));
+
+  // Fault injection (nvmeio.faults is the API): see native/faults.h.
+  py::module_ fm = m.def_submodule("faults", "fault injection for tests (see nvmeio.faults)");
+  fm.def("arm",
+         [](int64_t fail_nth, int64_t fail_count, int fail_errno, int64_t short_nth,
+            int64_t short_bytes, int64_t delay_us, int64_t submit_eagain, int64_t engine_failure_nth,
+            int engine_failure_errno, const std::string& path_contains, int direction) {
+           faults::Plan p;
+           p.fail_nth = fail_nth;
+           p.fail_count = fail_count;
+           p.fail_errno = fail_errno;
+           p.short_nth = short_nth;
+           p.short_bytes = short_bytes;
+           p.delay_us = delay_us;
+           p.submit_eagain = submit_eagain;
+           p.engine_failure_nth = engine_failure_nth;
+           p.engine_failure_errno = engine_failure_errno;
+           p.path_contains = path_contains;
+           p.direction = direction;
+           faults::arm(p);
+         },
+         py::arg("fail_nth"), py::arg("fail_count"), py::arg("fail_errno"), py::arg("short_nth"),
+         py::arg("short_bytes"), py::arg("delay_us"), py::arg("submit_eagain"),
+         py::arg("engine_failure_nth"), py::arg("engine_failure_errno"), py::arg("path_contains"),
+         py::arg("direction"));
+  fm.def("disarm", &faults::disarm);
+  fm.def("fired", [] {
+    faults::Fired f = faults::fired();
+    py::dict d;
+    d["requests"] = f.requests;
+    d["failed"] = f.failed;
+    d["shortened"] = f.shortened;
+    d["delayed"] = f.delayed;
+    d["eagain"] = f.eagain;
+    d["engine_failures"] = f.engine_failures;
+    return d;
+  });
 
   py::class_<Handle>(m, "Handle")
       .def(py::init([](int64_t block_size, int queue_depth, bool single_submit, bool overlap_events,

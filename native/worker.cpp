@@ -11,6 +11,8 @@
 #include <future>
 #include <stdexcept>
 
+#include "faults.h"
+
 namespace nvmeio {
 
 // Progress of one slice on this worker.
@@ -29,6 +31,7 @@ struct Worker::Inflight {
   int64_t pos = 0;           // op-buffer offset of the request
   int64_t len = 0;
   char* bounce = nullptr;    // staging buffer, or null when on user memory
+  faults::Decision fault;    // injected outcome (see faults.h), decided when issued
 };
 
 Worker::Worker(const WorkerConfig& cfg, OpSink* sink)
@@ -92,10 +95,11 @@ void Worker::enqueue(Slice s) {
 
 // Caller holds mu_.
 void Worker::publish_stats() {
-  if (!engine_) return;
-  local_.submit_calls = engine_->submit_calls();
-  local_.fixed_buffers = engine_->fixed_buffer_requests();
-  local_.fixed_files = engine_->fixed_file_requests();
+  if (engine_) {
+    local_.submit_calls = retired_.submit_calls + engine_->submit_calls();
+    local_.fixed_buffers = retired_.fixed_buffers + engine_->fixed_buffer_requests();
+    local_.fixed_files = retired_.fixed_files + engine_->fixed_file_requests();
+  }
   stats_ = local_;
 }
 
@@ -118,6 +122,7 @@ char* Worker::take_bounce() {
   if (free_bounce_.empty()) {
     if (static_cast<int>(bounce_mem_.size()) >= bounce_limit_) return nullptr;
     bounce_mem_.push_back(aligned_alloc_bytes(cfg_.block_size, kDirectAlign));
+    // (engine_ is set: no request is issued while the worker has no engine)
     free_bounce_.push_back(bounce_mem_.back().get());
     engine_->add_buffer(bounce_mem_.back().get(), cfg_.block_size);
   }
@@ -133,8 +138,16 @@ void Worker::run_sync(SliceState* s, int fd, int64_t pos, int64_t len, char* mem
   ++local_.buffered;
   while (len > 0) {
     int64_t off = op.offset + pos;
-    ssize_t r = op.write ? ::pwrite(fd, mem, static_cast<size_t>(len), off)
-                         : ::pread(fd, mem, static_cast<size_t>(len), off);
+    faults::Decision fault = faults::on_request(op.file->path(), op.write, len);
+    if (fault.delay_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(fault.delay_us));
+    size_t want = static_cast<size_t>(fault.short_len >= 0 ? fault.short_len : len);
+    ssize_t r;
+    if (fault.err != 0) {
+      r = -1;
+      errno = fault.err;
+    } else {
+      r = op.write ? ::pwrite(fd, mem, want, off) : ::pread(fd, mem, want, off);
+    }
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) {
       op.fail(make_io_error(errno, op.file->path(), off, len, op.write ? "write" : "read"));
@@ -170,7 +183,7 @@ bool Worker::next_request(Request* out) {
     }
     Inflight* f = free_slots_.back();
     free_slots_.pop_back();
-    *f = Inflight{s, s->pos, len, bounce};
+    *f = Inflight{s, s->pos, len, bounce, faults::on_request(op.file->path(), op.write, len)};
     *out = Request{direct ? op.file->direct_fd() : op.file->buffered_fd(), op.write,
                    bounce ? bounce : mem, len, op.offset + s->pos, f};
     s->pos += len;
@@ -186,11 +199,17 @@ void Worker::complete(Inflight* f, int64_t result) {
   char* mem = op.buf + f->pos;
   char* data = f->bounce ? f->bounce : mem;
   int64_t off = op.offset + f->pos;
+  if (f->fault.delay_us > 0)
+    std::this_thread::sleep_for(std::chrono::microseconds(f->fault.delay_us));
+  if (f->fault.err != 0)
+    result = -f->fault.err;
+  else if (f->fault.short_len >= 0 && result > f->fault.short_len)
+    result = f->fault.short_len;  // the rest is redone byte-exact below, as for a real one
   if (result < 0) {
     op.fail(make_io_error(static_cast<int>(-result), op.file->path(), off, f->len,
                           op.write ? "write" : "read"));
   } else {
-    if (result < f->len) {
+    if (result < f->len && !op.failed.load(std::memory_order_acquire)) {
       // A partial transfer (rare on regular files): finish it byte-exact.
       run_sync(s, op.file->buffered_fd(), f->pos + result, f->len - result, data + result);
     }
@@ -211,7 +230,7 @@ void Worker::finish_slice_if_done(SliceState* s) {
   if (s->finished || issuing || s->outstanding > 0) return;
   s->finished = true;
   ++local_.slices;
-  if (s->fixed_fd >= 0) engine_->remove_file(s->fixed_fd);
+  if (s->fixed_fd >= 0 && engine_) engine_->remove_file(s->fixed_fd);
   {
     // Publish stats before the op can count as done, so a caller that has
     // waited for it sees this slice's requests.
@@ -286,31 +305,116 @@ void Worker::run() {
   }
 }
 
-// The engine broke (io_getevents or io_uring_enter failed for a reason other
-// than a request's own error): fail every op this worker holds rather than
-// leave wait() hanging.
+// [Note: an engine that breaks]
+// io_getevents or io_uring_enter failing for a reason other than a request's
+// own error means the engine can no longer be trusted to report what it
+// holds. Every op this worker holds fails (none may hang wait()), but none
+// may count as done while the kernel could still touch its buffer: the
+// requests in flight are drained if the engine still answers, and the engine
+// is then destroyed (io_destroy waits for what is left in the kernel; a ring
+// cancels it). A fresh engine takes its place, with the worker's registered
+// memory, so the handle stays usable; if none can be made, every later slice
+// fails at once with the reason.
 void Worker::fail_everything(const std::string& why) {
   for (auto& sp : active_) {
     Op& op = *sp->slice.op;
     op.fail(IoError(EIO, op.file ? op.file->path() : "", op.offset, op.nbytes,
                     "I/O engine failure: " + why));
+    sp->fixed_fd = -1;  // registrations die with the engine
+  }
+  std::vector<Completion> events(static_cast<size_t>(cfg_.queue_depth));
+  for (int tries = 0; engine_ && inflight_ > 0 && tries < 8; ++tries) {
+    try {
+      int got = engine_->reap(events.data(), 1, cfg_.queue_depth);
+      for (int i = 0; i < got; ++i) complete(static_cast<Inflight*>(events[i].tag), events[i].result);
+    } catch (const std::exception&) {
+      break;
+    }
+  }
+  if (engine_) {
+    retired_.submit_calls += engine_->submit_calls();
+    retired_.fixed_buffers += engine_->fixed_buffer_requests();
+    retired_.fixed_files += engine_->fixed_file_requests();
+  }
+  engine_.reset();
+  // Nothing is in flight any more: every slot and bounce buffer is free.
+  unsubmitted_.clear();
+  inflight_ = 0;
+  free_slots_.clear();
+  for (auto& s : slots_) free_slots_.push_back(&s);
+  free_bounce_.clear();
+  for (auto& b : bounce_mem_) free_bounce_.push_back(b.get());
+  for (auto& sp : active_) {
     sp->outstanding = 0;
     sp->pos = sp->mid_end;
     finish_slice_if_done(sp.get());
   }
   active_.clear();
-  unsubmitted_.clear();
-  inflight_ = 0;
+  try {
+    engine_ = make_engine(cfg_.engine, cfg_.queue_depth, cfg_.single_submit);
+    for (auto& r : regions_) engine_->add_buffer(r.p, r.len);
+    for (auto& b : bounce_mem_) engine_->add_buffer(b.get(), cfg_.block_size);
+  } catch (const std::exception& e) {
+    engine_.reset();
+    broken_ = why + "; a new engine could not be made: " + e.what();
+  }
+}
+
+// No engine (see [Note: an engine that breaks]): slices fail as they come.
+void Worker::refuse(Slice& sl) {
+  Op& op = *sl.op;
+  op.fail(IoError(EIO, op.file ? op.file->path() : "", op.offset, op.nbytes,
+                  "I/O engine failure: " + broken_));
+  ++local_.slices;
+  if (op.slices_left.fetch_sub(1, std::memory_order_acq_rel) == 1) sink_->op_done(sl.op);
+}
+
+// [Note: EAGAIN back-off]
+// A kernel that refuses new requests (io_submit EAGAIN: short of memory)
+// while others are in flight is waited out by reaping those. With nothing in
+// flight there is nothing to wait for: the worker sleeps, doubling from
+// 100 us to 10 ms, and after kRefusedLimit of refusals in a row fails the
+// refused requests with EAGAIN rather than spin (or hang wait()) forever.
+constexpr auto kRefusedLimit = std::chrono::seconds(1);
+
+void Worker::back_off() {
+  auto now = std::chrono::steady_clock::now();
+  if (backoff_us_ == 0) {
+    refused_since_ = now;
+    backoff_us_ = 100;
+  } else {
+    backoff_us_ = std::min<int64_t>(backoff_us_ * 2, 10000);
+  }
+  ++local_.backoffs;
+  if (now - refused_since_ >= kRefusedLimit) {
+    // complete() reports each as a failed request in flight.
+    inflight_ += static_cast<int>(unsubmitted_.size());
+    for (const Request& r : unsubmitted_) complete(static_cast<Inflight*>(r.tag), -EAGAIN);
+    unsubmitted_.clear();
+    backoff_us_ = 0;
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(backoff_us_));
 }
 
 void Worker::round(std::vector<Completion>& events, std::vector<Request>& batch) {
   for (const RegionCommand& c : commands_) {
-    if (c.len > 0)
-      engine_->add_buffer(c.p, c.len);
-    else
-      engine_->remove_buffer(c.p);
+    if (c.len > 0) {
+      regions_.push_back(c);
+      if (engine_) engine_->add_buffer(c.p, c.len);
+    } else {
+      regions_.erase(std::remove_if(regions_.begin(), regions_.end(),
+                                    [&](const RegionCommand& r) { return r.p == c.p; }),
+                     regions_.end());
+      if (engine_) engine_->remove_buffer(c.p);
+    }
   }
   commands_.clear();
+  if (!engine_) {
+    for (Slice& sl : incoming_) refuse(sl);
+    incoming_.clear();
+    return;
+  }
   for (Slice& sl : incoming_) activate(std::move(sl));
   incoming_.clear();
 
@@ -335,9 +439,13 @@ void Worker::round(std::vector<Completion>& events, std::vector<Request>& batch)
     inflight_ += accepted;
     local_.max_inflight = std::max(local_.max_inflight, inflight_);
     for (int i = n - 1; i >= accepted; --i) unsubmitted_.push_front(batch[i]);
+    if (accepted > 0) backoff_us_ = 0;
   }
 
   if (inflight_ > 0) {
+    if (int err = faults::take_engine_failure())
+      throw std::runtime_error(std::string("completion wait failed (injected): ") +
+                               std::strerror(err));
     // overlap_events: take whatever has finished and refill at once;
     // otherwise wait for the whole batch (DeepSpeed's two modes).
     int min_nr = cfg_.overlap_events ? 1 : inflight_;
@@ -345,8 +453,7 @@ void Worker::round(std::vector<Completion>& events, std::vector<Request>& batch)
     ++local_.reap_calls;
     for (int i = 0; i < got; ++i) complete(static_cast<Inflight*>(events[i].tag), events[i].result);
   } else if (!unsubmitted_.empty()) {
-    // The kernel refused everything (EAGAIN) with nothing in flight: back off briefly.
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    back_off();  // see [Note: EAGAIN back-off]
   }
 
   for (auto& sp : active_) finish_slice_if_done(sp.get());

@@ -6,11 +6,13 @@
 // and io_getevents calls instead of paying one hand-off each.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -38,6 +40,7 @@ struct WorkerStats {
   uint64_t slices = 0;         // slices finished
   uint64_t fixed_buffers = 0;  // requests on registered (io_uring fixed) buffers
   uint64_t fixed_files = 0;    // requests on registered (io_uring fixed) files
+  uint64_t backoffs = 0;       // rounds slept because the kernel refused every request
   int max_inflight = 0;        // most requests in flight at once
 };
 
@@ -66,6 +69,8 @@ class Worker {
   void round(std::vector<Completion>& events, std::vector<Request>& batch);
   void activate(Slice sl);
   void fail_everything(const std::string& why);
+  void refuse(Slice& sl);
+  void back_off();
   void publish_stats();
   bool next_request(Request* out);
   void complete(Inflight* f, int64_t result);
@@ -99,7 +104,12 @@ class Worker {
   int bounce_limit_ = 0;
   std::deque<Request> unsubmitted_;
   int inflight_ = 0;
+  std::vector<RegionCommand> regions_;  // registered memory, re-registered with a new engine
+  std::string broken_;                  // why there is no engine (see fail_everything)
+  int64_t backoff_us_ = 0;              // 0: the last submission was accepted
+  std::chrono::steady_clock::time_point refused_since_;
   WorkerStats local_;
+  WorkerStats retired_;  // engine counters of engines replaced after a failure
 
   std::thread thread_;
 };

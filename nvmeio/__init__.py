@@ -22,6 +22,7 @@ except ImportError as _e:
             "`pip install -e . --no-build-isolation`") from _e
     raise
 
+from . import faults
 from .aio_handle import ValidationError, aio_handle, available_backends
 from .errors import AioError, ShortReadError
 from .gds_handle import gds_handle, gds_unavailable_reason
@@ -44,3 +45,4 @@ def _raise_open_file_limit() -> None:
 
 
 _raise_open_file_limit()
+faults.arm_from_env()

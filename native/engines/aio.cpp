@@ -7,6 +7,8 @@
 // the worker only hands this engine direct-I/O requests in direct mode.
 #include "engines/aio.h"
 
+#include "faults.h"
+
 #include <linux/aio_abi.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -77,7 +79,13 @@ class AioEngine final : public Engine {
     int done = 0;
     while (done < n) {
       ++submit_calls_;
-      long r = sys_io_submit(ctx_, n - done, ptrs_.data() + done);
+      long r;
+      if (faults::take_submit_eagain()) {
+        r = -1;
+        errno = EAGAIN;
+      } else {
+        r = sys_io_submit(ctx_, n - done, ptrs_.data() + done);
+      }
       if (r > 0) {
         done += static_cast<int>(r);
         continue;

@@ -2,6 +2,8 @@
 // Parallelism comes from the handle's worker threads, not from a queue.
 #include "engines/psync.h"
 
+#include "faults.h"
+
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,6 +18,7 @@ class PsyncEngine final : public Engine {
 
   int submit(const Request* reqs, int n) override {
     for (int i = 0; i < n; ++i) {
+      if (faults::take_submit_eagain()) return i;  // refused, as a kernel queue would
       ++submit_calls_;
       const Request& r = reqs[i];
       ssize_t res;

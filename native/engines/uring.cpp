@@ -20,11 +20,15 @@
 #include <liburing.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "faults.h"
 
 namespace nvmeio {
 namespace {
@@ -72,6 +76,7 @@ class UringEngine final : public Engine {
       prep(sqe, reqs[i]);
     }
     queued_ += i;
+    outstanding_ += i;
     if (single_submit_ && queued_ > 0) flush(0);
     return i;
   }
@@ -188,18 +193,35 @@ class UringEngine final : public Engine {
   // Submits whatever is queued and waits for `wait_nr` completions, in one syscall.
   void flush(unsigned wait_nr) {
     if (queued_ > 0) ++submit_calls_;
+    int64_t backoff_us = 0;
+    auto refused_since = std::chrono::steady_clock::now();
     for (;;) {
-      int r = io_uring_submit_and_wait(&ring_, wait_nr);
+      int r = faults::take_submit_eagain() ? -EAGAIN : io_uring_submit_and_wait(&ring_, wait_nr);
       if (r >= 0) {
         queued_ = 0;
         return;
       }
       if (r == -EINTR) continue;
+      if (r != -EAGAIN && r != -EBUSY) throw std::runtime_error("io_uring_enter failed: " + errstr(r));
       // EAGAIN/EBUSY: the kernel is short of resources or the CQ is full;
       // SQEs stay queued and go with the next call once completions are taken.
-      if ((r == -EAGAIN || r == -EBUSY) && io_uring_cq_ready(&ring_) > 0) return;
-      if (r == -EAGAIN || r == -EBUSY) continue;
-      throw std::runtime_error("io_uring_enter failed: " + errstr(r));
+      if (io_uring_cq_ready(&ring_) > 0) return;
+      if (outstanding_ > queued_) {
+        // Requests are in the kernel: wait for one to complete, without submitting.
+        struct io_uring_cqe* cqe;
+        int w;
+        do {
+          w = io_uring_wait_cqe(&ring_, &cqe);
+        } while (w == -EINTR);
+        if (w < 0) throw std::runtime_error("io_uring_enter (waiting) failed: " + errstr(w));
+        return;
+      }
+      // Nothing to wait for: back off, and give up rather than spin forever
+      // (the worker then fails what this ring holds; see [Note: an engine that breaks]).
+      if (std::chrono::steady_clock::now() - refused_since >= std::chrono::seconds(1))
+        throw std::runtime_error("io_uring_enter kept refusing requests for 1 s: " + errstr(r));
+      backoff_us = backoff_us == 0 ? 100 : std::min<int64_t>(backoff_us * 2, 10000);
+      std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
     }
   }
 
@@ -210,12 +232,14 @@ class UringEngine final : public Engine {
       out[got++] = {io_uring_cqe_get_data(cqe), static_cast<int64_t>(cqe->res)};
       io_uring_cqe_seen(&ring_, cqe);
     }
+    outstanding_ -= got;
     return got;
   }
 
   struct io_uring ring_;
   bool single_submit_;
-  int queued_ = 0;  // SQEs filled but not yet submitted
+  int queued_ = 0;       // SQEs filled but not yet submitted
+  int outstanding_ = 0;  // SQEs filled whose completion has not been taken
   bool buffers_ok_ = false;
   bool files_ok_ = false;
   std::vector<bool> buffer_slot_used_;
