@@ -160,3 +160,38 @@ def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str 
         return train_engine(engine, batches, steps, accumulation, rank=rank, shards=world_size)
     finally:
         engine.destroy()
+
+
+# -- a child Python, for what must be measured in a fresh process (peak RSS) ----------------------------
+
+def run_child(code: str, *args: str, timeout: float = 300) -> dict:
+    """Run ``code`` in a fresh Python (the installed packages, never the source tree) with
+    ``sys.argv[1:] == args``; it prints one JSON object last, which is returned."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                         env=env)
+    if out.returncode != 0:
+        raise AssertionError(f"child Python failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+PEAK_RSS_CODE = '''
+def peak_rss_bytes():
+    """VmHWM of this process: the peak resident set so far."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_rss():
+    """Start VmHWM again from the current resident set (Linux clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+'''
+"""Source of ``peak_rss_bytes()`` for child Pythons (prepend it to their code)."""

@@ -20,7 +20,8 @@ from .comm import Comm
 from .config import ConfigError, DeepSpeedConfig, Problem
 from .coordinator import Coordinator
 from .grads import GradReducer
-from .init_context import forget_init_shard, full_param_value
+from .heap import return_freed_heap
+from .init_context import forget_init_shard, full_param_value, meta_parameter_names
 from .logging import Timers
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer
@@ -72,22 +73,6 @@ def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
             m._buffers[name] = b
 
 
-def _return_freed_host_memory() -> None:
-    """Hand the heap pages freed while filling the stores back to the OS (glibc ``malloc_trim``).
-
-    The model's full values (or zero.Init's slices) are many allocations of a
-    few MiB, below glibc's mmap threshold, freed one unit at a time: without a
-    trim their pages stay in the process, counted in its RSS, although nothing
-    uses them.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to do
-
-
 def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
     """This rank's fp32 shard of a unit, from the full parameter values."""
     flat = torch.cat([full_param_value(p, comm).detach().reshape(-1).to(torch.float32) for p in params]) \
@@ -103,6 +88,7 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
                 spec: Optional[OptimizerSpec], timers: Timers) -> EngineParts:
     zc = config.zero_optimization
     dtype = DTYPES[config.precision]
+    check_no_meta(module)
     job_id = "zero_stage_3" + ("" if (n := next(_JOB_COUNTER)) == 0 else f".{n}")
     _cast_buffers(module, device, dtype)
 
@@ -152,7 +138,7 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
             forget_init_shard(p)
         u.release(force=True)
     param_store.flush()
-    _return_freed_host_memory()
+    return_freed_heap()  # the model's full values, freed unit by unit (heap.py)
 
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
@@ -194,6 +180,17 @@ def _group_ranges(spec: OptimizerSpec, units: List[ParamUnit], rank_layout: Rank
         if g is not None and p.requires_grad:
             ranges[g].append((start, stop))
     return ranges
+
+
+def check_no_meta(module: nn.Module) -> None:
+    """Parameters still on the meta device have no values anywhere: refuse them by name."""
+    meta = meta_parameter_names(module)
+    if meta:
+        shown = ", ".join(meta[:5]) + (f" and {len(meta) - 5} more" if len(meta) > 5 else "")
+        raise ValueError(
+            f"{len(meta)} parameter(s) are on the meta device and have no values: {shown}. zero.Init "
+            f"materialises meta parameters of modules with reset_parameters() only; load the values "
+            f"first (zero.load_pretrained(model, checkpoint)) or build these modules off the meta device")
 
 
 def check_params_known(module: nn.Module, spec: OptimizerSpec) -> None:

@@ -10,44 +10,57 @@ one process's memory is never whole in any one of them; only one module's
 parameters are full at a time, while it is being built.
 :func:`zero.initialize` then regroups these slices into its units.
 
+Where the slices live (init_store.py): on the compute device by default, in
+host memory with ``remote_device="cpu"`` (or the config's
+``offload_param.device``), in one swap file per parameter with ``"nvme"``,
+written as each module is built, so that building costs about one module of
+memory whatever the model's size.
+
+Models built on the meta device (``with torch.device("meta")``, as Hugging
+Face does) are materialised module by module: when a module's constructor
+returns, its meta parameters get real memory and the module's
+``reset_parameters()`` gives them values (the same values a construction off
+the meta device gives with the same seed, for modules whose constructor sets
+nothing beyond what ``reset_parameters`` does), then they are partitioned.
+Meta parameters of a module without ``reset_parameters`` have no values to
+give; they stay on the meta device until a value is assigned to them (a
+checkpoint loader, see below) and :func:`zero.initialize` refuses them by name.
+A parameter assigned to a module after the module was built inside the
+context (``module.weight = nn.Parameter(t)``, what checkpoint loaders do) is
+partitioned at once.
+
 Code that changes parameter values after construction (custom weight
 initialisation) must gather them first: ``with zero.GatheredParameters(params,
-modifier_rank=0): ...``. Slices are kept in host memory when
-``remote_device`` or the config's ``offload_param.device`` is ``cpu`` or
-``nvme``, on the compute device otherwise.
+modifier_rank=0): ...``.
 
 [Note: how constructors are intercepted]
 Entering the context wraps ``__init__`` of every ``nn.Module`` subclass that
 defines one (and, through ``__init_subclass__``, of classes defined while it
-is open); leaving it restores them. The wrapper partitions only when the
-outermost constructor call of an instance returns, which is the most derived
-class's ``__init__``.
+is open), and registers a global parameter-registration hook; leaving it
+restores both. The wrapper partitions only when the outermost constructor call
+of an instance returns, which is the most derived class's ``__init__``.
 """
 from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+import weakref
+from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from .comm import Comm, compute_device, init_distributed
+from .heap import FreedBytes
+from .init_store import InitShard, NvmeInitStore
 
 _STATE = threading.local()
 _PATCHED: Dict[type, object] = {}
 _DEPTH = [0]
+_HOOK = [None]
 _ORIGINAL_INIT_SUBCLASS = nn.Module.__dict__.get("__init_subclass__")
-
-
-@dataclass
-class InitShard:
-    """This rank's slice of one parameter partitioned by :class:`Init`."""
-
-    shard: torch.Tensor  # shard_numel elements, zero padded at the end of the last rank
-    numel: int
-    shape: Tuple[int, ...]
+_REMOTE_DEVICES = ("none", "cpu", "nvme")
 
 
 def is_init_partitioned(p: torch.Tensor) -> bool:
@@ -55,7 +68,10 @@ def is_init_partitioned(p: torch.Tensor) -> bool:
 
 
 def forget_init_shard(p: torch.Tensor) -> None:
-    if is_init_partitioned(p):
+    """Drop ``p``'s :class:`Init` slice (its swap file too): an engine holds its values now."""
+    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
+    if s is not None:
+        s.drop()
         p._zero_init_shard = None
 
 
@@ -64,38 +80,48 @@ def full_param_value(p: torch.Tensor, comm: Comm) -> torch.Tensor:
     s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
     if s is None:
         return p.data
+    shard = s.read()
     if comm.world_size == 1:
-        return s.shard[:s.numel].view(s.shape)
+        return shard[:s.numel].view(s.shape)
     dev = compute_device(comm.local_rank)  # NCCL gathers device tensors, gloo host tensors
-    full = torch.empty(s.shard.numel() * comm.world_size, dtype=s.shard.dtype, device=dev)
-    comm.all_gather_into(full, s.shard.to(dev))
+    full = torch.empty(s.shard_numel * comm.world_size, dtype=s.dtype, device=dev)
+    comm.all_gather_into(full, shard.to(dev))
     return full[:s.numel].view(s.shape)
 
 
 def store_init_shard(p: torch.Tensor, full: torch.Tensor, comm: Comm) -> None:
     """Keep this rank's slice of ``full`` as ``p``'s shard."""
     s: InitShard = p._zero_init_shard
-    n = s.shard.numel()
-    piece = full.reshape(-1)[comm.rank * n:(comm.rank + 1) * n]
-    s.shard[:piece.numel()].copy_(piece)
+    n = s.shard_numel
+    s.write(full.reshape(-1)[comm.rank * n:(comm.rank + 1) * n])
 
 
-def partition_param(p: nn.Parameter, comm: Comm, device: torch.device) -> None:
-    if is_init_partitioned(p) or getattr(p, "_zero_unit", None) is not None:
-        return
-    data = p.data
-    if comm.distributed:  # every rank keeps rank 0's values
-        data = data.to(compute_device(comm.local_rank))
-        comm.broadcast(data, 0)
-    numel = data.numel()
-    shard_numel = -(-numel // comm.world_size)
-    shard = torch.zeros(shard_numel, dtype=data.dtype, device=device)
-    piece = data.reshape(-1)[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
-    shard[:piece.numel()].copy_(piece)
-    p._zero_init_shard = InitShard(shard, numel, tuple(data.shape))
-    p.ds_shape = data.shape
-    p.ds_numel = numel
-    p.data = torch.empty(0, dtype=data.dtype, device=data.device)
+def meta_parameter_names(module: nn.Module) -> List[str]:
+    """Names of ``module``'s parameters still on the meta device (no values anywhere)."""
+    return [name for name, p in module.named_parameters() if p.is_meta]
+
+
+def _replace_param(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Put ``new`` wherever ``old`` is registered below ``root`` (tied parameters included)."""
+    for m in root.modules():
+        for name, p in m._parameters.items():
+            if p is old:
+                m._parameters[name] = new
+
+
+def materialize_meta(root: nn.Module) -> None:
+    """Give memory and values to the meta parameters below ``root`` whose module has
+    ``reset_parameters()`` (see the module docstring); the others stay on the meta device."""
+    for m in root.modules():
+        metas = [p for p in m._parameters.values() if p is not None and p.is_meta]
+        if not metas or not callable(getattr(m, "reset_parameters", None)):
+            continue
+        for old in metas:
+            new = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="cpu"),
+                               requires_grad=old.requires_grad)
+            _replace_param(root, old, new)
+        with torch.no_grad():
+            m.reset_parameters()
 
 
 def _wrap_init(cls: type) -> None:
@@ -116,10 +142,21 @@ def _wrap_init(cls: type) -> None:
                 self.__dict__.pop("_zero_init_entered", None)
         context = getattr(_STATE, "context", None)
         if outer and context is not None:
+            materialize_meta(self)
             for p in self.parameters():
-                partition_param(p, context.comm, context.shard_device)
+                context.partition(p)
+            object.__setattr__(self, "_zero_init_built", True)
 
     cls.__init__ = __init__
+
+
+def _on_parameter_registered(module: nn.Module, name: str, param: Optional[nn.Parameter]):
+    """A parameter assigned to a module built in the context is partitioned at once."""
+    context = getattr(_STATE, "context", None)
+    if (context is not None and param is not None and module.__dict__.get("_zero_init_built")
+            and "_zero_init_entered" not in module.__dict__):
+        context.partition(param)
+    return None
 
 
 def _all_subclasses(cls: type):
@@ -138,7 +175,11 @@ class Init:
     """Partition parameters as modules are built (see the module docstring).
 
     Arguments follow DeepSpeed's ``zero.Init``; ``module`` partitions an
-    existing model at once instead. ``enabled=False`` makes the context a no-op.
+    existing model at once instead. ``remote_device`` (``"none"``, ``"cpu"``,
+    ``"nvme"``) defaults to the config's ``offload_param.device``; ``"nvme"``
+    takes ``nvme_path``, ``max_in_cpu``, ``buffer_count`` and ``pin_memory``
+    from the config's ``offload_param`` section and the handle settings from
+    its ``aio`` section. ``enabled=False`` makes the context a no-op.
     """
 
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None,
@@ -147,17 +188,72 @@ class Init:
                  dtype: Optional[torch.dtype] = None, mpu=None):
         self.enabled = enabled
         self.comm = init_distributed()
-        if remote_device is None and (config_dict_or_path is not None or config is not None):
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        loaded = None
+        if source is not None:
             from .config import load_config
 
-            loaded = load_config(config_dict_or_path if config_dict_or_path is not None else config,
-                                 world_size=self.comm.world_size)
-            remote_device = loaded.zero_optimization.offload_param.device
-        on_host = remote_device in ("cpu", "nvme")
+            loaded = load_config(source, world_size=self.comm.world_size)
+            if remote_device is None:
+                remote_device = loaded.zero_optimization.offload_param.device
+        self.remote_device = "none" if remote_device is None else remote_device
+        if self.remote_device not in _REMOTE_DEVICES:
+            raise ValueError(f"zero.Init remote_device must be one of {', '.join(map(repr, _REMOTE_DEVICES))}, "
+                             f"got {remote_device!r}")
+        on_host = self.remote_device in ("cpu", "nvme")
         self.shard_device = torch.device("cpu") if on_host else compute_device(self.comm.local_rank)
+        self._nvme = None
+        if self.remote_device == "nvme":
+            offload = loaded.zero_optimization.offload_param if loaded is not None else None
+            if offload is None or offload.nvme_path is None:
+                raise ValueError(
+                    "zero.Init(remote_device='nvme') needs a directory for the swap files: pass "
+                    "config_dict_or_path= a config with zero_optimization.offload_param.nvme_path set")
+            self._nvme = (offload, loaded.aio.handle_kwargs())
+        self._store: Optional[NvmeInitStore] = None
+        self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (heap.py)
         if module is not None and enabled:
             for p in module.parameters():
-                partition_param(p, self.comm, self.shard_device)
+                self.partition(p)
+            self._seal()
+
+    @property
+    def nvme_store(self) -> Optional[NvmeInitStore]:
+        """The swap files of this context (``remote_device="nvme"``), once the first is written."""
+        return self._store
+
+    def partition(self, p: nn.Parameter) -> None:
+        """Keep this rank's slice of ``p`` where this context keeps slices; ``p.data`` becomes empty."""
+        if is_init_partitioned(p) or getattr(p, "_zero_unit", None) is not None or p.is_meta:
+            return
+        comm = self.comm
+        data = p.data
+        if comm.distributed:  # every rank keeps rank 0's values
+            data = data.to(compute_device(comm.local_rank))
+            comm.broadcast(data, 0)
+        numel = data.numel()
+        shard_numel = -(-numel // comm.world_size)
+        piece = data.reshape(-1)[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
+        if self._nvme is not None:
+            if self._store is None:
+                self._store = NvmeInitStore(self._nvme[0], self._nvme[1], comm.rank)
+            shard = self._store.new_shard(piece.cpu(), numel, tuple(data.shape), shard_numel)
+            # A parameter dropped before zero.initialize (replaced by a tied one) takes its file along.
+            weakref.finalize(p, shard.drop).atexit = False
+        else:
+            tensor = torch.zeros(shard_numel, dtype=data.dtype, device=self.shard_device)
+            tensor[:piece.numel()].copy_(piece)
+            shard = InitShard(numel, tuple(data.shape), shard_numel, data.dtype, tensor=tensor)
+        p._zero_init_shard = shard
+        p.ds_shape = data.shape
+        p.ds_numel = numel
+        p.data = torch.empty(0, dtype=data.dtype, device=data.device)
+        if data.device.type == "cpu":
+            self.freed.add(numel * data.element_size())
+
+    def _seal(self) -> None:
+        if self._store is not None:
+            self._store.seal()
 
     def __enter__(self) -> "Init":
         if not self.enabled:
@@ -169,6 +265,7 @@ class Init:
                 if cls is not nn.Module:
                     _wrap_init(cls)
             nn.Module.__init_subclass__ = _init_subclass
+            _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
         _DEPTH[0] += 1
         return self
 
@@ -185,3 +282,6 @@ class Init:
                 del nn.Module.__init_subclass__
             else:
                 nn.Module.__init_subclass__ = _ORIGINAL_INIT_SUBCLASS
+            _HOOK[0].remove()
+            _HOOK[0] = None
+        self._seal()

@@ -1,0 +1,152 @@
+"""Where :class:`zero.Init` keeps each parameter's slice until :func:`zero.initialize` takes it over.
+
+A slice lives in memory (``remote_device`` none or cpu) or, with
+``remote_device="nvme"`` (or the config's ``offload_param.device: nvme``), in
+a swap file of its own under ``<nvme_path>/zero_init[.n]/rank<r>/params/``,
+written as soon as the parameter's module is built. The first
+``offload_param.max_in_cpu`` elements stay in host memory (DeepSpeed's rule).
+So building a model costs about one module of memory whatever its size:
+the slices of the modules built before are on disk. ``zero.initialize``
+reads them back one unit at a time and deletes each file once its values
+are in the engine's stores; the directory goes with the last file.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Set, Tuple
+
+import torch
+
+_JOBS = itertools.count()
+_POOL_BUFFER_BYTES = 16 << 20  # a larger slice is written and read in pieces of this size
+
+
+class InitShard:
+    """This rank's slice of one parameter partitioned by :class:`zero.Init`.
+
+    ``shard_numel`` elements, zero padded at the end of the last rank; either
+    ``tensor`` (in memory) or the swap file ``key`` of ``store``.
+    """
+
+    def __init__(self, numel: int, shape: Tuple[int, ...], shard_numel: int, dtype: torch.dtype,
+                 tensor: Optional[torch.Tensor] = None, store: Optional["NvmeInitStore"] = None,
+                 key: str = ""):
+        self.numel = numel
+        self.shape = shape
+        self.shard_numel = shard_numel
+        self.dtype = dtype
+        self.tensor = tensor
+        self.store = store
+        self.key = key
+
+    @property
+    def on_nvme(self) -> bool:
+        return self.tensor is None
+
+    def read(self) -> torch.Tensor:
+        """The slice's values: the resident tensor itself, or a fresh tensor read from its file."""
+        if self.tensor is not None:
+            return self.tensor
+        return self.store.read(self.key, self.shard_numel, self.dtype)
+
+    def write(self, values: torch.Tensor) -> None:
+        """Replace the slice by ``values`` (at most ``shard_numel`` elements; the rest becomes 0)."""
+        values = values.detach().reshape(-1)
+        if self.tensor is not None:
+            self.tensor[:values.numel()].copy_(values)
+            self.tensor[values.numel():].zero_()
+            return
+        if values.numel() != self.shard_numel or values.dtype != self.dtype:
+            padded = torch.zeros(self.shard_numel, dtype=self.dtype, device="cpu")
+            padded[:values.numel()].copy_(values)
+            values = padded
+        self.store.write(self.key, values)
+
+    def drop(self) -> None:
+        """Free the slice (its file is deleted)."""
+        if self.store is not None:
+            self.store.remove(self.key)
+            self.store = None
+        self.tensor = None
+
+
+class NvmeInitStore:
+    """The swap files of one :class:`zero.Init` context (see the module docstring).
+
+    ``offload`` is the config's ``offload_param`` section (``nvme_path``,
+    ``max_in_cpu``, ``buffer_count``, ``pin_memory``), ``aio`` the handle settings.
+    """
+
+    def __init__(self, offload, aio: dict, rank: int):
+        from swapper import AsyncTensorSwapper, PinnedBufferPool, SwapDirectory
+
+        job = "zero_init" + ("" if (n := next(_JOBS)) == 0 else f".{n}")
+        swap_dir = SwapDirectory(offload.nvme_path, job, rank, "params", remove_stale=True)
+        try:  # on the CPU even inside ``with torch.device("meta")``
+            with torch.device("cpu"):
+                pool = PinnedBufferPool(max(2, offload.buffer_count), _POOL_BUFFER_BYTES, torch.uint8,
+                                        pin_memory=offload.pin_memory)
+        except BaseException:
+            swap_dir.cleanup()
+            raise
+        self.swapper = AsyncTensorSwapper(swap_dir, pool, aio, holder="zero.Init")
+        self.max_in_cpu = int(offload.max_in_cpu)
+        self.cpu_numel = 0
+        self.files = 0
+        self.sealed = False  # the context has exited: no new slices; close with the last file
+        self._ids = itertools.count()
+        self._live: Set[str] = set()
+
+    @property
+    def path(self) -> str:
+        return self.swapper.swap_dir.path
+
+    def new_shard(self, values: torch.Tensor, numel: int, shape: Tuple[int, ...], shard_numel: int) -> InitShard:
+        """A slice holding ``values`` (this rank's piece, ``shard_numel`` elements or fewer)."""
+        values = values.detach().reshape(-1)
+        if self.cpu_numel + shard_numel <= self.max_in_cpu:
+            self.cpu_numel += shard_numel
+            tensor = torch.zeros(shard_numel, dtype=values.dtype, device="cpu")
+            tensor[:values.numel()].copy_(values)
+            return InitShard(numel, shape, shard_numel, values.dtype, tensor=tensor)
+        shard = InitShard(numel, shape, shard_numel, values.dtype, store=self, key=f"p{next(self._ids)}.swp")
+        self._live.add(shard.key)
+        self.files += 1
+        shard.write(values)
+        return shard
+
+    def write(self, key: str, values: torch.Tensor) -> None:
+        # The values are copied into pool buffers before this returns; the write completes later.
+        self.swapper.swap_out([values], [key])
+
+    def read(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.swapper.synchronize()  # a write of this file may still be in flight
+        out = torch.empty(numel, dtype=dtype, device="cpu")
+        self.swapper.swap_in([out], [key])
+        return out
+
+    def remove(self, key: str) -> None:
+        if key not in self._live or self.swapper.swap_dir.closed:
+            return
+        self._live.discard(key)
+        self.swapper.synchronize()
+        self.swapper.swap_dir.remove(key)
+        self.files -= 1
+        if self.files == 0 and self.sealed:
+            self.close()
+
+    def seal(self) -> None:
+        """No more slices will come (the context exited): close now if no file is left."""
+        self.sealed = True
+        if self.files == 0:
+            self.close()
+
+    def close(self) -> None:
+        """Complete the writes in flight, free the pool, delete the directory."""
+        if self.swapper.swap_dir.closed:
+            return
+        try:
+            self.swapper.synchronize()
+        finally:
+            self.swapper.pool.close()
+            self.swapper.swap_dir.cleanup()
