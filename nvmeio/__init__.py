@@ -25,11 +25,14 @@ except ImportError as _e:
 from . import faults
 from .aio_handle import ValidationError, aio_handle, available_backends
 from .errors import AioError, ShortReadError
+from .fast_io import FastIO
+from .fast_reader import FastFileReader
+from .fast_writer import FastFileWriter
 from .gds_handle import gds_handle, gds_unavailable_reason
 
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
-           "ShortReadError", "ValidationError", "__version__"]
+           "ShortReadError", "ValidationError", "FastIO", "FastFileWriter", "FastFileReader", "__version__"]
 
 
 def _raise_open_file_limit() -> None:
