@@ -28,11 +28,13 @@ from .errors import AioError, ShortReadError
 from .fast_io import FastIO
 from .fast_reader import FastFileReader
 from .fast_writer import FastFileWriter
+from .safetensors_file import SafetensorsError, SafetensorsReader, SafetensorsWriter
 from .gds_handle import gds_handle, gds_unavailable_reason
 
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
-           "ShortReadError", "ValidationError", "FastIO", "FastFileWriter", "FastFileReader", "__version__"]
+           "ShortReadError", "ValidationError", "FastIO", "FastFileWriter", "FastFileReader",
+           "SafetensorsWriter", "SafetensorsReader", "SafetensorsError", "__version__"]
 
 
 def _raise_open_file_limit() -> None:

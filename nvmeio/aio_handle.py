@@ -19,7 +19,7 @@ import functools
 import os
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from . import _native
 from .backend_choice import fastest_backend
@@ -178,24 +178,43 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 target = os.fsdecode(target)
         self._device_engine().submit(write, io, target, file_offset, validate)
 
-    def async_pread(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
-        """Starts reading ``buffer.nbytes`` bytes at ``file_offset``; returns 0."""
-        self._submit(False, buffer, filename, file_offset)
+    def async_pread(self, buffer: Any, filename: PathLike = None, file_offset: int = 0, *,
+                    fd: Optional[int] = None) -> int:
+        """Starts reading ``buffer.nbytes`` bytes at ``file_offset``; returns 0.
+
+        ``filename`` is a path or an open file descriptor; ``fd=`` names the
+        descriptor by keyword (DeepSpeed's overload). See :meth:`async_pwrite`.
+        """
+        self._submit(False, buffer, _target(filename, fd), file_offset)
         return 0
 
-    def async_pwrite(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
-        """Starts writing ``buffer`` at ``file_offset`` (an open fd works too); returns 0."""
-        self._submit(True, buffer, filename, file_offset)
+    def async_pwrite(self, buffer: Any, filename: PathLike = None, file_offset: int = 0, *,
+                     fd: Optional[int] = None) -> int:
+        """Starts writing ``buffer`` at ``file_offset``; returns 0.
+
+        DeepSpeed's two overloads: ``async_pwrite(buffer, filename, file_offset=0)``
+        and ``async_pwrite(buffer, fd, file_offset=0)`` (``fd=`` by keyword too).
+        A descriptor stays the caller's: the handle works on a duplicate and
+        never closes or moves it (positioned I/O). Any open mode works: with
+        O_DIRECT the aligned middle goes direct and an unaligned head or tail
+        byte-exact through a buffered reopening of the same file; without
+        O_DIRECT every request goes through the page cache and a write is
+        fdatasync'ed before the op completes, so it is as durable at ``wait()``
+        as a direct one. Any offset and size work either way.
+        """
+        self._submit(True, buffer, _target(filename, fd), file_offset)
         return 0
 
-    def sync_pread(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
+    def sync_pread(self, buffer: Any, filename: PathLike = None, file_offset: int = 0, *,
+                   fd: Optional[int] = None) -> int:
         """Reads and waits; returns the number of ops completed (pending ones included)."""
-        self._submit(False, buffer, filename, file_offset)
+        self._submit(False, buffer, _target(filename, fd), file_offset)
         return self.wait()
 
-    def sync_pwrite(self, buffer: Any, filename: PathLike, file_offset: int = 0) -> int:
+    def sync_pwrite(self, buffer: Any, filename: PathLike = None, file_offset: int = 0, *,
+                    fd: Optional[int] = None) -> int:
         """Writes and waits; returns the number of ops completed (pending ones included)."""
-        self._submit(True, buffer, filename, file_offset)
+        self._submit(True, buffer, _target(filename, fd), file_offset)
         return self.wait()
 
     def pread(self, buffer: Any, filename: PathLike, validate: bool = False,
@@ -368,6 +387,19 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _target(filename: Any, fd: Optional[int]) -> Any:
+    """The file of an op: ``filename`` (a path or an fd) or the keyword ``fd``, exactly one."""
+    if fd is None:
+        if filename is None:
+            raise TypeError("missing the file: pass filename (a path or an open fd) or fd=")
+        return filename
+    if filename is not None:
+        raise TypeError("pass either filename or fd, not both")
+    if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+        raise TypeError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
+    return fd
 
 
 def _async_kwarg(async_op: bool, kwargs: dict) -> bool:

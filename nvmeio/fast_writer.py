@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import _native
 from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
-from .file_ops import commit_temp, create_temp_beside, open_direct, preallocate
+from .file_ops import commit_temp, copy_range, create_temp_beside, open_direct, preallocate
 
 __all__ = ["FastFileWriter"]
 
@@ -60,6 +60,7 @@ class FastFileWriter(io.RawIOBase):
         self._own_io = io is None
         self._io = io if io is not None else FastIO(buffer_size, double_buffer)
         self._fd = -1
+        self._copy_fd = -1
         self._tmp: Optional[str] = None
         self._done = False
         try:
@@ -127,6 +128,39 @@ class FastFileWriter(io.RawIOBase):
             raise
         return n
 
+    def copy_from(self, source, length: int, offset: int = 0) -> None:
+        """Appends ``length`` bytes of file ``source`` (a path or an open fd, left
+        open) starting at ``offset``, moved file to file inside the kernel
+        (``copy_file_range``: a reflink where the file system shares blocks),
+        never through Python memory. See ``file_ops.copy_range`` for the fallback.
+        """
+        self._check_open()
+        if length < 0 or offset < 0:
+            raise ValueError(f"length and offset must be non-negative, got {length}, {offset}")
+        t0 = time.perf_counter()
+        try:
+            if self._fill:
+                self._submit(last=True)  # what was written before lands first
+            elif self._pending:
+                self._io.handle.wait()
+                self._pending = False
+            if self._copy_fd < 0:
+                # The O_DIRECT descriptor would need aligned copies: a buffered one of the same file.
+                self._copy_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
+            own = not isinstance(source, int)
+            src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if own else source
+            try:
+                copy_range(src, self._copy_fd, length, offset, self._base)
+            finally:
+                if own:
+                    os.close(src)
+        except BaseException:
+            self.abort()
+            raise
+        self._base += length
+        self._io.stats.bytes_copied += length
+        self._io.stats.copy_seconds += time.perf_counter() - t0
+
     def close(self) -> None:
         """Writes the rest, fsyncs and (atomic) renames over ``path``; idempotent."""
         if self.closed:
@@ -141,8 +175,7 @@ class FastFileWriter(io.RawIOBase):
                 self._io.handle.wait()
                 self._pending = False
             os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            self._close_fds()
             if self._tmp is not None:
                 commit_temp(self._tmp, self.name)
                 self._tmp = None
@@ -169,9 +202,7 @@ class FastFileWriter(io.RawIOBase):
                     pass
                 self._pending = False
         finally:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._close_fds()
             if self._tmp is not None:
                 try:
                     os.unlink(self._tmp)
@@ -220,6 +251,13 @@ class FastFileWriter(io.RawIOBase):
             self._pending = False
         else:
             self._cur ^= 1
+
+    def _close_fds(self) -> None:
+        for attr in ("_copy_fd", "_fd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                setattr(self, attr, -1)
+                os.close(fd)
 
     def _finish(self) -> None:
         self._done = True

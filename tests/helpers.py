@@ -195,3 +195,37 @@ def reset_peak_rss():
         f.write("5")
 '''
 """Source of ``peak_rss_bytes()`` for child Pythons (prepend it to their code)."""
+
+
+# -- tensors of every dtype, compared bit for bit ---------------------------------------------
+
+def all_dtypes():
+    """Every dtype torch.save handles that has a fixed element size."""
+    out = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+           torch.bool]
+    for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            out.append(getattr(torch, name))
+    return out
+
+
+def random_tensor(dtype, shape, seed):
+    """A tensor of random bytes (any bit pattern, NaNs included) of ``dtype`` and ``shape``."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape)) if shape else 1
+    raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a, b) -> bool:
+    """Tensors equal bit for bit (NaN payloads included), recursively through containers."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    return a == b

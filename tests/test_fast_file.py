@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nvmeio
-from helpers import file_bytes, random_bytes
+from helpers import all_dtypes, file_bytes, random_bytes, random_tensor, same_bits
 
 SMALL = dict(buffer_size=8192)  # many buffer boundaries in small objects
 
@@ -27,36 +27,6 @@ def file_size_limit(nbytes):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-
-
-def all_dtypes():
-    out = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-           torch.bool]
-    for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
-        if hasattr(torch, name):
-            out.append(getattr(torch, name))
-    return out
-
-
-def random_tensor(dtype, shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    n = int(np.prod(shape)) if shape else 1
-    raw = torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
-
-
-def same_bits(a, b) -> bool:
-    """Tensors equal bit for bit (NaN payloads included), recursively through containers."""
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def objects():
