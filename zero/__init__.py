@@ -4,7 +4,8 @@
     loss = engine(batch); engine.backward(loss); engine.step()
 
 Also: ``zero.Init`` (build a model partitioned from the start),
-``zero.GatheredParameters``, ``engine.save_checkpoint / load_checkpoint /
+``zero.GatheredParameters``, ``zero.load_pretrained`` (checkpoint tensors into
+partitions, one at a time), ``engine.save_checkpoint / load_checkpoint /
 save_16bit_model``, ``get_fp32_state_dict_from_zero_checkpoint``,
 ``load_state_dict_from_zero_checkpoint`` (and ``python -m zero.zero_to_fp32``),
 ``estimate_zero3_model_states_mem_needs_all_live / _all_cold``.
@@ -20,6 +21,7 @@ _LAZY = {
     "ZeroEngine": "engine",
     "Init": "init_context",
     "GatheredParameters": "gathered",
+    "load_pretrained": "pretrained",
     "estimate_zero3_model_states_mem_needs_all_live": "estimator",
     "estimate_zero3_model_states_mem_needs_all_cold": "estimator",
     "get_fp32_state_dict_from_zero_checkpoint": "zero_to_fp32",

@@ -191,6 +191,14 @@ def check_no_meta(module: nn.Module) -> None:
             f"{len(meta)} parameter(s) are on the meta device and have no values: {shown}. zero.Init "
             f"materialises meta parameters of modules with reset_parameters() only; load the values "
             f"first (zero.load_pretrained(model, checkpoint)) or build these modules off the meta device")
+    buffers = [name for name, b in module.named_buffers() if b.is_meta]
+    if buffers:
+        shown = ", ".join(buffers[:5]) + (f" and {len(buffers) - 5} more" if len(buffers) > 5 else "")
+        raise ValueError(
+            f"{len(buffers)} buffer(s) are on the meta device and have no values: {shown}. Buffers a "
+            f"constructor computes on the meta device are lost; build the model off the meta device (each "
+            f"module is still partitioned as it is built), or, for Hugging Face models, with from_pretrained "
+            f"under zero.Init, which computes them")
 
 
 def check_params_known(module: nn.Module, spec: OptimizerSpec) -> None:

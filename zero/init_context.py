@@ -42,10 +42,12 @@ of an instance returns, which is the most derived class's ``__init__``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import threading
 import weakref
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -142,9 +144,13 @@ def _wrap_init(cls: type) -> None:
                 self.__dict__.pop("_zero_init_entered", None)
         context = getattr(_STATE, "context", None)
         if outer and context is not None:
-            materialize_meta(self)
+            if context.materialize:
+                materialize_meta(self)
             for p in self.parameters():
-                context.partition(p)
+                if p.is_meta:
+                    p._zero_init_context = context  # where a loader partitions its value (pretrained.py)
+                else:
+                    context.partition(p)
             object.__setattr__(self, "_zero_init_built", True)
 
     cls.__init__ = __init__
@@ -154,9 +160,15 @@ def _on_parameter_registered(module: nn.Module, name: str, param: Optional[nn.Pa
     """A parameter assigned to a module built in the context is partitioned at once."""
     context = getattr(_STATE, "context", None)
     if (context is not None and param is not None and module.__dict__.get("_zero_init_built")
-            and "_zero_init_entered" not in module.__dict__):
+            and "_zero_init_entered" not in module.__dict__
+            and (context.accept_assigned is None or context.accept_assigned(param))):
         context.partition(param)
     return None
+
+
+def current_context() -> Optional["Init"]:
+    """The innermost active :class:`Init` context of this thread, if any."""
+    return getattr(_STATE, "context", None)
 
 
 def _all_subclasses(cls: type):
@@ -179,7 +191,8 @@ class Init:
     ``"nvme"``) defaults to the config's ``offload_param.device``; ``"nvme"``
     takes ``nvme_path``, ``max_in_cpu``, ``buffer_count`` and ``pin_memory``
     from the config's ``offload_param`` section and the handle settings from
-    its ``aio`` section. ``enabled=False`` makes the context a no-op.
+    its ``aio`` section. ``dtype`` casts floating-point parameters as they are
+    partitioned. ``enabled=False`` makes the context a no-op.
     """
 
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None,
@@ -187,6 +200,7 @@ class Init:
                  pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True,
                  dtype: Optional[torch.dtype] = None, mpu=None):
         self.enabled = enabled
+        self.dtype = dtype  # floating-point parameters are kept in this dtype (DeepSpeed's meaning)
         self.comm = init_distributed()
         source = config_dict_or_path if config_dict_or_path is not None else config
         loaded = None
@@ -211,6 +225,8 @@ class Init:
                     "config_dict_or_path= a config with zero_optimization.offload_param.nvme_path set")
             self._nvme = (offload, loaded.aio.handle_kwargs())
         self._store: Optional[NvmeInitStore] = None
+        self.materialize = True  # give meta parameters values when their module is built
+        self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one
         self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (heap.py)
         if module is not None and enabled:
             for p in module.parameters():
@@ -228,6 +244,8 @@ class Init:
             return
         comm = self.comm
         data = p.data
+        if self.dtype is not None and data.is_floating_point() and data.dtype != self.dtype:
+            data = data.to(self.dtype)
         if comm.distributed:  # every rank keeps rank 0's values
             data = data.to(compute_device(comm.local_rank))
             comm.broadcast(data, 0)
@@ -235,7 +253,7 @@ class Init:
         shard_numel = -(-numel // comm.world_size)
         piece = data.reshape(-1)[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
         if self._nvme is not None:
-            if self._store is None:
+            if self._store is None or self._store.closed:
                 self._store = NvmeInitStore(self._nvme[0], self._nvme[1], comm.rank)
             shard = self._store.new_shard(piece.cpu(), numel, tuple(data.shape), shard_numel)
             # A parameter dropped before zero.initialize (replaced by a tied one) takes its file along.
@@ -250,6 +268,18 @@ class Init:
         p.data = torch.empty(0, dtype=data.dtype, device=data.device)
         if data.device.type == "cpu":
             self.freed.add(numel * data.element_size())
+
+    @contextlib.contextmanager
+    def loading(self, accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None):
+        """While a checkpoint loader builds and fills a model in this context: meta parameters are
+        left for it to assign (no ``reset_parameters``), and an assigned parameter is partitioned at
+        once if ``accept_assigned(param)`` (the others stay whole until the caller partitions them)."""
+        saved = self.materialize, self.accept_assigned
+        self.materialize, self.accept_assigned = False, accept_assigned
+        try:
+            yield self
+        finally:
+            self.materialize, self.accept_assigned = saved
 
     def _seal(self) -> None:
         if self._store is not None:
@@ -266,6 +296,10 @@ class Init:
                     _wrap_init(cls)
             nn.Module.__init_subclass__ = _init_subclass
             _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
+            if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf.py)
+                from .hf import install
+
+                install()
         _DEPTH[0] += 1
         return self
 

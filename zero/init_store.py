@@ -98,6 +98,10 @@ class NvmeInitStore:
         self._live: Set[str] = set()
 
     @property
+    def closed(self) -> bool:
+        return self.swapper.swap_dir.closed
+
+    @property
     def path(self) -> str:
         return self.swapper.swap_dir.path
 

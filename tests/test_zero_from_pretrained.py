@@ -1,0 +1,105 @@
+"""Hugging Face ``from_pretrained`` under zero.Init, and ``zero.hf.HfDeepSpeedConfig``.
+
+GPT-2 and Llama built from small configs and saved with ``save_pretrained``
+(local directories, no hub) load straight into partitions, NVMe included, and
+give the plain model's logits and ``generate`` output through the engine.
+"""
+import pytest
+import torch
+
+import zero
+
+transformers = pytest.importorskip("transformers", reason='Hugging Face tests need transformers (pip install "nvmeio[hf]")')
+from zero.hf import HfDeepSpeedConfig, check_transformers_version  # noqa: E402
+
+VOCAB = 96
+
+
+def small(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        return transformers.LlamaForCausalLM(config)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                     bos_token_id=1, eos_token_id=2)
+    return transformers.GPT2LMHeadModel(config)  # tied head
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def saved(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    small(request.param).save_pretrained(path, max_shard_size="100KB")  # several shards and an index
+    return request.param, path
+
+
+def inference_config(tmp_path, device="nvme") -> dict:
+    """The Hugging Face docs' ZeRO-Inference shape: no optimizer, no scheduler."""
+    param = {"device": device}
+    if device == "nvme":
+        param.update(nvme_path=str(tmp_path), max_in_cpu=0)
+    return {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": False},
+            "zero_optimization": {"stage": 3, "offload_param": param, "stage3_param_persistence_threshold": 0}}
+
+
+def cls_of(kind):
+    return transformers.LlamaForCausalLM if kind == "llama" else transformers.GPT2LMHeadModel
+
+
+def check_same_outputs(engine, model, plain):
+    x = torch.randint(3, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(engine(x).logits, plain(x).logits)
+    prompt = x[:1, :5]
+    ours = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, plain.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
+
+
+@pytest.mark.parametrize("device", ["nvme", "none"])
+def test_from_pretrained_under_init_gives_the_plain_logits(tmp_path, saved, device):
+    kind, path = saved
+    plain = cls_of(kind).from_pretrained(path)
+    config = inference_config(tmp_path, device)
+    with zero.Init(config_dict_or_path=config) as init:
+        model = cls_of(kind).from_pretrained(path)
+    assert all(p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())
+    if device == "nvme":
+        assert all(p._zero_init_shard.on_nvme for p in model.parameters())
+        assert init.nvme_store.files == len(list(model.parameters()))
+    engine, optimizer, _, _ = zero.initialize(model=model, config=config)
+    assert optimizer is None
+    check_same_outputs(engine, model, plain)
+    engine.destroy()
+
+
+def test_hf_deepspeed_config_kept_alive(tmp_path, saved):
+    kind, path = saved
+    plain = cls_of(kind).from_pretrained(path)
+    config = inference_config(tmp_path)
+    dschf = HfDeepSpeedConfig(config)  # noqa: F841 (kept alive, as with DeepSpeed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    check_same_outputs(engine, model, plain)
+    engine.destroy()
+    del dschf
+    again = cls_of(kind).from_pretrained(path)
+    assert all(p.numel() > 0 for p in again.parameters())
+
+
+def test_weights_missing_from_the_checkpoint_are_initialised_by_transformers(tmp_path):
+    base = small("llama")
+    base.model.save_pretrained(tmp_path / "base")  # no lm_head: the head is new
+    with zero.Init(config_dict_or_path=inference_config(tmp_path)):
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    with zero.GatheredParameters([model.lm_head.weight, model.model.embed_tokens.weight]):
+        head = model.lm_head.weight.detach().clone()
+        assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert head.abs().sum() > 0 and head.std().item() == pytest.approx(base.config.initializer_range, rel=0.2)
+
+
+def test_unsupported_transformers_version():
+    with pytest.raises(ImportError, match=r"zero's from_pretrained support needs transformers >= 5.0, < 6.0 "
+                                          r"\(tested with 5.23\); found 4.46.3"):
+        check_transformers_version("4.46.3")
