@@ -11,7 +11,16 @@ import torch
 import nvmeio
 
 
-def test_sigint_interrupts_a_long_wait_and_io_completes(nvme_dir):
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt during the test, however pytest was launched
+    (nohup and background jobs start Python with SIGINT ignored)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_sigint_interrupts_a_long_wait_and_io_completes(nvme_dir, sigint_raises):
     h = nvmeio.aio_handle(block_size=1 << 20, queue_depth=2, intra_op_parallelism=1)
     src = h.new_cpu_locked_tensor(768 << 20, torch.empty(0, dtype=torch.uint8))
     src.fill_(7)

@@ -395,7 +395,11 @@ def test_sigterm_and_sighup_interrupt_like_ctrl_c():
 def test_ctrl_c_removes_the_temporary_files(dirs):
     sig = signal.SIGINT
     nvme, logs = dirs
-    p = subprocess.Popen([sys.executable, "-m", "nvmeio.tune", "--nvme_dir", str(nvme),
+    # Ctrl-C must reach the child however the tests were launched: under nohup or
+    # in a background job SIGINT is ignored, and a child inherits that.
+    with_ctrl_c = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "sys.argv[0] = 'nvme_tune'; runpy.run_module('nvmeio.tune', run_name='__main__')")
+    p = subprocess.Popen([sys.executable, "-c", with_ctrl_c, "--nvme_dir", str(nvme),
                           "--io_size", "64M", "--search", "grid", "--log_dir", str(logs)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
