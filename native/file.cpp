@@ -60,7 +60,8 @@ std::shared_ptr<File> File::open(const std::string& path, OpenMode mode, int64_t
     struct stat st;
     if (::fstat(f->direct_fd_, &st) != 0) throw make_io_error(errno, path, offset, nbytes, "fstat");
     if (S_ISDIR(st.st_mode)) throw make_io_error(EISDIR, path, offset, nbytes, "open for reading");
-    if (S_ISREG(st.st_mode) && offset + nbytes > st.st_size) {
+    // An empty read asks for no byte, so it cannot be short (as pread(2) of 0 bytes).
+    if (S_ISREG(st.st_mode) && nbytes > 0 && offset + nbytes > st.st_size) {
       std::string what = "short read: the file holds " + std::to_string(st.st_size) +
                          " bytes, but reading " + std::to_string(nbytes) + " bytes at offset " +
                          std::to_string(offset) + " needs " + std::to_string(offset + nbytes);
@@ -126,15 +127,9 @@ std::shared_ptr<File> File::from_fd(int fd, OpenMode mode) {
 void File::preallocate(int64_t offset, int64_t nbytes) {
   struct stat st;
   if (::fstat(direct_fd_, &st) != 0 || !S_ISREG(st.st_mode) || offset + nbytes <= st.st_size) return;
-  if (nbytes == 0) {
-    // An empty write still leaves the file offset + nbytes long, like any other.
-    if (::ftruncate(direct_fd_, offset) != 0) {
-      int err = errno;
-      discard_created();
-      throw make_io_error(err, path_, offset, nbytes, "extending the file");
-    }
-    return;
-  }
+  // An empty write moves no byte, so it never changes the size (as pwrite(2)
+  // of 0 bytes does not); it only creates a missing file.
+  if (nbytes == 0) return;
   if (::fallocate(direct_fd_, 0, offset, nbytes) == 0) {
     old_size_ = st.st_size;
     return;
@@ -158,7 +153,15 @@ void File::discard_created() {
 }
 
 void File::sync(int64_t offset, int64_t length) {
-  if (::fdatasync(buffered_fd()) != 0) throw make_io_error(errno, path_, offset, length, "fdatasync");
+  if (::fdatasync(buffered_fd()) == 0) return;
+  int err = errno;
+  // Character devices, pipes and sockets have nothing to sync (EINVAL, or
+  // EROFS for some): the data went through when write(2) returned.
+  struct stat st;
+  if ((err == EINVAL || err == EROFS) && ::fstat(buffered_fd(), &st) == 0 && !S_ISREG(st.st_mode) &&
+      !S_ISBLK(st.st_mode))
+    return;
+  throw make_io_error(err, path_, offset, length, "fdatasync");
 }
 
 File::~File() {

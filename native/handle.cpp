@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
+#include <string>
 
 #include "aligned.h"
 
@@ -12,6 +13,9 @@ namespace nvmeio {
 
 Handle::Handle(const HandleConfig& cfg) : cfg_(cfg), owner_pid_(::getpid()) {
   if (cfg_.block_size <= 0) throw std::invalid_argument("block_size must be positive");
+  // Each worker may hold two bounce buffers of block_size (see Worker).
+  if (cfg_.block_size > kMaxBlockSize)
+    throw std::invalid_argument("block_size must be at most " + std::to_string(kMaxBlockSize));
   if (cfg_.queue_depth <= 0) throw std::invalid_argument("queue_depth must be positive");
   if (cfg_.intra_op_parallelism <= 0)
     throw std::invalid_argument("intra_op_parallelism must be positive");
@@ -63,6 +67,9 @@ bool Handle::closed() {
 void Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset) {
   check_not_forked();
   if (offset < 0) throw IoError(EINVAL, path, offset, nbytes, "negative file offset");
+  // A NUL would end the C string early and name another file.
+  if (path.find('\0') != std::string::npos)
+    throw std::invalid_argument("path contains a NUL byte, which would cut it short");
   // The buffered descriptor is needed only for parts that are not aligned.
   int64_t end = offset + nbytes;
   bool need_buffered = offset % kDirectAlign != 0 || end % kDirectAlign != 0;

@@ -21,6 +21,9 @@
 
 namespace nvmeio {
 
+// Largest block_size accepted (nvmeio.aio_handle.MAX_BLOCK_SIZE says the same).
+constexpr int64_t kMaxBlockSize = int64_t(256) << 20;
+
 struct HandleConfig {
   int64_t block_size = 1 << 20;
   int queue_depth = 128;

@@ -17,15 +17,16 @@ import ctypes
 import errno
 import functools
 import os
+import stat
 import threading
 import warnings
 from typing import Any, Callable, Optional
 
-from . import _native
+from . import _native, atomic_file
 from .backend_choice import fastest_backend
 from .buffers import DeviceBuffer, IoBuffer, as_io_buffer
 from .cuda_staging import StagingConfig, StagingEngine
-from .errors import AioError
+from .errors import AioError, make_error
 from .locked import LockedTensors
 
 __all__ = ["aio_handle", "available_backends", "ValidationError"]
@@ -49,10 +50,50 @@ def available_backends() -> list[str]:
     return list(_probed_backends())
 
 
-def _positive_int(name: str, value: Any) -> int:
+# Largest settings the core accepts. block_size: a worker may hold two bounce
+# buffers of it, and the kernel moves at most ~2 GiB per request anyway;
+# queue_depth: io_uring's ring limit; intra_op_parallelism: threads per handle.
+MAX_BLOCK_SIZE = 256 << 20
+MAX_QUEUE_DEPTH = 32768
+MAX_INTRA_OP_PARALLELISM = 1024
+_MAX_OFFSET = (1 << 63) - 1     # off_t
+_MAX_FD = (1 << 31) - 1
+
+
+def _positive_int(name: str, value: Any, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
     return value
+
+
+def path_arg(name: str, value: Any) -> str:
+    """A path argument as a str; refuses what the kernel would misread.
+
+    A NUL byte would end the C string early: "dir/victim\0.ignored" would
+    write "dir/victim". Raised before any file is touched.
+    """
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a path (str, bytes or os.PathLike) or an open file "
+                        f"descriptor, got {type(value).__name__}") from None
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    if "\0" in path:
+        raise ValueError(f"{name} contains a NUL byte, which would cut the path short: {path!r}")
+    return path
+
+
+def _fd_arg(name: str, fd: int) -> int:
+    if not 0 <= fd <= _MAX_FD:
+        raise ValueError(f"{name}: file descriptor {fd} is out of range (0..{_MAX_FD})")
+    return fd
+
+
+def _is_fd(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _resolve_backend(backend: str) -> str:
@@ -93,9 +134,10 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
     def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
                  single_submit: bool = False, overlap_events: bool = False,
                  intra_op_parallelism: int = 1, backend: str = "auto"):
-        self._block_size = _positive_int("block_size", block_size)
-        self._queue_depth = _positive_int("queue_depth", queue_depth)
-        self._intra_op_parallelism = _positive_int("intra_op_parallelism", intra_op_parallelism)
+        self._block_size = _positive_int("block_size", block_size, MAX_BLOCK_SIZE)
+        self._queue_depth = _positive_int("queue_depth", queue_depth, MAX_QUEUE_DEPTH)
+        self._intra_op_parallelism = _positive_int("intra_op_parallelism", intra_op_parallelism,
+                                                   MAX_INTRA_OP_PARALLELISM)
         self._single_submit = bool(single_submit)
         self._overlap_events = bool(overlap_events)
         self._backend = _resolve_backend(backend)
@@ -136,20 +178,22 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 validate: bool = False) -> None:
         if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
             raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
+        target = _fd_arg("filename", filename) if _is_fd(filename) else path_arg("filename", filename)
         io = as_io_buffer(buffer, writable=not write)
+        if file_offset > _MAX_OFFSET - io.nbytes:
+            raise ValueError(f"file_offset {file_offset} is out of range: the op would end past "
+                             f"the largest file offset ({_MAX_OFFSET})")
         if isinstance(io, DeviceBuffer):
-            self._submit_device(write, io, filename, file_offset, validate)
+            self._submit_device(write, io, target, file_offset, validate)
             return
         with self._lock:
             self._inflight.append(io)
         try:
-            if isinstance(filename, int) and not isinstance(filename, bool):
-                self._native.submit_fd(write, io.ptr, io.nbytes, filename, file_offset)
+            if isinstance(target, int):
+                self._native.submit_fd(write, io.ptr, io.nbytes, target, file_offset)
                 path = None
             else:
-                path = os.fspath(filename)
-                if not isinstance(path, str):
-                    path = os.fsdecode(path)
+                path = target
                 self._native.submit(write, io.ptr, io.nbytes, path, file_offset)
         except BaseException:
             with self._lock:
@@ -166,16 +210,10 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                           "refuses it, or NVMEIO_DIRECT_IO=0): this handle falls back to "
                           "buffered I/O + fdatasync", RuntimeWarning, stacklevel=3)
 
-    def _submit_device(self, write: bool, io: DeviceBuffer, filename: Any, file_offset: int,
+    def _submit_device(self, write: bool, io: DeviceBuffer, target: "str | int", file_offset: int,
                        validate: bool) -> None:
-        if isinstance(filename, int) and not isinstance(filename, bool):
-            target = filename
-            if validate:
-                raise ValueError("validate=True needs a path, not a file descriptor")
-        else:
-            target = os.fspath(filename)
-            if not isinstance(target, str):
-                target = os.fsdecode(target)
+        if isinstance(target, int) and validate:
+            raise ValueError("validate=True needs a path, not a file descriptor")
         self._device_engine().submit(write, io, target, file_offset, validate)
 
     def async_pread(self, buffer: Any, filename: PathLike = None, file_offset: int = 0, *,
@@ -233,8 +271,8 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
 
     def read(self, buffer: Any, filename: PathLike, validate: bool = False) -> int:
         """Reads a whole file whose size must equal the buffer's; returns 0."""
+        path = path_arg("filename", filename)
         io = as_io_buffer(buffer, writable=True)
-        path = os.fspath(filename)
         size = os.stat(path).st_size
         if size != io.nbytes:
             raise ValueError(f"read: {path!r} holds {size} bytes but the buffer has {io.nbytes}; "
@@ -245,22 +283,35 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
     def write(self, buffer: Any, filename: PathLike, validate: bool = False) -> int:
         """Replaces a whole file with ``buffer``, atomically; returns 0.
 
-        The bytes go to a temporary file in the same directory that is renamed
-        over ``filename`` only once complete, so a failure never leaves a
-        half-written file under that name.
+        The bytes go to a new temporary file in the same directory (created
+        exclusively, never through a symlink, nameless where the file system
+        allows: see nvmeio.atomic_file), which is renamed over ``filename``
+        only once complete and on disk. A failure, Ctrl-C or a killed process
+        never leaves a half-written file under that name. Like
+        ``open(filename, "w")``, it refuses a file this user may not write
+        (PermissionError) and a directory (IsADirectoryError). The new file is
+        0600.
         """
-        path = os.fspath(filename)
-        head, tail = os.path.split(path)
-        tmp = os.path.join(head, f".{tail}.nvmeio-{os.getpid()}-{threading.get_ident()}.tmp")
+        path = path_arg("filename", filename)
+        nbytes = getattr(buffer, "nbytes", 0)
+        _check_replaceable(path, nbytes)
         try:
-            self.pwrite(buffer, tmp, validate)
-            os.replace(tmp, path)
-        except BaseException:
+            tmp = atomic_file.create_temp_beside(path)
+        except FileNotFoundError:
+            directory = os.path.dirname(os.path.abspath(path))
+            raise make_error(errno.ENOENT, f"open for writing failed: directory '{directory}' does "
+                             "not exist", path, 0, nbytes) from None
+        except OSError as e:
+            raise make_error(e.errno, f"creating a temporary file beside it failed: {e.strerror}",
+                             path, 0, nbytes) from None
+        with tmp:
             try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
+                self.pwrite(buffer, tmp.io_path, validate)
+            except OSError as e:
+                if e.filename == tmp.io_path:
+                    e.filename = path       # the user's name, not /proc/self/fd/N
+                raise
+            tmp.publish(durable=True)
         return 0
 
     # -- completion -----------------------------------------------------------------
@@ -400,6 +451,23 @@ def _target(filename: Any, fd: Optional[int]) -> Any:
     if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
         raise TypeError(f"fd must be an open file descriptor (a non-negative int), got {fd!r}")
     return fd
+
+
+def _check_replaceable(path: str, nbytes: int) -> None:
+    """What ``open(path, "w")`` would refuse, ``write()`` refuses too (a rename
+    would replace a read-only file or a symlink's target silently otherwise)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise make_error(e.errno, f"open for writing failed: {e.strerror}", path, 0, nbytes) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise make_error(errno.EISDIR, "open for writing failed: Is a directory", path, 0, nbytes)
+    if not os.access(path, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+        raise make_error(errno.EACCES, "open for writing failed: Permission denied (the file is "
+                         "read-only for this user; write() does not replace it: change its mode "
+                         "or remove it first)", path, 0, nbytes)
 
 
 def _async_kwarg(async_op: bool, kwargs: dict) -> bool:

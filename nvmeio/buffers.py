@@ -42,12 +42,32 @@ class DeviceBuffer:
 def _from_tensor(torch, t, writable: bool) -> "IoBuffer | DeviceBuffer":
     if t.layout != torch.strided:
         raise TypeError(f"nvmeio needs a dense (strided) tensor, got layout {t.layout}")
+    t = _resolve_lazy_views(t, writable)
     if t.device.type != "cpu":
         if t.device.type == "cuda":
             return _from_cuda_tensor(torch, t)
         raise ValueError(f"tensor is on device '{t.device}'; nvmeio reads and writes CPU tensors")
     _check_contiguous(t)
     return IoBuffer(t.data_ptr(), t.numel() * t.element_size(), t)
+
+
+def _resolve_lazy_views(t, writable: bool):
+    """[Note: conjugate and negative views]
+    ``x.conj()`` and some ``torch.neg`` results share ``x``'s memory and only
+    carry a bit saying "conjugate (negate) on access". The raw bytes are not
+    the values, so writing them would silently store ``x``. A write
+    materialises the values (a copy, kept alive until the op completes); a
+    read into such a view is refused, since its memory would then hold the
+    conjugate of what the file holds."""
+    lazy = [what for what, flag in (("conjugate", t.is_conj()), ("negative", t.is_neg())) if flag]
+    if not lazy:
+        return t
+    kind = " and ".join(lazy)
+    if writable:
+        raise ValueError(f"tensor is a {kind} view (its memory holds other values than it shows), "
+                         "so it cannot be the target of a read: read into a plain tensor, or call "
+                         ".resolve_conj() / .resolve_neg() first")
+    return t.resolve_conj().resolve_neg()
 
 
 def _check_contiguous(t) -> None:

@@ -304,7 +304,7 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
             fail(e.errno, f"open for reading failed: {e.strerror}")
     if stat.S_ISDIR(st.st_mode):
         fail(errno.EISDIR, f"open for {'writing' if write else 'reading'} failed: Is a directory")
-    if not write and stat.S_ISREG(st.st_mode) and file_offset + nbytes > st.st_size:
+    if not write and stat.S_ISREG(st.st_mode) and nbytes and file_offset + nbytes > st.st_size:
         fail(errno.ENODATA, f"short read: the file holds {st.st_size} bytes, but reading {nbytes} "
                             f"bytes at offset {file_offset} needs {file_offset + nbytes}")
     return _nothing
