@@ -57,10 +57,11 @@ def test_write_then_read_roundtrip(nvme_dir, n, offset, cfg, src_kind, dst_kind,
     assert h.sync_pwrite(src, path, file_offset=offset) == 1
 
     # Everything outside [offset, offset+n) is as before; the file ends at
-    # max(old size, offset + n); a gap before offset reads as zeros.
-    expected = bytearray(old.ljust(offset, b"\0"))
+    # max(old size, offset + n); a gap before offset reads as zeros. An empty
+    # write changes nothing (as pwrite(2) of 0 bytes).
+    expected = bytearray(old.ljust(offset, b"\0") if n else old)
     expected[offset:offset + n] = src.tobytes()
-    assert os.path.getsize(path) == max(background, offset + n)
+    assert os.path.getsize(path) == (max(background, offset + n) if n else background)
     assert file_bytes(path) == bytes(expected)
 
     dst = make_buffer(h, dst_kind, n)
