@@ -103,3 +103,19 @@ def test_unsupported_transformers_version():
     with pytest.raises(ImportError, match=r"zero's from_pretrained support needs transformers >= 5.0, < 6.0 "
                                           r"\(tested with 5.23\); found 4.46.3"):
         check_transformers_version("4.46.3")
+
+
+def test_a_model_made_under_init_saved_by_our_writer_loads_in_transformers(tmp_path):
+    config = inference_config(tmp_path)
+    torch.manual_seed(0)
+    with zero.Init(config_dict_or_path=config):
+        made = transformers.LlamaForCausalLM(small("llama").config)
+    zero.save_pretrained(made, tmp_path / "saved")
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    with zero.GatheredParameters(list(made.parameters())):
+        assert all(torch.equal(p, q) for p, q in zip(made.parameters(), plain.parameters()))
+    with zero.Init(config_dict_or_path=config):
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "saved")
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    check_same_outputs(engine, model, plain)
+    engine.destroy()

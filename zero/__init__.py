@@ -22,6 +22,7 @@ _LAZY = {
     "Init": "init_context",
     "GatheredParameters": "gathered",
     "load_pretrained": "pretrained",
+    "save_pretrained": "pretrained",
     "estimate_zero3_model_states_mem_needs_all_live": "estimator",
     "estimate_zero3_model_states_mem_needs_all_cold": "estimator",
     "get_fp32_state_dict_from_zero_checkpoint": "zero_to_fp32",

@@ -17,6 +17,11 @@ rank reads the files and keeps its own slice.
 Everything is checked before the first value is written (all-or-nothing):
 every tensor's shape and dtype, and with ``strict`` (the default) that the
 checkpoint and the model hold the same names.
+
+``zero.save_pretrained(model, directory)`` is the way back: one
+``model.safetensors`` written by ``nvmeio.SafetensorsWriter``, one gathered
+parameter at a time, that ``load_pretrained`` (and transformers'
+``from_pretrained``, with the model's ``config.json``) reads back bit-identical.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import torch.nn as nn
 from .comm import init_distributed
 from .heap import FreedBytes
 from .init_context import is_init_partitioned, store_init_shard
-from .pretrained_files import CheckpointError, TensorEntry, checkpoint_files, reader_handle, tensor_entries
+from .pretrained_files import CheckpointError, TensorEntry, checkpoint_files, open_tensors, tensor_entries
 
 
 @dataclass
@@ -148,8 +153,7 @@ def load_pretrained(model: nn.Module, path_or_dir, strict: bool = True) -> LoadR
     plan: List[Tuple[TensorEntry, _Target]] = []
     unexpected: List[str] = []
     seen = set()
-    handle = reader_handle()
-    entries_per_file = [tensor_entries(f, handle) for f in files]
+    entries_per_file = [tensor_entries(f) for f in files]
     for entries in entries_per_file:
         for entry in entries:
             target = _resolve(entry.name, targets, prefix)
@@ -177,9 +181,59 @@ def load_pretrained(model: nn.Module, path_or_dir, strict: bool = True) -> LoadR
                               f"(strict=False loads what matches)")
     comm = init_distributed()
     freed = FreedBytes()
-    for entry, target in plan:
-        value = entry.read()
-        _write(module, target, value, comm)
-        freed.add(value.numel() * value.element_size())
-        del value
+    for file in files:
+        with open_tensors(file) as get:
+            for entry, target in plan:
+                if entry.file != file:
+                    continue
+                value = get(entry.name)
+                _write(module, target, value, comm)
+                freed.add(value.numel() * value.element_size())
+                del value
     return LoadResult(missing, unexpected, len(plan))
+
+
+def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = None) -> str:
+    """Write ``model``'s parameters and persistent buffers to ``directory/model.safetensors``, one
+    tensor at a time (each gathered from its partitions, then dropped); ``dtype`` casts floating-point
+    tensors. Every rank must call it; rank 0 writes. A Hugging Face model's config is saved beside it.
+    Returns the file's path."""
+    from nvmeio import SafetensorsWriter
+
+    from .gathered import GatheredParameters
+
+    module = getattr(model, "module", model) if hasattr(model, "parts") else model
+    directory = os.fspath(directory)
+    comm = init_distributed()
+    tensors: Dict[str, Tuple[torch.nn.Module, str, bool]] = {}
+    seen = set()
+    for name, target in _targets(module).items():
+        t = target.tensor()
+        if id(t) not in seen:  # a tied parameter is saved once, under its first name
+            seen.add(id(t))
+            tensors[name] = target
+
+    def out_dtype(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    writer = None
+    if comm.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        spec = {n: (out_dtype(t.tensor()), t.shape()) for n, t in tensors.items()}
+        writer = SafetensorsWriter(os.path.join(directory, "model.safetensors"), spec, metadata={"format": "pt"})
+    try:
+        for name, target in tensors.items():
+            t = target.tensor()
+            with GatheredParameters([t] if target.is_param else []):
+                if writer is not None:
+                    writer.write(name, t.detach().to(out_dtype(t)).contiguous())
+        if writer is not None:
+            writer.close()
+            writer = None
+    finally:
+        if writer is not None:
+            writer.abort()
+    config = getattr(module, "config", None)
+    if comm.rank == 0 and hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+    return os.path.join(directory, "model.safetensors")
