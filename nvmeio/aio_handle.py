@@ -4,7 +4,9 @@ Every op moves one buffer to or from one file range. ``async_*`` ops return
 at once; ``wait()`` completes all of them. Until then the buffer belongs to
 the handle: writing into the source of an async write or reading the target
 of an async read before ``wait()`` is a data race. The handle keeps a
-reference to every buffer in flight, so dropping yours is safe.
+reference to every buffer in flight, so dropping yours is safe. Threads may
+share a handle, but ``wait()`` collects the ops (and the first error) of all
+of them: a thread that needs its own results uses its own handle.
 
 A CUDA tensor is staged through locked host memory by ``cuda_staging`` (its
 ops run in order on a background thread of the handle, and ``wait()`` waits
@@ -321,6 +323,12 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
 
         Returns the number of ops completed since the last ``wait()`` (0 when
         nothing was pending) and raises the first error among them.
+
+        A handle is one queue, as in DeepSpeed: the ops are those of every
+        thread using it, so a thread's ``wait()`` may raise the error of an op
+        another thread submitted (the error names that op's path, offset and
+        length) and then that thread's ``wait()`` does not see it again.
+        Threads that need their own results use a handle each.
         """
         with self._lock:
             # Buffers of ops submitted before this call; they stay referenced

@@ -37,6 +37,9 @@ def check_new_tensor_args(num_elem, example_tensor) -> None:
                         f"got {type(example_tensor).__name__}")
     if isinstance(num_elem, bool) or not isinstance(num_elem, int) or num_elem < 0:
         raise ValueError(f"num_elem must be a non-negative int, got {num_elem!r}")
+    if num_elem * example_tensor.element_size() > (1 << 63) - 1:
+        raise ValueError(f"num_elem {num_elem} is out of range: {num_elem} x "
+                         f"{example_tensor.element_size()} bytes does not fit in a 64-bit size")
 
 
 class LockedTensors:

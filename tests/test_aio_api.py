@@ -193,3 +193,16 @@ def test_handle_as_context_manager(nvme_dir):
     with nvmeio.aio_handle() as h:
         h.async_pwrite(src, nvme_dir / "cm.bin")
     assert h.closed and file_bytes(nvme_dir / "cm.bin") == src.tobytes()
+
+
+@pytest.mark.parametrize("backend", nvmeio.available_backends())
+def test_an_empty_write_at_a_large_offset_does_not_extend_the_file(nvme_dir, backend):
+    # As pwrite(2) of 0 bytes: no byte moves, so the size stays; a missing file is created empty.
+    h = nvmeio.aio_handle(backend=backend)
+    path = nvme_dir / "small.bin"
+    path.write_bytes(b"x" * 100)
+    assert h.sync_pwrite(np.empty(0, np.uint8), path, file_offset=1 << 40) == 1
+    assert os.path.getsize(path) == 100
+    assert h.sync_pwrite(np.empty(0, np.uint8), nvme_dir / "new.bin", file_offset=1 << 30) == 1
+    assert os.path.getsize(nvme_dir / "new.bin") == 0
+    assert h.sync_pread(np.empty(0, np.uint8), path, file_offset=1 << 40) == 1   # never short

@@ -125,3 +125,43 @@ def test_gil_is_released_during_io(nvme_dir):
     inside = [x for x in ticks if begin < x < end]
     assert end - begin > 0.02, "write too fast to observe"
     assert len(inside) >= 5, f"only {len(inside)} ticks during {end - begin:.3f}s of I/O"
+
+
+def test_wait_reports_the_first_error_of_any_thread_and_per_thread_handles_isolate(nvme_dir):
+    # Documented (aio_handle.wait): one handle is one queue, as in DeepSpeed.
+    shared = nvmeio.aio_handle(backend="psync")
+    submitted = threading.Event()
+
+    def thread_a():
+        shared.async_pwrite(random_bytes(10_000), "/dev/full")   # fails with ENOSPC
+        submitted.set()
+
+    a = threading.Thread(target=thread_a)
+    a.start()
+    submitted.wait()
+    a.join()
+    good = random_bytes(10_000, 1)
+    with pytest.raises(nvmeio.AioError) as e:
+        shared.sync_pwrite(good, nvme_dir / "b.bin")             # thread B's op succeeds ...
+    assert e.value.filename == "/dev/full"                       # ... B's wait names A's op
+    assert file_bytes(nvme_dir / "b.bin") == good.tobytes()
+    assert shared.wait() == 0                                    # reported once
+
+    # A handle per thread: each wait() sees only its own ops.
+    errors = {}
+
+    def own_handle(name, path):
+        h = nvmeio.aio_handle(backend="psync")
+        try:
+            h.sync_pwrite(random_bytes(10_000), path)
+        except nvmeio.AioError as exc:
+            errors[name] = exc.filename
+        h.close()
+
+    threads = [threading.Thread(target=own_handle, args=("a", "/dev/full")),
+               threading.Thread(target=own_handle, args=("b", str(nvme_dir / "c.bin")))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == {"a": "/dev/full"}

@@ -212,3 +212,14 @@ def test_error_in_one_async_op_does_not_lose_the_others(h, nvme_dir):
     for i, b in enumerate(good):
         assert file_bytes(nvme_dir / f"g{i}.bin") == b.tobytes()
     assert h.wait() == 0
+
+
+@pytest.mark.parametrize("backend", nvmeio.available_backends())
+def test_writing_to_a_character_device_is_not_an_fdatasync_error(backend):
+    # /dev/null refuses O_DIRECT, so the write is buffered and then fdatasync'ed,
+    # which a character device answers with EINVAL after the data went through.
+    h = nvmeio.aio_handle(backend=backend)
+    with pytest.warns(RuntimeWarning, match="no O_DIRECT for '/dev/null'"):
+        assert h.sync_pwrite(random_bytes(100_000), "/dev/null") == 1
+    assert h.sync_pwrite(random_bytes(5000), "/dev/null", file_offset=123) == 1
+    assert h.wait() == 0
