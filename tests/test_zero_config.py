@@ -64,9 +64,19 @@ def test_float_for_an_int_key_everywhere_in_the_tree(tmp_path):
 
 def test_fractional_float_for_an_int_key_is_an_error():
     with pytest.raises(ConfigError) as info:
-        load_config(with_zero(reduce_bucket_size=2.5e-1))
-    assert "zero_optimization.reduce_bucket_size" in str(info.value)
+        load_config(with_zero(sub_group_size=2.5e-1))
+    assert "zero_optimization.sub_group_size" in str(info.value)
     assert "expected a whole number, got 0.25" in str(info.value)
+
+
+def test_bucket_sizes_computed_by_formula_are_rounded_down():
+    # The Hugging Face docs' ZeRO-Inference config writes 0.9 * hidden_size * hidden_size.
+    zc = load_config(with_zero(stage3_prefetch_bucket_size=0.9 * 1024 * 1024, reduce_bucket_size=1024.5,
+                               stage3_param_persistence_threshold=10.7)).zero_optimization
+    assert (zc.stage3_prefetch_bucket_size, zc.reduce_bucket_size, zc.stage3_param_persistence_threshold) == \
+        (943718, 1024, 10)
+    with pytest.raises(ConfigError, match=r"zero_optimization.reduce_bucket_size: must be at least 1, got 0"):
+        load_config(with_zero(reduce_bucket_size=0.25))
 
 
 @pytest.mark.parametrize("value", [True, "1e9", "500", None])

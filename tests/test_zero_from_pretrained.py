@@ -119,3 +119,39 @@ def test_a_model_made_under_init_saved_by_our_writer_loads_in_transformers(tmp_p
     engine, _, _, _ = zero.initialize(model=model, config=config)
     check_same_outputs(engine, model, plain)
     engine.destroy()
+
+
+def t0_inference_config(hidden: int, nvme_path) -> dict:
+    """The Hugging Face docs' ZeRO-Inference example (T0), with parameters on NVMe: no optimizer,
+    no scheduler, bucket sizes computed as floats."""
+    return {
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": hidden * hidden,
+            "stage3_prefetch_bucket_size": 0.9 * hidden * hidden,
+            "stage3_param_persistence_threshold": 10 * hidden,
+        },
+        "steps_per_print": 2000,
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def test_zero_inference_with_the_docs_config_generates_from_nvme(tmp_path, saved):
+    kind, path = saved
+    plain = cls_of(kind).from_pretrained(path)
+    config = t0_inference_config(64, tmp_path)
+    dschf = HfDeepSpeedConfig(config)  # noqa: F841
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    engine, optimizer, _, scheduler = zero.initialize(model=model, config=config)
+    assert optimizer is None and scheduler is None
+    assert engine.parts.param_store.swap_dir.startswith(str(tmp_path))
+    engine.eval()
+    check_same_outputs(engine, model, plain)
+    engine.destroy()

@@ -145,6 +145,18 @@ def Int(minimum: int | None = 0, auto: bool = False) -> Any:
     return _typed(int, lambda v: whole_number(v, minimum), auto)
 
 
+def ElementCount(minimum: int = 0, auto: bool = False) -> Any:
+    """Type of a bucket size or threshold in elements: a whole number, or a fractional number
+    rounded down (the Hugging Face docs compute them as ``0.9 * hidden_size * hidden_size``)."""
+    def check(value: Any) -> int:
+        _reject_auto(value)
+        if isinstance(value, float) and math.isfinite(value) and value >= 0:
+            value = math.floor(value)
+        return whole_number(value, minimum)
+
+    return _typed(int, check, auto)
+
+
 def Real(minimum: float | None = 0.0, maximum: float | None = None,
          exclusive_minimum: bool = False, auto: bool = False) -> Any:
     """Type of a real-number key."""

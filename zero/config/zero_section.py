@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from .aio import AioConfig
 from .base import StrictModel, problem_error, raise_problems
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
-from .values import Flag, Int, Real, fail, flag, whole_number
+from .values import ElementCount, Flag, Int, Real, fail, flag, whole_number
 
 SUPPORTED_STAGE = 3
 
@@ -65,7 +65,7 @@ class ZeroConfig(StrictModel):
     """Elements per optimizer step tile (the NVMe swap granularity)."""
 
     # communication
-    reduce_bucket_size: Int(minimum=1, auto=True) = 500_000_000
+    reduce_bucket_size: ElementCount(minimum=1, auto=True) = 500_000_000
     allgather_bucket_size: Int(minimum=1) = 500_000_000
     overlap_comm: Flag = True
     contiguous_gradients: Flag = True
@@ -75,8 +75,8 @@ class ZeroConfig(StrictModel):
     use_multi_rank_bucket_allreduce: Flag = True
 
     # stage 3 fetch and release
-    stage3_prefetch_bucket_size: Int(minimum=0, auto=True) = 50_000_000
-    stage3_param_persistence_threshold: Int(minimum=0, auto=True) = 100_000
+    stage3_prefetch_bucket_size: ElementCount(minimum=0, auto=True) = 50_000_000
+    stage3_param_persistence_threshold: ElementCount(minimum=0, auto=True) = 100_000
     stage3_model_persistence_threshold: Int(minimum=0) = sys.maxsize
     stage3_max_live_parameters: Int(minimum=0) = 1_000_000_000
     stage3_max_reuse_distance: Int(minimum=0) = 1_000_000_000
