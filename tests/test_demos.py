@@ -1,15 +1,62 @@
-"""The two demos run and say OK: the main job (ZeRO-3 with NVMe offload,
-losses equal to plain PyTorch) and the I/O demo."""
+"""The two demos run and say OK: the main job (ZeRO-3 with NVMe offload on the standard
+library's source, losses equal to plain PyTorch; ``--big`` beyond RAM) and the I/O demo."""
+import os
+import shutil
+import subprocess
+import sys
 
 import nvmeio.demo
 import zero.demo
+from zero.stdlib_corpus import ByteBatches, stdlib_source_bytes
 
 
 def test_zero_demo_matches_torch_with_nvme_offload(tmp_path, capsys):
     assert zero.demo.main(["--steps", "4", "--nvme_dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "max relative difference of the losses" in out and out.rstrip().endswith("OK")
+    assert float(out.split("max relative difference of the losses ")[1].split()[0]) <= 1e-6
+    before, after = (float(x.strip(" ,").split()[0]) for x in
+                     out.split("held-out loss: ")[1].splitlines()[0].split("before"))
+    assert after < before
+    assert f"swap files under {tmp_path}" in out and out.rstrip().endswith("OK")
     assert list(tmp_path.iterdir()) == []          # swap files removed afterwards
+
+
+def test_zero_demo_default_folder_is_made_and_removed(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert zero.demo.main(["--steps", "2", "--check_steps", "2"]) == 0
+    assert f"swap files under {tmp_path / 'nvmeio'}" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []          # the folder it made is gone too
+
+
+def test_zero_demo_big_trains_states_larger_than_the_given_ram(tmp_path, capsys):
+    ram_gib = 0.03
+    assert zero.demo.main(["--big", "--ram_gib", str(ram_gib), "--nvme_dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "built under zero.Init straight to NVMe" in out
+    assert out.rstrip().endswith("OK: model states larger than RAM trained from NVMe")
+    states_gib = float(out.split("model states ")[1].split(" GiB")[0])
+    assert states_gib > ram_gib
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_zero_demo_big_refuses_without_disk_space(tmp_path, capsys):
+    free_gib = shutil.disk_usage(tmp_path).free / 2**30
+    assert zero.demo.main(["--big", "--ram_gib", str(2 * free_gib), "--nvme_dir", str(tmp_path)]) == 2
+    assert f"not enough disk space under {tmp_path}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stdlib_corpus_is_deterministic_and_held_out_apart():
+    data = stdlib_source_bytes(1 << 20)
+    assert len(data) == 1 << 20 and data == stdlib_source_bytes(1 << 20)
+    assert b"def " in data and b"import " in data
+    a, b = ByteBatches(data, 32, 4, seed=3), ByteBatches(data, 32, 4, seed=3)
+    x, y = a.next_batch()
+    assert x.shape == (4, 32) and (x[:, 1:] == y[:, :-1]).all()
+    assert all((u == v).all() for u, v in zip(b.next_batch(), (x, y)))
+    for hx, hy in a.held_out_batches(2):
+        assert hx.shape == (4, 32)
+        assert bytes(hx[0].tolist()) in data[len(a.train):]
 
 
 def test_io_demo_round_trips(tmp_path, capsys):
@@ -17,17 +64,16 @@ def test_io_demo_round_trips(tmp_path, capsys):
     assert "bytes equal: True" in capsys.readouterr().out
 
 
-def test_main_job_command_runs_from_the_repository_root():
-    # The README's main job: the console script, started in the repository
-    # root as a newcomer would (a plain `python -m` there would import the
+def test_main_job_command_runs_from_the_repository_root(tmp_path):
+    # The README's main job: the console script of the installed package, started in the
+    # repository root as a newcomer would (a plain `python -m` there would import the
     # unbuilt source tree).
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     script = shutil.which("zero_demo") or os.path.join(os.path.dirname(sys.executable), "zero_demo")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([script, "--steps", "3"], cwd=root, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    out = subprocess.run([script, "--steps", "3"], cwd=root, capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.rstrip().endswith("OK")
+    assert "zero-3 nvme" in out.stderr and "tok_s=" in out.stderr     # the progress bar
+    assert list(tmp_path.iterdir()) == []
