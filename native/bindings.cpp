@@ -81,8 +81,9 @@ PYBIND11_MODULE(_native, m) {
   py::module_ fm = m.def_submodule("faults", "fault injection for tests (see nvmeio.faults)");
   fm.def("arm",
          [](int64_t fail_nth, int64_t fail_count, int fail_errno, int64_t short_nth,
-            int64_t short_bytes, int64_t delay_us, int64_t submit_eagain, int64_t engine_failure_nth,
-            int engine_failure_errno, const std::string& path_contains, int direction) {
+            int64_t short_bytes, int64_t delay_us, int64_t submit_refusals, int submit_errno,
+            int64_t engine_failure_nth, int engine_failure_errno, int64_t engine_create_failures,
+            const std::string& path_contains, int direction) {
            faults::Plan p;
            p.fail_nth = fail_nth;
            p.fail_count = fail_count;
@@ -90,17 +91,19 @@ PYBIND11_MODULE(_native, m) {
            p.short_nth = short_nth;
            p.short_bytes = short_bytes;
            p.delay_us = delay_us;
-           p.submit_eagain = submit_eagain;
+           p.submit_refusals = submit_refusals;
+           p.submit_errno = submit_errno;
            p.engine_failure_nth = engine_failure_nth;
            p.engine_failure_errno = engine_failure_errno;
+           p.engine_create_failures = engine_create_failures;
            p.path_contains = path_contains;
            p.direction = direction;
            faults::arm(p);
          },
          py::arg("fail_nth"), py::arg("fail_count"), py::arg("fail_errno"), py::arg("short_nth"),
-         py::arg("short_bytes"), py::arg("delay_us"), py::arg("submit_eagain"),
-         py::arg("engine_failure_nth"), py::arg("engine_failure_errno"), py::arg("path_contains"),
-         py::arg("direction"));
+         py::arg("short_bytes"), py::arg("delay_us"), py::arg("submit_refusals"),
+         py::arg("submit_errno"), py::arg("engine_failure_nth"), py::arg("engine_failure_errno"),
+         py::arg("engine_create_failures"), py::arg("path_contains"), py::arg("direction"));
   fm.def("disarm", &faults::disarm);
   fm.def("fired", [] {
     faults::Fired f = faults::fired();
@@ -109,8 +112,9 @@ PYBIND11_MODULE(_native, m) {
     d["failed"] = f.failed;
     d["shortened"] = f.shortened;
     d["delayed"] = f.delayed;
-    d["eagain"] = f.eagain;
+    d["submit_refusals"] = f.submit_refusals;
     d["engine_failures"] = f.engine_failures;
+    d["engine_create_failures"] = f.engine_create_failures;
     return d;
   });
 

@@ -12,7 +12,8 @@ std::atomic<bool> g_armed{false};
 std::mutex g_mu;
 Plan g_plan;               // guarded by g_mu
 Fired g_fired;             // guarded by g_mu
-int64_t g_eagain_left = 0; // guarded by g_mu
+int64_t g_refusals_left = 0;  // guarded by g_mu
+int64_t g_create_failures_left = 0;  // guarded by g_mu
 int64_t g_reaps = 0;       // guarded by g_mu
 
 bool matches(const Plan& p, const std::string& path, bool write) {
@@ -27,7 +28,8 @@ void arm(const Plan& plan) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_plan = plan;
   g_fired = Fired{};
-  g_eagain_left = plan.submit_eagain;
+  g_refusals_left = plan.submit_refusals;
+  g_create_failures_left = plan.engine_create_failures;
   g_reaps = 0;
   g_armed.store(true, std::memory_order_release);
 }
@@ -66,12 +68,20 @@ Decision on_request(const std::string& path, bool write, int64_t len) {
   return d;
 }
 
-bool take_submit_eagain() {
+int take_submit_refusal() {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (!g_armed.load(std::memory_order_relaxed) || g_eagain_left == 0) return false;
-  if (g_eagain_left > 0) --g_eagain_left;
-  ++g_fired.eagain;
-  return true;
+  if (!g_armed.load(std::memory_order_relaxed) || g_refusals_left == 0) return 0;
+  if (g_refusals_left > 0) --g_refusals_left;
+  ++g_fired.submit_refusals;
+  return g_plan.submit_errno;
+}
+
+int take_engine_create_failure() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_armed.load(std::memory_order_relaxed) || g_create_failures_left <= 0) return 0;
+  --g_create_failures_left;
+  ++g_fired.engine_create_failures;
+  return g_plan.engine_failure_errno;
 }
 
 int take_engine_failure() {

@@ -25,9 +25,11 @@ struct Plan {
   int64_t short_nth = 0;       // this matching request transfers only short_bytes (0: none)
   int64_t short_bytes = -1;    // bytes the short transfer reports; < 0: half the request
   int64_t delay_us = 0;        // every matching request completes this much later
-  int64_t submit_eagain = 0;   // the next N submission calls are refused with EAGAIN; < 0: all
+  int64_t submit_refusals = 0; // the next N submission calls fail with submit_errno; < 0: all
+  int submit_errno = 11;       // EAGAIN
   int64_t engine_failure_nth = 0;  // the Nth completion-collecting call fails: the engine breaks
   int engine_failure_errno = 5;
+  int64_t engine_create_failures = 0;  // the next N engines fail to start (engine_failure_errno)
   std::string path_contains;   // only requests on paths containing this count (empty: all)
   int direction = 0;           // 0: reads and writes, 1: reads only, 2: writes only
 };
@@ -38,7 +40,8 @@ struct Fired {
   int64_t failed = 0;
   int64_t shortened = 0;
   int64_t delayed = 0;
-  int64_t eagain = 0;           // submission calls refused
+  int64_t submit_refusals = 0;  // submission calls refused
+  int64_t engine_create_failures = 0;
   int64_t engine_failures = 0;
 };
 
@@ -56,18 +59,23 @@ struct Decision {
 namespace detail {
 bool armed();
 Decision on_request(const std::string& path, bool write, int64_t len);
-bool take_submit_eagain();
+int take_submit_refusal();
 int take_engine_failure();
+int take_engine_create_failure();
 }  // namespace detail
 
 // The hooks the core calls (cheap when disarmed).
 inline Decision on_request(const std::string& path, bool write, int64_t len) {
   return detail::armed() ? detail::on_request(path, write, len) : Decision{};
 }
-// True when this submission call must be refused as if the kernel said EAGAIN.
-inline bool take_submit_eagain() { return detail::armed() && detail::take_submit_eagain(); }
+// An errno when this submission call must fail as if the kernel said so, else 0.
+inline int take_submit_refusal() { return detail::armed() ? detail::take_submit_refusal() : 0; }
 // An errno when this completion-collecting call must fail (the engine is broken), else 0.
 inline int take_engine_failure() { return detail::armed() ? detail::take_engine_failure() : 0; }
+// An errno when the engine being made must fail to start, else 0.
+inline int take_engine_create_failure() {
+  return detail::armed() ? detail::take_engine_create_failure() : 0;
+}
 
 }  // namespace faults
 }  // namespace nvmeio

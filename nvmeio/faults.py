@@ -28,12 +28,17 @@ Plan fields (all optional):
         transfer of short_bytes (None: half the request); the core must
         finish it byte-exact.
     delay_us: every matching request completes this much later.
-    submit_eagain: the next N submission calls (io_submit, io_uring_enter,
-        psync's queue) are refused with EAGAIN (-1: all of them; the core
-        gives up after 1 s with nothing in flight and fails the requests).
+    submit_refusals, submit_errno="EAGAIN": the next N submission calls
+        (io_submit, io_uring_enter, psync's queue) fail with submit_errno (-1:
+        all of them). EAGAIN is backed off and retried (with nothing in flight
+        the core gives up after 1 s and fails the requests); another errno
+        fails the request (aio, psync) or breaks the engine (io_uring).
     engine_failure_nth, engine_failure_errno="EIO": the Nth completion wait
         (io_getevents / io_uring_enter) fails, as when the engine breaks: the
         core fails every op in flight on that worker and makes a new engine.
+    engine_create_failures: the next N engines fail to start (with
+        engine_failure_errno): a new handle raises; a worker replacing a
+        broken engine fails every later op at once, naming both causes.
     path_contains: only requests on paths containing this string count.
     op: "read", "write" or None (both).
 """
@@ -63,24 +68,28 @@ class FaultPlan:
     short_nth: int = 0
     short_bytes: Optional[int] = None
     delay_us: int = 0
-    submit_eagain: int = 0
+    submit_refusals: int = 0
+    submit_errno: Union[int, str] = "EAGAIN"
     engine_failure_nth: int = 0
     engine_failure_errno: Union[int, str] = "EIO"
+    engine_create_failures: int = 0
     path_contains: str = ""
     op: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for f in ("fail_nth", "fail_count", "short_nth", "delay_us", "submit_eagain",
-                  "engine_failure_nth"):
+        for f in ("fail_nth", "fail_count", "short_nth", "delay_us", "submit_refusals",
+                  "engine_failure_nth", "engine_create_failures"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"fault plan: {f} must be an int, got {value!r}")
-        for f in ("fail_nth", "short_nth", "delay_us", "engine_failure_nth"):
+        for f in ("fail_nth", "short_nth", "delay_us", "engine_failure_nth",
+                  "engine_create_failures"):
             if getattr(self, f) < 0:
                 raise ValueError(f"fault plan: {f} must be >= 0, got {getattr(self, f)!r}")
         if self.op not in _OPS:
             raise ValueError(f"fault plan: op must be 'read', 'write' or None, got {self.op!r}")
         _errno_value("errno", self.errno)
+        _errno_value("submit_errno", self.submit_errno)
         _errno_value("engine_failure_errno", self.engine_failure_errno)
         if "\0" in self.path_contains:
             raise ValueError("fault plan: path_contains must not contain a NUL byte")
@@ -90,9 +99,11 @@ class FaultPlan:
             fail_nth=self.fail_nth, fail_count=self.fail_count,
             fail_errno=_errno_value("errno", self.errno), short_nth=self.short_nth,
             short_bytes=-1 if self.short_bytes is None else self.short_bytes,
-            delay_us=self.delay_us, submit_eagain=self.submit_eagain,
+            delay_us=self.delay_us, submit_refusals=self.submit_refusals,
+            submit_errno=_errno_value("submit_errno", self.submit_errno),
             engine_failure_nth=self.engine_failure_nth,
             engine_failure_errno=_errno_value("engine_failure_errno", self.engine_failure_errno),
+            engine_create_failures=self.engine_create_failures,
             path_contains=self.path_contains, direction=_OPS[self.op])
 
 
@@ -130,7 +141,7 @@ def disarm() -> None:
 
 def fired() -> dict:
     """What the armed (or last) plan has done: requests seen, failed, shortened,
-    delayed, eagain (submissions refused), engine_failures."""
+    delayed, submit_refusals, engine_failures, engine_create_failures."""
     return dict(_native.faults.fired())
 
 
@@ -162,7 +173,7 @@ def plan_from_text(text: str) -> FaultPlan:
         value = value.strip()
         if key in ("path_contains", "op"):
             kwargs[key] = value
-        elif key in ("errno", "engine_failure_errno"):
+        elif key in ("errno", "submit_errno", "engine_failure_errno"):
             kwargs[key] = int(value) if value.isdigit() else value
         else:
             try:

@@ -133,9 +133,9 @@ def test_delayed_completions_still_complete(backend, nvme_dir, no_leaks):
 def test_eagain_is_backed_off_and_retried(backend, single_submit, nvme_dir, no_leaks):
     h = make_handle(backend, single_submit=single_submit)
     src = random_bytes(8 * BLOCK)
-    with faults.inject(submit_eagain=5) as fired:
+    with faults.inject(submit_refusals=5) as fired:
         assert h.sync_pwrite(src, nvme_dir / "e.bin") == 1
-    assert fired()["eagain"] == 5
+    assert fired()["submit_refusals"] == 5
     assert file_bytes(nvme_dir / "e.bin") == src.tobytes()
     if backend != "io_uring":   # io_uring backs off inside its engine (io_uring_enter)
         assert sum(s["backoffs"] for s in h.stats()) >= 5
@@ -145,7 +145,7 @@ def test_eagain_is_backed_off_and_retried(backend, single_submit, nvme_dir, no_l
 def test_eagain_forever_fails_the_op_instead_of_hanging(backend, nvme_dir, no_leaks):
     h = make_handle(backend)
     src = random_bytes(4 * BLOCK)
-    with faults.inject(submit_eagain=-1):
+    with faults.inject(submit_refusals=-1):
         h.async_pwrite(src, nvme_dir / "never.bin")
         with pytest.raises(nvmeio.AioError) as e:
             h.wait()
@@ -243,3 +243,74 @@ def test_environment_variable_arms_a_plan_and_says_so(tmp_path):
     r = subprocess.run([sys.executable, "-c", "import nvmeio"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 1 and "NVMEIO_FAULTS: fail_nth must be an int, got 'x'" in r.stderr
+
+
+def test_a_submission_error_fails_the_request(backend, nvme_dir, no_leaks):
+    # io_submit answering EBADF/EINVAL for the first iocb (aio), a request the
+    # queue cannot take (psync), io_uring_enter failing (io_uring: the engine breaks).
+    h = make_handle(backend)
+    src = random_bytes(4 * BLOCK)
+    with faults.inject(submit_refusals=1, submit_errno="EBADF") as fired:
+        h.async_pwrite(src, nvme_dir / "bad.bin")
+        with pytest.raises(nvmeio.AioError) as e:
+            h.wait()
+    assert fired()["submit_refusals"] == 1
+    assert e.value.filename == str(nvme_dir / "bad.bin") and "Bad file descriptor" in str(e.value)
+    assert not (nvme_dir / "bad.bin").exists()
+    roundtrip_works(h, nvme_dir / "after.bin")
+    h.close()
+
+
+def test_a_handle_whose_engine_cannot_start_says_why(backend, no_leaks):
+    with faults.inject(engine_create_failures=1, engine_failure_errno="EAGAIN"):
+        with pytest.raises(RuntimeError, match=f"{backend} engine could not be made \\(injected\\): "
+                                               "Resource temporarily unavailable"):
+            make_handle(backend)
+
+
+def test_a_worker_without_an_engine_fails_later_ops_at_once(backend, nvme_dir, no_leaks):
+    # The engine breaks and its replacement cannot start: every later op fails
+    # at once (no hang), naming both causes; a new handle works again.
+    h = make_handle(backend)
+    src = random_bytes(4 * BLOCK)
+    with faults.inject(engine_failure_nth=1, engine_create_failures=1):
+        with pytest.raises(nvmeio.AioError, match="I/O engine failure"):
+            h.sync_pwrite(src, nvme_dir / "a.bin")
+        for _ in range(3):
+            with pytest.raises(nvmeio.AioError, match="a new engine could not be made: .*injected"):
+                h.sync_pwrite(src, nvme_dir / "b.bin")
+    assert os.listdir(nvme_dir) == []
+    h.close()
+    h2 = make_handle(backend)
+    roundtrip_works(h2, nvme_dir / "c.bin")
+    h2.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_byte_exact_request_that_makes_no_progress_is_an_error(backend, op, nvme_dir, no_leaks):
+    # pread/pwrite returning 0: the file ended under a read, or a write moved nothing.
+    h = make_handle(backend)
+    path = nvme_dir / "f.bin"
+    path.write_bytes(bytes(random_bytes(100_000)))
+    buf = np.zeros(10_000, np.uint8)
+    call = h.sync_pread if op == "read" else h.sync_pwrite
+    with faults.inject(short_nth=1, short_bytes=0, op=op):
+        with pytest.raises(nvmeio.AioError) as e:
+            call(buf, path, file_offset=100)
+    if op == "read":
+        assert isinstance(e.value, nvmeio.ShortReadError)
+        assert "short read: the file ended at offset 100" in str(e.value)
+    else:
+        assert "write (no progress) failed: Input/output error" in str(e.value)
+    roundtrip_works(h, path)
+    h.close()
+
+
+def test_eintr_on_a_byte_exact_request_is_retried(backend, nvme_dir, no_leaks):
+    h = make_handle(backend)
+    src = random_bytes(10_000)
+    with faults.inject(fail_nth=1, errno="EINTR") as fired:
+        assert h.sync_pwrite(src, nvme_dir / "i.bin", file_offset=100) == 1
+    assert fired()["failed"] == 1
+    assert file_bytes(nvme_dir / "i.bin")[100:] == src.tobytes()
+    h.close()

@@ -80,9 +80,9 @@ class AioEngine final : public Engine {
     while (done < n) {
       ++submit_calls_;
       long r;
-      if (faults::take_submit_eagain()) {
+      if (int injected = faults::take_submit_refusal()) {
         r = -1;
-        errno = EAGAIN;
+        errno = injected;
       } else {
         r = sys_io_submit(ctx_, n - done, ptrs_.data() + done);
       }

@@ -1,14 +1,19 @@
 #include "engines/engine.h"
 
+#include <cstring>
 #include <stdexcept>
 
 #include "engines/aio.h"
 #include "engines/psync.h"
 #include "engines/uring.h"
+#include "faults.h"
 
 namespace nvmeio {
 
 std::unique_ptr<Engine> make_engine(EngineKind kind, int depth, bool single_submit) {
+  if (int injected = faults::take_engine_create_failure())
+    throw std::runtime_error(std::string(engine_name(kind)) + " engine could not be made (injected): " +
+                             std::strerror(injected));
   switch (kind) {
     case EngineKind::kUring: return make_uring_engine(depth, single_submit);
     case EngineKind::kAio: return make_aio_engine(depth);  // io_submit is one syscall per call anyway

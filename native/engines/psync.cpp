@@ -18,9 +18,13 @@ class PsyncEngine final : public Engine {
 
   int submit(const Request* reqs, int n) override {
     for (int i = 0; i < n; ++i) {
-      if (faults::take_submit_eagain()) return i;  // refused, as a kernel queue would
-      ++submit_calls_;
       const Request& r = reqs[i];
+      if (int injected = faults::take_submit_refusal()) {
+        if (injected == EAGAIN) return i;  // refused, as a kernel queue would
+        done_.push_back({r.tag, -static_cast<int64_t>(injected)});  // as io_submit's error
+        continue;
+      }
+      ++submit_calls_;
       ssize_t res;
       do {
         res = r.write ? ::pwrite(r.fd, r.buf, static_cast<size_t>(r.len), r.offset)

@@ -196,7 +196,8 @@ class UringEngine final : public Engine {
     int64_t backoff_us = 0;
     auto refused_since = std::chrono::steady_clock::now();
     for (;;) {
-      int r = faults::take_submit_eagain() ? -EAGAIN : io_uring_submit_and_wait(&ring_, wait_nr);
+      int injected = faults::take_submit_refusal();
+      int r = injected ? -injected : io_uring_submit_and_wait(&ring_, wait_nr);
       if (r >= 0) {
         queued_ = 0;
         return;
