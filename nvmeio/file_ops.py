@@ -42,9 +42,10 @@ def open_direct(path: str, flags: int, mode: int = 0o600) -> Tuple[int, bool]:
     return os.open(path, flags, mode), False
 
 
-def create_temp_beside(path: str) -> Tuple[str, int, bool]:
+def create_temp_beside(path: str, direct: bool = True) -> Tuple[str, int, bool]:
     """Creates a new, empty temporary file next to ``path`` (see [Note: atomic
-    replacement of a file]); returns (temporary path, fd, direct)."""
+    replacement of a file]), O_DIRECT when ``direct`` and allowed; returns
+    (temporary path, fd, direct)."""
     directory, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, f"directory {directory!r} does not exist", path)
@@ -54,7 +55,10 @@ def create_temp_beside(path: str) -> Tuple[str, int, bool]:
     for _ in range(100):
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
         try:
-            fd, direct = open_direct(tmp, flags)
+            if direct:
+                fd, direct = open_direct(tmp, flags)
+            else:
+                fd = os.open(tmp, flags | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             continue
         return tmp, fd, direct

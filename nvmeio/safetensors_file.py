@@ -98,6 +98,11 @@ class SafetensorsWriter:
             written; a torch dtype or a safetensors code ("F32", "BF16", ...).
         metadata: ``{str: str}`` stored as ``__metadata__``.
         io: a :class:`~nvmeio.FastIO` to write through (default: a private one).
+        file: instead of ``path``/``io``, an open writer to write into (a
+            FastFileWriter or PlainFileWriter, owned from then on).
+        data_alignment: the header is padded with spaces so that the data
+            starts at a multiple of this (8 as the package does; 4096 keeps
+            the tensor data on O_DIRECT boundaries).
 
     ``write(name, tensor)`` in the declared order; ``copy_from(name, source,
     offset)`` takes a tensor's bytes from another file inside the kernel.
@@ -106,7 +111,8 @@ class SafetensorsWriter:
 
     def __init__(self, path, tensors: Mapping[str, Tuple[object, Sequence[int]]],
                  metadata: Optional[Mapping[str, str]] = None, *, io: Optional[FastIO] = None,
-                 buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True):
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True, file=None,
+                 data_alignment: int = 8):
         table = _dtype_table()
         codes = {v: k for k, v in table.items()}
         self._infos: List[TensorInfo] = []
@@ -134,11 +140,12 @@ class SafetensorsWriter:
             header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [info.begin, info.end]}
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the package writes it
+        raw += b" " * (-(8 + len(raw)) % max(8, data_alignment))  # JSON allows trailing spaces
         self.data_start = 8 + len(raw)
         self.data_bytes = offset
         self._next = 0
-        self._file = FastFileWriter(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
+        self._file = file if file is not None else FastFileWriter(
+            path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
         self.name = self._file.name
         self._file.write(struct.pack("<Q", len(raw)) + raw)
 
@@ -259,13 +266,19 @@ class SafetensorsReader:
     JSON, an unknown dtype, offsets out of range or overlapping, or a size
     that does not match the shape raise :class:`SafetensorsError` naming the
     file and the tensor. Tensor bytes are read through a
-    :class:`~nvmeio.FastFileReader` (O_DIRECT, read-ahead).
+    :class:`~nvmeio.FastFileReader` (O_DIRECT, read-ahead), or with
+    ``direct=False`` through the page cache (small scattered reads of many
+    files: no buffers to set up per file).
     """
 
     def __init__(self, path, *, io: Optional[FastIO] = None, buffer_size: int = DEFAULT_BUFFER_SIZE,
-                 double_buffer: bool = True):
-        self._file = FastFileReader(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
-        self.name = self._file.name
+                 double_buffer: bool = True, direct: bool = True):
+        if direct:
+            self._file = FastFileReader(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
+        else:
+            self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+            self._file.size = os.fstat(self._file.fileno()).st_size
+        self.name = os.fspath(path)
         try:
             size = self._file.size
             if size < 8:
@@ -308,11 +321,40 @@ class SafetensorsReader:
                              f"elements for {name!r}, got {out.dtype} {list(out.shape)} on {out.device}")
         if info.nbytes:
             self._file.seek(self.data_start + info.begin)
-            view = memoryview(_as_bytes(out))
-            got = self._file.readinto(view)
+            got = self._read_exact(memoryview(_as_bytes(out)))
             if got != info.nbytes:
                 raise SafetensorsError(f"{self.name}: tensor {name!r} is cut short ({got} of {info.nbytes} bytes)")
         return out
+
+    def read_range(self, name: str, start: int, stop: int, out=None):
+        """Elements ``[start, stop)`` of the flattened tensor ``name`` (only those bytes are read)."""
+        import torch
+
+        info = self.info(name)
+        numel = _numel(info.shape)
+        if not 0 <= start <= stop <= numel:
+            raise IndexError(f"{self.name}: elements [{start}, {stop}) are outside {name!r} of {numel} elements")
+        if out is None:
+            out = torch.empty(stop - start, dtype=info.dtype)
+        elif out.dtype != info.dtype or out.numel() != stop - start or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {info.dtype} tensor of {stop - start} elements")
+        if stop > start:
+            size = info.dtype.itemsize
+            self._file.seek(self.data_start + info.begin + start * size)
+            got = self._read_exact(memoryview(_as_bytes(out)))
+            if got != (stop - start) * size:
+                raise SafetensorsError(f"{self.name}: tensor {name!r} is cut short")
+        return out
+
+    def _read_exact(self, view: memoryview) -> int:
+        """readinto until full or end of file (a plain read() stops at 2 GiB)."""
+        done = 0
+        while done < len(view):
+            n = self._file.readinto(view[done:])
+            if not n:
+                break
+            done += n
+        return done
 
     def tensors(self) -> Iterable[Tuple[str, object]]:
         """(name, tensor) in file order, one tensor in memory at a time (for the caller to drop)."""

@@ -15,11 +15,13 @@ Buffers are sized from the registered sub-groups at first use.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
+from nvmeio.file_ops import copy_range
 
 from .aio_config import AioConfig
 from .async_swapper import AsyncTensorSwapper, SwapOutTicket
@@ -235,6 +237,73 @@ class PartitionedOptimizerSwapper(SwapperBase):
             self._wait(self._reads, None)
         if g.state is SubGroupState.AVAILABLE:
             self._evict(g)
+
+    # -- file to file (checkpoints) ----------------------------------------------------------
+    def stored_file(self, sub_group_id: int) -> Tuple[str, Dict[str, int]]:
+        """The swap file holding a sub-group's state, and the byte offset of each of its
+        tensors there (``"master"`` and the state names; ``numel * itemsize`` bytes each),
+        so that a checkpoint can copy them file to file.
+
+        The file is made current first: a read or write in flight completes, and a
+        sub-group held in host memory is written out (its buffer returns to the pool).
+        """
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.UNWRITTEN:
+            raise SwapStateError(f"sub-group {sub_group_id} was never initialized")
+        if g.state is SubGroupState.READING:
+            self._wait(self._reads, None)
+        if g.state is SubGroupState.AVAILABLE:
+            self._begin_write(g)
+        if g.state is SubGroupState.WRITING:
+            self._wait(self._writes, None)
+        return self.swap_dir.file(g.file_name), self._offsets(g.layout)
+
+    @property
+    def can_import(self) -> bool:
+        """Whether :meth:`import_state` may fill swap files (not with checksums on: the
+        copied bytes would have no recorded checksum)."""
+        return self._checksums is None
+
+    def import_state(self, sub_group_id: int, sources: Mapping[str, Tuple[str, int]]) -> None:
+        """Replaces a sub-group's state with bytes of other files, copied file to file in
+        the kernel (``copy_file_range``), never through host memory: ``sources`` maps
+        ``"master"`` and every state name to ``(path, byte offset)`` of its
+        ``numel * itemsize`` bytes (a checkpoint's tensor data)."""
+        g = self._group(sub_group_id)
+        wanted = {"master", *self.state_names}
+        if set(sources) != wanted:
+            raise ValueError(f"import_state needs sources for exactly {sorted(wanted)}, got {sorted(sources)}")
+        if not self.can_import:
+            raise SwapStateError("import_state is not available with checksums on; use initialize()")
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        if g.state is SubGroupState.AVAILABLE:
+            self._evict(g)  # the copy in host memory is replaced
+        self._check_space()
+        path = self.swap_dir.create(g.file_name)
+        offsets = self._offsets(g.layout)
+        dst = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for name, (src_path, src_offset) in sources.items():
+                src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    copy_range(src, dst, g.layout.tensor_bytes, src_offset, offsets[name])
+                finally:
+                    os.close(src)
+            if os.fstat(dst).st_size < g.layout.written_bytes:  # reads take the padding too
+                os.ftruncate(dst, g.layout.written_bytes)
+        except BaseException:
+            g.state = SubGroupState.UNWRITTEN  # the file is undefined now
+            raise
+        finally:
+            os.close(dst)
+        g.state = SubGroupState.ON_NVME
+        g.grad_ranges.clear()
+        g.grad_tickets.clear()
+
+    @staticmethod
+    def _offsets(layout: SubGroupLayout) -> Dict[str, int]:
+        return {"master": 0, **{n: layout.offset(1 + i) for i, n in enumerate(layout.state_names)}}
 
     def step(self, step_fn: StepFn, sub_group_ids: Optional[Sequence[int]] = None) -> StepStats:
         """For each sub-group in order: swap in, ``step_fn(sub_group_id, tensors)``, swap out.
