@@ -45,12 +45,18 @@ class FastIOStats:
     copy_seconds: float = 0.0
 
     def summary(self) -> str:
+        def size(n: int) -> str:
+            for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+                if n >= scale:
+                    return f"{n / scale:.2f} {unit}"
+            return f"{n} bytes"
+
         def rate(n: int, s: float) -> str:
-            return f"{n / s / (1 << 30):.2f} GiB/s" if s > 0 else "-"
-        return (f"wrote {self.files_written} files, {self.bytes_written / (1 << 30):.3f} GiB "
+            return f"{n / s / (1 << 30):.2f} GiB/s" if s > 0 and n else "-"
+        return (f"wrote {self.files_written} files, {size(self.bytes_written)} "
                 f"({rate(self.bytes_written, self.write_seconds)}); read {self.files_read} files, "
-                f"{self.bytes_read / (1 << 30):.3f} GiB ({rate(self.bytes_read, self.read_seconds)}); "
-                f"copied {self.bytes_copied / (1 << 30):.3f} GiB in the kernel "
+                f"{size(self.bytes_read)} ({rate(self.bytes_read, self.read_seconds)}); "
+                f"copied {size(self.bytes_copied)} file to file "
                 f"({rate(self.bytes_copied, self.copy_seconds)})")
 
 

@@ -26,6 +26,7 @@ import torch
 
 from .checkpoint_format import (BUFFERS, LATEST, META, ShardReader, engine_file, meta_dict, rank_dir,
                                 read_meta, resolve_tag, sub_group_file)
+from .checkpoint_io import CheckpointIO
 from .logging import log_rank0
 
 
@@ -92,6 +93,48 @@ def _master_of(engine, sg):
     return master, {}
 
 
+def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
+    """Each sub-group of this rank: copied from its swap file when it has one, else from memory."""
+    comm, parts = engine.comm, engine.parts
+    store = parts.optimizer_store
+    for sg in parts.rank_layout.sub_groups:
+        path = sub_group_file(partial, comm.rank, sg.index)
+        stored = store.stored_file(sg) if store is not None else None
+        if stored is not None:
+            cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored)
+        else:
+            master, states = _master_of(engine, sg)
+            cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
+            del master, states
+
+
+def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> None:
+    """Counters, optimizer settings, schedule, client state (every rank); meta and buffers (rank 0)."""
+    comm, parts = engine.comm, engine.parts
+    mine = rank_dir(partial, comm.rank)
+    state = {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "optimizer": engine.optimizer.hyper_state() if engine.optimizer is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "client_state": client_state,
+    }
+    cio.save_object(state, engine_file(partial, comm.rank))
+    _fsync_dir(mine)
+    if comm.rank == 0:
+        zc = engine.config.zero_optimization
+        meta = meta_dict(list(parts.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
+        meta["state_names"] = list(parts.optimizer_store.state_names) if parts.optimizer_store else []
+        with open(os.path.join(partial, META), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        buffers = {name: b.detach().cpu() for name, b in engine.module.named_buffers()}
+        cio.save_object(buffers, os.path.join(partial, BUFFERS))
+        _fsync_dir(partial)
+
+
 def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool) -> bool:
     comm, parts = engine.comm, engine.parts
     tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
@@ -105,32 +148,21 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dic
         os.makedirs(partial)
     comm.barrier()
 
-    mine = rank_dir(partial, comm.rank)
-    os.makedirs(mine, exist_ok=True)
-    for sg in parts.rank_layout.sub_groups:
-        master, states = _master_of(engine, sg)
-        _save({"master": master, **states}, sub_group_file(partial, comm.rank, sg.index))
-    state = {
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps,
-        "optimizer": engine.optimizer.hyper_state() if engine.optimizer is not None else None,
-        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "client_state": client_state,
-    }
-    _save(state, engine_file(partial, comm.rank))
-    _fsync_dir(mine)
-    if comm.rank == 0:
-        zc = engine.config.zero_optimization
-        meta = meta_dict(list(parts.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
-        meta["state_names"] = list(parts.optimizer_store.state_names) if parts.optimizer_store else []
-        with open(os.path.join(partial, META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        buffers = {name: b.detach().cpu() for name, b in engine.module.named_buffers()}
-        _save(buffers, os.path.join(partial, BUFFERS))
-        _fsync_dir(partial)
+    os.makedirs(rank_dir(partial, comm.rank), exist_ok=True)
+    cio = CheckpointIO(engine.config.checkpoint.writer)
+    try:
+        _save_shards(engine, cio, partial)
+        _save_rest(engine, cio, partial, client_state)
+    except BaseException as exc:
+        # Free what this save wrote (a full disk most of all); the checkpoints saved before stay.
+        shutil.rmtree(partial if comm.rank == 0 else rank_dir(partial, comm.rank), ignore_errors=True)
+        if isinstance(exc, OSError):
+            exc.add_note(f"saving checkpoint {tag!r} into {save_dir} failed on rank {comm.rank}; what it had "
+                         f"written is removed and the checkpoints saved before are untouched (latest: "
+                         f"{resolve_tag(save_dir, None)!r})")
+        raise
+    finally:
+        cio.close("saved", comm.rank)
     comm.barrier()
 
     if comm.rank == 0:
@@ -160,6 +192,42 @@ def _check_same_model(meta: dict, engine) -> None:
         raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
 
 
+def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_states: bool) -> torch.Tensor:
+    """A sub-group from this rank's own shard file (same layout): the optimizer state is
+    copied file to file into the store's swap file where it has one; returns the master."""
+    store = engine.parts.optimizer_store
+    path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
+    with cio.shard_reader(path) as shard:
+        for k in keys:
+            numel = shard.info(k).shape[0] if shard.info(k).shape else 1
+            if numel != sg.numel:
+                raise ValueError(f"checkpoint shard {path}: {k!r} holds {numel} elements, sub-group "
+                                 f"{sg.index} has {sg.numel}")
+        imported = load_states and store.import_state(
+            sg, {k: (path, shard.data_start + shard.info(k).begin) for k in keys})
+        master = shard.get_tensor("master")
+        if store is not None and not imported:
+            store.load(sg, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
+    return master
+
+
+def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
+    """A sub-group gathered element range by element range from any rank's shards."""
+    comm, layout, store = engine.comm, engine.parts.rank_layout, engine.parts.optimizer_store
+    values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
+    for index in sg.units:
+        unit = layout.units[index]
+        start, stop = layout.unit_range(index)
+        first = unit.shard_start(comm.rank)
+        for k in keys:
+            values[k][start - sg.start:stop - sg.start].copy_(
+                reader.read(index, first, first + unit.shard_numel, k))
+    master = values.pop("master")
+    if store is not None:
+        store.load(sg, master, values if load_states else None)
+    return master
+
+
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> Tuple[Optional[str], Optional[dict]]:
     comm, parts = engine.comm, engine.parts
@@ -171,38 +239,37 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     checkpoint = os.path.join(load_dir, tag)
     meta = read_meta(checkpoint)
     _check_same_model(meta, engine)
-    reader = ShardReader(checkpoint, meta)
     same_layout = meta["world_size"] == comm.world_size
+    # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
+    own_shards = same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
     store = parts.optimizer_store
     layout = parts.rank_layout
-    with torch.no_grad():
-        for sg in layout.sub_groups:
-            saved_states = meta.get("state_names", [])
-            load_states = (store is not None and load_optimizer_states
-                           and set(store.state_names) <= set(saved_states))
-            keys = ["master"] + (list(store.state_names) if load_states else [])
-            values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
-            for index in sg.units:
-                unit = layout.units[index]
-                start, stop = layout.unit_range(index)
-                first = unit.shard_start(comm.rank)
-                for k in keys:
-                    values[k][start - sg.start:stop - sg.start].copy_(
-                        reader.read(index, first, first + unit.shard_numel, k))
-            master = values.pop("master")
-            if store is not None:
-                store.load(sg, master, values if load_states else None)
-            for index in sg.units:
-                start, stop = layout.unit_range(index)
-                parts.param_store.write(layout.units[index], master[start - sg.start:stop - sg.start])
-        parts.param_store.flush()
-    reader.close()
-    parts.coordinator.release_all()
-    if parts.reducer is not None:
-        parts.reducer.clear()
+    saved_states = meta.get("state_names", [])
+    load_states = (store is not None and load_optimizer_states
+                   and set(store.state_names) <= set(saved_states))
+    keys = ["master"] + (list(store.state_names) if load_states else [])
+    reader = ShardReader(checkpoint, meta)
+    cio = CheckpointIO(engine.config.checkpoint.writer)
+    try:
+        with torch.no_grad():
+            for sg in layout.sub_groups:
+                if own_shards:
+                    master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states)
+                else:
+                    master = _load_resharded(engine, reader, sg, keys, load_states)
+                for index in sg.units:
+                    start, stop = layout.unit_range(index)
+                    parts.param_store.write(layout.units[index], master[start - sg.start:stop - sg.start])
+            parts.param_store.flush()
+        parts.coordinator.release_all()
+        if parts.reducer is not None:
+            parts.reducer.clear()
 
-    state = torch.load(engine_file(checkpoint, comm.rank if same_layout else 0), map_location="cpu",
-                       weights_only=False)
+        state = cio.load_object(engine_file(checkpoint, comm.rank if same_layout else 0), weights_only=False)
+        buffers = cio.load_object(os.path.join(checkpoint, BUFFERS), weights_only=True)
+    finally:
+        reader.close()
+        cio.close("loaded", comm.rank)
     engine.global_steps = state["global_steps"]
     engine.global_samples = state["global_samples"]
     engine.micro_steps = state["micro_steps"]
@@ -210,7 +277,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         engine.optimizer.load_hyper_state(state["optimizer"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    buffers = torch.load(os.path.join(checkpoint, BUFFERS), map_location="cpu", weights_only=True)
     for name, b in engine.module.named_buffers():
         if name in buffers:
             b.copy_(buffers[name])

@@ -6,18 +6,19 @@
 <save_dir>/<tag>/buffers.pt            the module's buffers (rank 0)
 <save_dir>/<tag>/rank00001/engine.pt   step counters, optimizer settings, loss scaler, LR schedule,
                                        client state (one per rank)
-<save_dir>/<tag>/rank00001/subgroup00003.pt
+<save_dir>/<tag>/rank00001/subgroup00003.safetensors
                                        one sub-group of that rank: fp32 "master" and the optimizer
                                        states ("exp_avg", "exp_avg_sq"), each the sub-group's range
-                                       of the rank's flat space (partition.py)
+                                       of the rank's flat space (partition.py); safetensors, data
+                                       on a 4096-byte boundary (checkpoint_io.py)
 ```
 
 Rank layouts are a pure function of the units, the world size and
 ``sub_group_size`` (partition.py), so ``zero_meta.json`` holds only those and
 :class:`ShardReader` can find any element of any parameter: that is what lets
 ``zero_to_fp32`` rebuild full parameters one at a time, and a checkpoint
-saved on N ranks be loaded on M. Files are read memory-mapped, so only the
-bytes asked for are ever read.
+saved on N ranks be loaded on M. Only the bytes asked for are ever read
+(through the page cache: scattered ranges of many files).
 """
 from __future__ import annotations
 
@@ -27,9 +28,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from nvmeio import SafetensorsReader
+
 from .partition import RankLayout, UnitLayout, build_rank_layout, build_unit_layout
 
-FORMAT = "nvmeio-zero3/1"
+FORMAT = "nvmeio-zero3/2"  # 2: sub-group shards are safetensors
 META = "zero_meta.json"
 BUFFERS = "buffers.pt"
 LATEST = "latest"
@@ -40,7 +43,7 @@ def rank_dir(checkpoint: str, rank: int) -> str:
 
 
 def sub_group_file(checkpoint: str, rank: int, index: int) -> str:
-    return os.path.join(rank_dir(checkpoint, rank), f"subgroup{index:05d}.pt")
+    return os.path.join(rank_dir(checkpoint, rank), f"subgroup{index:05d}.safetensors")
 
 
 def engine_file(checkpoint: str, rank: int) -> str:
@@ -96,20 +99,20 @@ class ShardReader:
         self.units = units_from_meta(self.meta)
         self.world_size = self.meta["world_size"]
         self._layouts: Dict[int, RankLayout] = {}
-        self._files: Dict[Tuple[int, int], dict] = {}
+        self._files: Dict[Tuple[int, int], SafetensorsReader] = {}
 
     def rank_layout(self, rank: int) -> RankLayout:
         if rank not in self._layouts:
             self._layouts[rank] = build_rank_layout(self.units, rank, self.meta["sub_group_size"])
         return self._layouts[rank]
 
-    def _file(self, rank: int, index: int) -> dict:
+    def _file(self, rank: int, index: int) -> SafetensorsReader:
         key = (rank, index)
         if key not in self._files:
             path = sub_group_file(self.checkpoint, rank, index)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint {self.checkpoint} is incomplete: {path} is missing")
-            self._files[key] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self._files[key] = SafetensorsReader(path, direct=False)
         return self._files[key]
 
     def read(self, unit_index: int, start: int, stop: int, key: str = "master") -> torch.Tensor:
@@ -128,14 +131,16 @@ class ShardReader:
             layout = self.rank_layout(rank)
             sg = layout.sub_group_of(unit_index)
             base = layout.offsets[unit_index] - sg.start
-            values = self._file(rank, sg.index)
-            if key not in values:
+            part = self._file(rank, sg.index)
+            if key not in part.keys():
                 raise KeyError(f"checkpoint {self.checkpoint} holds no {key!r} (saved without an optimizer?)")
-            out[a - start:b - start].copy_(values[key][base + a - lo:base + b - lo])
+            part.read_range(key, base + a - lo, base + b - lo, out=out[a - start:b - start])
         return out
 
     def param_names(self) -> List[str]:
         return [name for u in self.units for s in u.slots for name in s.names]
 
     def close(self) -> None:
+        for shard in self._files.values():
+            shard.close()
         self._files.clear()

@@ -70,6 +70,16 @@ class OptimizerStore(abc.ABC):
         """Replace one sub-group's master and, unless ``states`` is None, its states."""
         ...
 
+    def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
+        """(swap file, byte offset of "master" and each state) when the sub-group's
+        state lives in a file that a checkpoint can copy file to file; else None."""
+        return None
+
+    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> bool:
+        """Fill the sub-group from (path, offset) of each tensor's bytes, file to file;
+        False when this store cannot (the caller then uses :meth:`load`)."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -209,6 +219,21 @@ class NvmeOptimizerStore(OptimizerStore):
         tensors = self.swapper.swap_in(sub_group.index)
         tensors.master.copy_(master)
         self.swapper.swap_out(sub_group.index)
+
+    def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
+        if not sub_group.numel:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return self.swapper.stored_file(sub_group.index)
+        finally:
+            self.io_seconds += time.perf_counter() - t0
+
+    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> bool:
+        if not sub_group.numel or not self.swapper.can_import:
+            return False
+        self.swapper.import_state(sub_group.index, sources)
+        return True
 
     @property
     def swap_dir(self) -> str:

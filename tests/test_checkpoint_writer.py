@@ -1,0 +1,209 @@
+"""How engine checkpoints move their bytes (``checkpoint.writer``): fast and python
+writers give the same checkpoint, NVMe-resident optimizer state is copied file to
+file, shards are safetensors, config errors are clear, a full disk or a killed
+save leaves the previous checkpoint loadable."""
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+import zero
+from zero.config import ConfigError
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, file_bytes, train_engine
+
+CFG = GPTConfig()
+
+
+def make_engine(tmp_path, offload="nvme", writer=None, seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    config = base_config(offload, offload, tmp_path / "swap", lr=1e-2)
+    if writer is not None:
+        config["checkpoint"] = {"writer": writer}
+    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    return engine, model
+
+
+def gathered(model):
+    with zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def checkpoint_files(root):
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = file_bytes(p)
+    return out
+
+
+@pytest.mark.parametrize("writer", [
+    {"type": "mock"}, {"decoupled": True}, {"io_multiplier": 4}, {"type": "fsat"}, {"io_bufer_size": 1},
+    {"io_buffer_size": 100}, {"data_parallel": "rack"}])
+def test_writer_config_errors_are_clear(tmp_path, writer):
+    config = base_config()
+    config["checkpoint"] = {"writer": writer}
+    key, value = next(iter(writer.items()))
+    expected = {"mock": "'mock' writes nothing", "decoupled": "decoupled .* is not supported",
+                "io_multiplier": "nvmeio writes each byte once", "fsat": "did you mean 'fast'",
+                "io_bufer_size": "did you mean 'io_buffer_size'", "io_buffer_size": "at least 4096",
+                "data_parallel": "supported: replica, socket, machine"}
+    with pytest.raises(ConfigError, match=expected.get(value if isinstance(value, str) and value in expected
+                                                       else key)) as e:
+        zero.initialize(model=GPT(CFG), config=config)
+    assert f"checkpoint.writer.{key}" in str(e.value)
+
+
+def test_writer_config_accepts_deepspeeds_keys():
+    config = base_config()
+    config["checkpoint"] = {"writer": {"type": "FAST", "decoupled": False, "io_buffer_size": 64e6,
+                                       "io_buffer_double": False, "show_statistics": True,
+                                       "data_parallel": "replica", "io_multiplier": 1}}
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    w = engine.config.checkpoint.writer
+    assert (w.type, w.io_buffer_size, w.io_buffer_double, w.data_parallel) == ("fast", 64_000_000, False, "replica")
+    engine.destroy()
+
+
+@pytest.mark.parametrize("offload", ["nvme", "cpu"])
+def test_fast_and_python_writers_write_the_same_checkpoint(tmp_path, offload, caplog):
+    trees = {}
+    for kind in ("fast", "python"):
+        engine, _ = make_engine(tmp_path / kind, offload, {"type": kind, "io_buffer_size": 8192,
+                                                           "show_statistics": True})
+        train_engine(engine, make_batches(CFG, 2, 4), 2)
+        with caplog.at_level(logging.INFO, logger="zero"):
+            engine.save_checkpoint(tmp_path / kind / "ckpt")
+        engine.destroy()
+        trees[kind] = checkpoint_files(tmp_path / kind / "ckpt")
+        stats = [r.getMessage() for r in caplog.records if "checkpoint.writer" in r.getMessage()]
+        assert stats and f"saved (checkpoint.writer {kind})" in stats[-1]
+        if offload == "nvme":  # optimizer state moved from its swap file inside the kernel
+            assert "copied 0 bytes" not in stats[-1] and "copied" in stats[-1]
+        caplog.clear()
+    assert trees["fast"].keys() == trees["python"].keys()
+    for name in trees["fast"]:
+        if name.endswith(".safetensors"):
+            assert trees["fast"][name] == trees["python"][name], name
+
+
+def test_shards_are_safetensors_with_master_and_states(tmp_path):
+    engine, model = make_engine(tmp_path, "nvme")
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    layout = engine.parts.rank_layout
+    for sg in layout.sub_groups:
+        shard = safetensors.torch.load_file(str(tmp_path / "ckpt" / "t" / "rank00000" / f"subgroup{sg.index:05d}.safetensors"))
+        assert set(shard) == {"master", "exp_avg", "exp_avg_sq"}
+        assert all(t.shape == (sg.numel,) and t.dtype == torch.float32 for t in shard.values())
+        master, states = engine.parts.optimizer_store.read(sg)
+        assert torch.equal(shard["master"], master) and torch.equal(shard["exp_avg_sq"], states["exp_avg_sq"])
+    engine.destroy()
+
+
+@pytest.mark.parametrize("offload", ["nvme", "cpu"])
+@pytest.mark.parametrize("writer", ["fast", "python"])
+def test_resume_is_bit_identical(tmp_path, offload, writer):
+    batches = make_batches(CFG, 4, 4)
+    engine, _ = make_engine(tmp_path / "a", offload, {"type": writer, "io_buffer_size": 8192})
+    train_engine(engine, batches[:2], 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    reference = train_engine(engine, batches[2:], 2)
+    engine.destroy()
+    resumed, _ = make_engine(tmp_path / "b", offload, {"type": writer, "io_buffer_double": False}, seed=1)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    assert train_engine(resumed, batches[2:], 2) == reference
+    resumed.destroy()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    def mount(size_bytes):
+        mnt = tmp_path / "tiny"
+        mnt.mkdir()
+        if os.geteuid() != 0 or subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mnt)],
+                capture_output=True).returncode != 0:
+            pytest.skip("needs permission to mount a small tmpfs (root, not in an unprivileged container)")
+        mounted.append(mnt)
+        return mnt
+    mounted = []
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, small_tmpfs):
+    engine, model = make_engine(tmp_path, "nvme")
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    engine.save_checkpoint(tmp_path / "probe")
+    size = sum(len(b) for b in checkpoint_files(tmp_path / "probe").values())
+    mnt = small_tmpfs(int(size * 1.5) // 4096 * 4096)  # room for one checkpoint, not two
+    engine.save_checkpoint(mnt)
+    first = gathered(model)
+    before = checkpoint_files(mnt)
+    train_engine(engine, make_batches(CFG, 2, 4)[1:], 1)
+    with pytest.raises(OSError) as e:
+        engine.save_checkpoint(mnt)
+    assert e.value.errno == 28 and "space" in str(e.value).lower()
+    assert any("checkpoints saved before are untouched (latest: 'global_step1')" in n
+               for n in getattr(e.value, "__notes__", []))
+    assert checkpoint_files(mnt) == before  # nothing of the failed save is left
+    assert (mnt / "latest").read_text() == "global_step1"
+    engine.load_checkpoint(mnt)
+    assert all(torch.equal(first[n], v) for n, v in gathered(model).items())
+    engine.destroy()
+
+
+CHILD = r"""
+import sys, torch, zero
+from zero.examples import GPT, GPTConfig, make_batches
+sys.path.insert(0, sys.argv[3])
+from helpers import base_config, train_engine
+torch.manual_seed(0)
+config = base_config("nvme", "nvme", sys.argv[2], lr=1e-2)
+engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+batches = make_batches(GPTConfig(), 2, 4)
+train_engine(engine, batches[:1], 1)
+engine.save_checkpoint(sys.argv[1])
+train_engine(engine, batches[1:], 1)
+print("ready", flush=True)
+for i in range(1000):
+    engine.save_checkpoint(sys.argv[1], tag=f"again{i % 2}")
+"""
+
+
+def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
+    engine, model = make_engine(tmp_path / "ref", "nvme")
+    batches = make_batches(CFG, 2, 4)
+    train_engine(engine, batches[:1], 1)
+    step1 = gathered(model)
+    train_engine(engine, batches[1:], 1)
+    step2 = gathered(model)
+    rng = random.Random(11)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    for attempt in range(3):
+        ckpt, swap = tmp_path / f"ckpt{attempt}", tmp_path / f"swap{attempt}"
+        swap.mkdir()
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(swap), tests_dir],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        time.sleep(rng.uniform(0.0, 0.6))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        tag = (ckpt / "latest").read_text()
+        engine.load_checkpoint(ckpt)  # whatever latest names is complete
+        expected = step1 if tag == "global_step1" else step2
+        assert all(torch.equal(expected[n], v) for n, v in gathered(model).items()), tag
+    engine.destroy()
