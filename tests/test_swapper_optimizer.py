@@ -166,3 +166,31 @@ def test_uninitialized_sub_groups_cannot_be_stepped(make):
         s.step(lambda sg, t: None)
     with pytest.raises(ValueError, match="registered already"):
         s.register_sub_group(0, 4)
+
+
+def test_stored_file_and_import_state_move_bytes_file_to_file(make, tmp_path):
+    s = make()
+    n = 4097
+    s.register_sub_group(0, n)
+    master, m, v = _randn(n, 1), _randn(n, 2), _randn(n, 3).abs()
+    s.initialize(0, master, {"exp_avg": m, "exp_avg_sq": v})
+    t = s.swap_in(0)
+    t.master.add_(1.0)  # held in memory, changed: stored_file writes it out first
+    path, offsets = s.stored_file(0)
+    assert s.state(0) is SubGroupState.ON_NVME and set(offsets) == {"master", "exp_avg", "exp_avg_sq"}
+    raw = open(path, "rb").read()
+    for name, want in (("master", master + 1.0), ("exp_avg", m), ("exp_avg_sq", v)):
+        got = torch.frombuffer(bytearray(raw[offsets[name]:offsets[name] + 4 * n]), dtype=torch.float32)
+        assert torch.equal(got, want), name
+
+    source = tmp_path / "elsewhere.bin"  # e.g. a checkpoint shard: tensors back to back, unaligned
+    new = [_randn(n, 10 + i) for i in range(3)]
+    source.write_bytes(b"x" * 13 + b"".join(t.numpy().tobytes() for t in new))
+    s.import_state(0, {name: (str(source), 13 + 4 * n * i)
+                       for i, name in enumerate(("master", "exp_avg", "exp_avg_sq"))})
+    t = s.swap_in(0)
+    assert torch.equal(t.master, new[0]) and torch.equal(t.exp_avg, new[1]) and torch.equal(t.exp_avg_sq, new[2])
+    s.release(0)
+    with pytest.raises(ValueError, match="exactly"):
+        s.import_state(0, {"master": (str(source), 0)})
+    source.unlink()
