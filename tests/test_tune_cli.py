@@ -428,3 +428,23 @@ def test_help_lists_the_ds_nvme_tune_options_and_ours():
                    "--gpu", "--gds", "--flush_page_cache", "--log_dir", "--loops", "--verbose",
                    "--backend", "--budget", "--json", "--plot", "--search"):
         assert option in r.stdout
+
+
+def test_the_sweep_files_are_created_exclusively_never_through_a_symlink(tmp_path, monkeypatch):
+    # nvme_dir may be shared: a symlink planted at the name (here: a guessed
+    # one) makes the sweep refuse to start instead of writing through it.
+    from nvmeio.tune import measure
+
+    monkeypatch.setattr(measure.secrets, "token_hex", lambda n: "guessed")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / f"nvme_tune.{os.getpid()}.0.guessed.tmp").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        with measure.Workload([str(tmp_path)], 1 << 20, read=False):
+            pass
+    assert victim.read_bytes() == b"precious"
+    monkeypatch.undo()
+    with measure.Workload([str(tmp_path)], 1 << 20, read=False) as w:
+        (name,) = w.names
+        assert os.path.getsize(name) == 1 << 20 and not os.path.islink(name)
+    assert not os.path.exists(name)

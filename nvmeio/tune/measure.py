@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import time
 import warnings
 from dataclasses import dataclass
@@ -152,8 +153,12 @@ class Workload:
         self.gds = gds
         self.page_cache = page_cache or PageCache(False)
         self.buffered = bool(buffered_dirs)
-        self.paths = [os.path.join(d, f"nvme_tune.{os.getpid()}.{i}.tmp")
-                      for i, d in enumerate(self.dirs)]
+        # The files the sweep writes and reads: created exclusively, never
+        # through a symlink planted at the name (nvme_dir may be shared), and
+        # then reached only through their descriptors (/proc/self/fd/N).
+        self.names: list[str] = []
+        self._fds: list[int] = []
+        self.paths: list[str] = []
         self.notes: list[str] = []
         self._buffer: Any = None
         self._parts: list[Any] = []
@@ -176,13 +181,16 @@ class Workload:
 
     def close(self) -> None:
         self._drain()
-        for p in self.paths:
+        for p in self.names:
             try:
                 os.unlink(p)
             except FileNotFoundError:
                 pass
             except OSError as e:
                 self.notes.append(f"could not remove {p}: {e.strerror}")
+        for fd in self._fds:
+            os.close(fd)
+        self.names, self._fds, self.paths = [], [], []
         if self._buffer is not None and self._allocator is not None:
             try:
                 if self.gds:
@@ -238,6 +246,13 @@ class Workload:
 
     def _prepare_files(self) -> None:
         """Writes every file once, untimed (see [Note: striping, and what a timing covers])."""
+        for i, d in enumerate(self.dirs):
+            name = os.path.join(d, f"nvme_tune.{os.getpid()}.{i}.{secrets.token_hex(4)}.tmp")
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC,
+                         0o600)
+            self.names.append(name)
+            self._fds.append(fd)
+            self.paths.append(f"/proc/self/fd/{fd}")
         h = self._make_handle(None)
         self._active = h
         with _quiet_buffered_warning():
