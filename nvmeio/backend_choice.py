@@ -57,14 +57,17 @@ def measure_backends(directory: str | None = None, rounds: int = 5) -> dict[str,
     directory = directory or os.environ.get("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
     buf = memoryview(_native.LockedBuffer(_BIG, True))
     times: dict[str, list[float]] = {b: [] for b in backends}
-    fd, path = tempfile.mkstemp(prefix=".nvmeio-probe-", dir=directory)
-    os.close(fd)
+    # Created exclusively with a random name, then reached only through its
+    # descriptor: nothing planted in a shared directory can redirect the probe.
+    fd, name = tempfile.mkstemp(prefix=".nvmeio-probe-", dir=directory)
+    path = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else name
     try:
         for r in range(rounds):
             for b in (backends if r % 2 == 0 else backends[::-1]):
                 times[b].append(_one_round(b, path, buf))
     finally:
-        os.unlink(path)
+        os.close(fd)
+        os.unlink(name)
     return {b: statistics.median(t) for b, t in times.items()}
 
 
