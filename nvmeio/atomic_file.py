@@ -33,7 +33,8 @@ import os
 import secrets
 from typing import Iterator, Optional
 
-__all__ = ["TempFile", "create_temp_beside", "replacing", "write_atomically", "fsync_directory"]
+__all__ = ["TempFile", "create_temp_beside", "replacing", "write_atomically", "fsync_directory",
+           "exchange"]
 
 _HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
 # File systems without O_TMPFILE answer with one of these.
@@ -192,3 +193,31 @@ def fsync_directory(directory: "str | os.PathLike[str]") -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: "str | os.PathLike[str]", b: "str | os.PathLike[str]") -> bool:
+    """Swaps the names ``a`` and ``b`` (files or directories) in one atomic step:
+    ``renameat2(RENAME_EXCHANGE)``, Linux 3.15+. At every instant both names
+    exist. Returns False, changing nothing, where the kernel, the C library or
+    the file system cannot do it (NFS, old kernels)."""
+    import ctypes
+
+    a, b = os.fsencode(a), os.fsencode(b)
+    if b"\0" in a or b"\0" in b:
+        raise ValueError(f"path contains a NUL byte: {a!r} / {b!r}")
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, a, _AT_FDCWD, b, _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), os.fsdecode(a), None, os.fsdecode(b))

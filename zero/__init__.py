@@ -19,6 +19,9 @@ from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
 _LAZY = {
     "initialize": "initialize",
     "ZeroEngine": "engine",
+    "EngineStateError": "engine",
+    "CheckpointTagError": "checkpoint_format",
+    "UnsafeCheckpointError": "checkpoint_format",
     "Init": "init_context",
     "GatheredParameters": "gathered",
     "load_pretrained": "pretrained",

@@ -1,14 +1,30 @@
 """save_checkpoint / load_checkpoint / save_16bit_model for a ZeroEngine.
 
 [Note: a checkpoint becomes visible only when complete]
-Every rank writes into ``<save_dir>/.<tag>.partial/``; after a barrier rank 0
-renames that directory to ``<tag>`` (an existing ``<tag>`` is moved aside
-first and deleted after) and only then rewrites ``latest``, itself through a
-temporary file and a rename. Each file is fsynced before the rename. A crash
+Every rank writes into ``<save_dir>/.<tag>.partial-<random>/`` (made by rank 0,
+exclusively, and its name broadcast); after a barrier rank 0 publishes it as
+``<tag>`` and only then rewrites ``latest`` (an exclusive temporary file,
+renamed: nvmeio.atomic_file). Each file is fsynced before the rename. A crash
 at any point therefore leaves ``latest`` naming the previous complete
-checkpoint; the partial directory is ignored by loads and removed by the next
-save (which assumes one job saves into a directory at a time). Re-saving a tag never mixes old and new shards (a checkpoint saved
+checkpoint. Re-saving an existing tag swaps the two directories in one step
+(``renameat2(RENAME_EXCHANGE)``), so ``<tag>`` always names a complete copy;
+where the file system cannot exchange, the old copy is renamed to
+``.<tag>.old-<random>`` first, a load finds it there if a crash came between
+the two renames, and the next save renames it back rather than deleting it:
+no step ever deletes the only complete copy of a tag. Partial directories
+are removed by the next save (which assumes one job saves into a directory
+at a time). Re-saving a tag never mixes old and new shards (a checkpoint saved
 again with another world size has no stale rank files).
+
+Files are created exclusively (never through a planted symlink, see
+checkpoint_io.py) with mode ``checkpoint.file_mode`` (0600) and directories
+with the same bits plus search (0700): model state is the user's data.
+
+A load checks everything first (the tag, the model, every file it will read,
+the counters) and changes the engine only when all of it is there: a
+missing or damaged file leaves weights and counters untouched. An I/O error
+while the checked state is written into the stores leaves the engine
+refusing to run until a checkpoint is loaded again.
 
 NVMe-resident state is part of the checkpoint: each sub-group is read back
 from its swap file (one at a time, so saving needs one sub-group of host
@@ -16,50 +32,85 @@ memory) and written out with the rest.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
+import secrets
 import shutil
+import tempfile
 from typing import Optional, Tuple
 
 import torch
 
-from .checkpoint_format import (BUFFERS, LATEST, META, ShardReader, engine_file, meta_dict, rank_dir,
-                                read_meta, resolve_tag, sub_group_file)
+from nvmeio import SafetensorsReader
+from nvmeio.atomic_file import exchange, fsync_directory, replacing, write_atomically
+
+from .checkpoint_format import (BUFFERS, LATEST, META, OLD_COPY, ShardReader, check_tag, checkpoint_path,
+                                engine_file, meta_dict, rank_dir, read_meta, resolve_tag, sub_group_file,
+                                unsafe_error)
 from .checkpoint_io import CheckpointIO
 from .logging import log_rank0
 
+_PARTIAL = ".partial-"  # in ".<tag>.partial-<random>": a save in progress (or one that died)
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+
+def _create(path: str, mode: int):
+    """A new file, created exclusively (an existing file or symlink is refused), ``mode`` exactly."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        os.fsync(fd)
-    finally:
+        os.fchmod(fd, mode)
+        return os.fdopen(fd, "wb")
+    except BaseException:
         os.close(fd)
+        raise
 
 
-def _save(obj, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _make_dir(path: str, mode: int) -> None:
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise
+    os.chmod(path, mode)
 
 
-def _write_text_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+def _remove_leftovers(save_dir: str) -> None:
+    """Partial directories of saves that died go; a complete copy moved aside by a re-save cut
+    between its renames is renamed back to its tag when the tag is missing, else deleted."""
+    entries = sorted(os.listdir(save_dir), key=lambda e: -os.lstat(os.path.join(save_dir, e)).st_mtime)
+    for entry in entries:
+        path = os.path.join(save_dir, entry)
+        if not entry.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if _PARTIAL in entry or entry.endswith(".partial"):
+            shutil.rmtree(path, ignore_errors=True)
+        elif OLD_COPY in entry:
+            tag = entry[1:entry.rindex(OLD_COPY)]
+            if os.path.isdir(os.path.join(save_dir, tag)):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.rename(path, os.path.join(save_dir, tag))  # the newest moved-aside copy comes first
+                fsync_directory(save_dir)
 
 
-def _check_tag(tag: str) -> str:
-    tag = str(tag)
-    if not tag or tag.startswith(".") or "/" in tag or tag == LATEST:
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain name, not starting with '.' nor 'latest'")
-    return tag
+def _publish(save_dir: str, partial: str, tag: str) -> None:
+    """Make the complete ``partial`` the directory of ``tag`` (see the [Note] above)."""
+    final = os.path.join(save_dir, tag)
+    if not os.path.lexists(final):
+        os.rename(partial, final)
+        fsync_directory(save_dir)
+        return
+    if exchange(partial, final):  # final is the new copy, partial the old one
+        fsync_directory(save_dir)
+        shutil.rmtree(partial)
+        return
+    old = os.path.join(save_dir, f".{tag}{OLD_COPY}{secrets.token_hex(4)}")
+    os.rename(final, old)
+    os.rename(partial, final)  # a crash just before: checkpoint_path() finds the copy at `old`
+    fsync_directory(save_dir)
+    shutil.rmtree(old)
 
 
 def _agreed_tag(engine, tag: str) -> str:
@@ -76,6 +127,24 @@ def _agreed_tag(engine, tag: str) -> str:
         logging.getLogger("zero").warning("rank %d saves checkpoint tag %r but rank 0 saves %r; using rank 0's",
                                           comm.rank, tag, first)
     return first
+
+
+def _check_loadable(client_state: dict) -> None:
+    """Warn at save time when ``client_state`` holds types a load (weights_only) will refuse."""
+    if not client_state:
+        return
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [l.strip() for l in str(error).splitlines() if "GLOBAL" in l or "Unsupported" in l]
+        logging.getLogger("zero").warning(
+            "client_state holds types that load_checkpoint refuses by default (%s): checkpoints are loaded "
+            "with weights_only=True so that they cannot run code; store plain types, or call "
+            "torch.serialization.add_safe_globals([...]) with your types before loading",
+            lines[0] if lines else "not tensors and plain containers")
 
 
 def _master_of(engine, sg):
@@ -121,34 +190,52 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> N
         "client_state": client_state,
     }
     cio.save_object(state, engine_file(partial, comm.rank))
-    _fsync_dir(mine)
+    file_mode = engine.config.checkpoint.file_mode
+    _set_file_modes(mine, file_mode)
+    fsync_directory(mine)
     if comm.rank == 0:
         zc = engine.config.zero_optimization
         meta = meta_dict(list(parts.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
         meta["state_names"] = list(parts.optimizer_store.state_names) if parts.optimizer_store else []
-        with open(os.path.join(partial, META), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
+        with _create(os.path.join(partial, META), file_mode) as f:
+            f.write(json.dumps(meta, indent=1).encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
         buffers = {name: b.detach().cpu() for name, b in engine.module.named_buffers()}
         cio.save_object(buffers, os.path.join(partial, BUFFERS))
-        _fsync_dir(partial)
+        _set_file_modes(partial, file_mode)
+        fsync_directory(partial)
+
+
+def _set_file_modes(directory: str, mode: int) -> None:
+    """The writers create files 0600; another ``checkpoint.file_mode`` is set once they are written."""
+    if mode == 0o600:
+        return
+    for entry in os.scandir(directory):
+        if entry.is_file(follow_symlinks=False):
+            os.chmod(entry.path, mode)
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool) -> bool:
     comm, parts = engine.comm, engine.parts
-    tag = _check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     tag = _agreed_tag(engine, tag)
-    partial = os.path.join(save_dir, f".{tag}.partial")
+    file_mode, dir_mode = engine.config.checkpoint.file_mode, engine.config.checkpoint.dir_mode
+    _check_loadable(client_state)
+    name = None
     if comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        for entry in os.listdir(save_dir):  # left by saves that died
-            if entry.startswith(".") and (entry.endswith(".partial") or ".old-" in entry):
-                shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
-        os.makedirs(partial)
+        final = os.path.join(save_dir, tag)
+        if os.path.lexists(final) and (os.path.islink(final) or not os.path.isdir(final)):
+            raise FileExistsError(f"cannot save checkpoint {tag!r}: {final} exists and is not a checkpoint "
+                                  f"directory")
+        os.makedirs(save_dir, mode=dir_mode, exist_ok=True)
+        _remove_leftovers(save_dir)
+        name = os.path.basename(tempfile.mkdtemp(prefix=f".{tag}{_PARTIAL}", dir=save_dir))
+        os.chmod(os.path.join(save_dir, name), dir_mode)
+    partial = os.path.join(save_dir, comm.broadcast_object(name, 0))
     comm.barrier()
 
-    os.makedirs(rank_dir(partial, comm.rank), exist_ok=True)
+    _make_dir(rank_dir(partial, comm.rank), dir_mode)
     cio = CheckpointIO(engine.config.checkpoint.writer)
     try:
         _save_shards(engine, cio, partial)
@@ -157,26 +244,22 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dic
         # Free what this save wrote (a full disk most of all); the checkpoints saved before stay.
         shutil.rmtree(partial if comm.rank == 0 else rank_dir(partial, comm.rank), ignore_errors=True)
         if isinstance(exc, OSError):
+            try:
+                latest = repr(resolve_tag(save_dir, None))
+            except ValueError as bad:
+                latest = f"unreadable: {bad}"
             exc.add_note(f"saving checkpoint {tag!r} into {save_dir} failed on rank {comm.rank}; what it had "
                          f"written is removed and the checkpoints saved before are untouched (latest: "
-                         f"{resolve_tag(save_dir, None)!r})")
+                         f"{latest})")
         raise
     finally:
         cio.close("saved", comm.rank)
     comm.barrier()
 
     if comm.rank == 0:
-        final = os.path.join(save_dir, tag)
-        old = None
-        if os.path.exists(final):
-            old = os.path.join(save_dir, f".{tag}.old-{os.getpid()}")
-            os.rename(final, old)
-        os.rename(partial, final)
-        _fsync_dir(save_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _publish(save_dir, partial, tag)
         if save_latest:
-            _write_text_atomically(os.path.join(save_dir, LATEST), tag)
+            write_atomically(os.path.join(save_dir, LATEST), tag.encode("utf-8"), mode=file_mode)
     comm.barrier()
     log_rank0(comm.rank, f"saved checkpoint {os.path.join(save_dir, tag)}")
     return True
@@ -228,51 +311,123 @@ def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) ->
     return master
 
 
+_COUNTERS = ("global_steps", "global_samples", "micro_steps")
+
+
+def _check_engine_state(state, path: str) -> None:
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), int) for k in _COUNTERS):
+        raise ValueError(f"{path} is not an engine state of this format: it lacks the step counters "
+                         f"{', '.join(_COUNTERS)}")
+    for key in ("optimizer", "lr_scheduler", "client_state"):
+        if key not in state:
+            raise ValueError(f"{path} is not an engine state of this format: it lacks {key!r}")
+
+
+def _load_object(cio: CheckpointIO, path: str, checkpoint: str):
+    """A torch.save file of the checkpoint, weights_only (nothing in it runs)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {checkpoint} is incomplete: {path} is missing")
+    try:
+        return cio.load_object(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise unsafe_error(path, error) from None
+
+
+def _check_shards(engine, checkpoint: str, reader: ShardReader, own_shards: bool, keys) -> None:
+    """Every shard file, key and element range the load will read is there (headers only)."""
+    comm, layout = engine.comm, engine.parts.rank_layout
+    for sg in layout.sub_groups:
+        if own_shards:
+            path = sub_group_file(checkpoint, comm.rank, sg.index)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint {checkpoint} is incomplete: {path} is missing")
+            with SafetensorsReader(path, direct=False) as shard:
+                for k in keys:
+                    info = shard.info(k)
+                    if info.dtype != torch.float32 or list(info.shape) != [sg.numel]:
+                        raise ValueError(f"checkpoint shard {path}: {k!r} is {info.dtype} {list(info.shape)}, "
+                                         f"sub-group {sg.index} has {sg.numel} fp32 elements")
+            continue
+        for index in sg.units:
+            unit = layout.units[index]
+            first = unit.shard_start(comm.rank)
+            for k in keys:
+                reader.check(index, first, first + unit.shard_numel, k)
+
+
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> Tuple[Optional[str], Optional[dict]]:
+    """Checks everything, on every rank, before changing anything (see the [Note] above)."""
     comm, parts = engine.comm, engine.parts
     tag = resolve_tag(load_dir, tag)
     if tag is None:
         log_rank0(comm.rank, f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist",
                   logging.WARNING)
         return None, None
-    checkpoint = os.path.join(load_dir, tag)
-    meta = read_meta(checkpoint)
-    _check_same_model(meta, engine)
-    same_layout = meta["world_size"] == comm.world_size
-    # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
-    own_shards = same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
-    store = parts.optimizer_store
-    layout = parts.rank_layout
-    saved_states = meta.get("state_names", [])
-    load_states = (store is not None and load_optimizer_states
-                   and set(store.state_names) <= set(saved_states))
-    keys = ["master"] + (list(store.state_names) if load_states else [])
-    reader = ShardReader(checkpoint, meta)
+    checkpoint = checkpoint_path(load_dir, tag)
     cio = CheckpointIO(engine.config.checkpoint.writer)
+    reader = None
+    error = None
     try:
-        with torch.no_grad():
-            for sg in layout.sub_groups:
-                if own_shards:
-                    master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states)
-                else:
-                    master = _load_resharded(engine, reader, sg, keys, load_states)
-                for index in sg.units:
-                    start, stop = layout.unit_range(index)
-                    parts.param_store.write(layout.units[index], master[start - sg.start:stop - sg.start])
-            parts.param_store.flush()
-        parts.coordinator.release_all()
-        if parts.reducer is not None:
-            parts.reducer.clear()
-
-        state = cio.load_object(engine_file(checkpoint, comm.rank if same_layout else 0), weights_only=False)
-        buffers = cio.load_object(os.path.join(checkpoint, BUFFERS), weights_only=True)
+        meta = read_meta(checkpoint)
+        _check_same_model(meta, engine)
+        same_layout = meta["world_size"] == comm.world_size
+        # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
+        own_shards = same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
+        store = parts.optimizer_store
+        load_states = (store is not None and load_optimizer_states
+                       and set(store.state_names) <= set(meta.get("state_names", [])))
+        keys = ["master"] + (list(store.state_names) if load_states else [])
+        reader = ShardReader(checkpoint, meta)
+        _check_shards(engine, checkpoint, reader, own_shards, keys)
+        path = engine_file(checkpoint, comm.rank if same_layout else 0)
+        state = _load_object(cio, path, checkpoint)
+        _check_engine_state(state, path)
+        buffers = _load_object(cio, os.path.join(checkpoint, BUFFERS), checkpoint)
+    except Exception as exc:  # every rank must learn that one failed, so that none loads
+        error = exc
+    try:
+        if comm.any(error is not None, engine.device):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")
+        try:
+            _apply(engine, cio, reader, checkpoint, own_shards, keys, load_states, state, buffers,
+                   load_optimizer_states, load_lr_scheduler_states)
+        except BaseException as exc:
+            engine.mark_unusable(f"load_checkpoint({checkpoint}) failed while writing the checked state into "
+                                 f"the engine ({type(exc).__name__}: {exc}); the engine holds a mix of states. "
+                                 f"Load a checkpoint again (engine.load_checkpoint) before using it")
+            raise
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
         cio.close("loaded", comm.rank)
-    engine.global_steps = state["global_steps"]
-    engine.global_samples = state["global_samples"]
-    engine.micro_steps = state["micro_steps"]
+    engine.mark_usable()
+    log_rank0(comm.rank, f"loaded checkpoint {checkpoint}")
+    return checkpoint, state["client_state"]
+
+
+def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_shards: bool, keys,
+           load_states: bool, state: dict, buffers: dict, load_optimizer_states: bool,
+           load_lr_scheduler_states: bool) -> None:
+    parts = engine.parts
+    layout = parts.rank_layout
+    with torch.no_grad():
+        for sg in layout.sub_groups:
+            if own_shards:
+                master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states)
+            else:
+                master = _load_resharded(engine, reader, sg, keys, load_states)
+            for index in sg.units:
+                start, stop = layout.unit_range(index)
+                parts.param_store.write(layout.units[index], master[start - sg.start:stop - sg.start])
+        parts.param_store.flush()
+    parts.coordinator.release_all()
+    if parts.reducer is not None:
+        parts.reducer.clear()
+    for key in _COUNTERS:
+        setattr(engine, key, state[key])
     if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:
         engine.optimizer.load_hyper_state(state["optimizer"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -280,8 +435,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     for name, b in engine.module.named_buffers():
         if name in buffers:
             b.copy_(buffers[name])
-    log_rank0(comm.rank, f"loaded checkpoint {checkpoint}")
-    return checkpoint, state["client_state"]
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
@@ -314,11 +467,9 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
                 state[name] = values[name]
             elif name not in param_names:  # a buffer
                 state[name] = tensor.detach().cpu()
-        os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, save_filename)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        _save(state, tmp)
-        os.replace(tmp, path)
-        _fsync_dir(save_dir)
+        os.makedirs(save_dir, mode=engine.config.checkpoint.dir_mode, exist_ok=True)
+        with replacing(os.path.join(save_dir, save_filename), mode=engine.config.checkpoint.file_mode) as tmp:
+            with open(tmp.fd, "wb", closefd=False) as f:
+                torch.save(state, f)
     comm.barrier()
     return True

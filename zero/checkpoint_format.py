@@ -2,6 +2,9 @@
 
 ```
 <save_dir>/latest                      the newest complete tag, e.g. "global_step100"
+<save_dir>/.<tag>.old-<random>/        a complete copy of <tag> moved aside while a re-save of
+                                       <tag> is published (only where the file system cannot
+                                       exchange two directories; see checkpoint.py)
 <save_dir>/<tag>/zero_meta.json        format, world size, sub_group_size, every unit's parameters
 <save_dir>/<tag>/buffers.pt            the module's buffers (rank 0)
 <save_dir>/<tag>/rank00001/engine.pt   step counters, optimizer settings, loss scaler, LR schedule,
@@ -19,11 +22,19 @@ Rank layouts are a pure function of the units, the world size and
 ``zero_to_fp32`` rebuild full parameters one at a time, and a checkpoint
 saved on N ranks be loaded on M. Only the bytes asked for are ever read
 (through the page cache: scattered ranges of many files).
+
+Nothing read from a checkpoint runs code: the sub-group shards are
+safetensors, every ``.pt`` file is loaded with ``torch.load(weights_only=True)``
+(:func:`load_state`), and a tag, given or read from ``latest``, must be a
+plain directory name (:func:`check_tag`), so a checkpoint received from
+someone else can neither execute anything nor make a load read outside its
+directory.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -36,6 +47,49 @@ FORMAT = "nvmeio-zero3/2"  # 2: sub-group shards are safetensors
 META = "zero_meta.json"
 BUFFERS = "buffers.pt"
 LATEST = "latest"
+OLD_COPY = ".old-"  # in ".<tag>.old-<random>": a complete copy moved aside during a re-save
+_LATEST_MAX_BYTES = 4096
+
+
+class CheckpointTagError(ValueError):
+    """A checkpoint tag (an argument, or what ``latest`` holds) that is not a plain directory name."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file holds something other than tensors and plain containers (it was not run)."""
+
+
+def check_tag(tag, source: str = "checkpoint tag") -> str:
+    """``tag`` as a string, if it is a plain directory name; else :class:`CheckpointTagError`.
+
+    The same rules on save and on load (argument or ``latest``): not empty, no
+    path separator, not ``.``/``..`` nor any name starting with ``.`` (the
+    partial and moved-aside directories), not ``latest``, no whitespace at
+    either end and no control character (a newline would make ``latest``
+    unreadable).
+    """
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        raise CheckpointTagError(f"{source} must be a string, got {type(tag).__name__} {tag!r}")
+    text = str(tag)
+    if not text:
+        why = "is empty"
+    elif "/" in text or "\\" in text or (os.altsep and os.altsep in text):
+        why = "holds a path separator (an absolute path or a path to another directory)"
+    elif text.startswith("."):
+        why = "starts with '.' ('.', '..' and hidden names are reserved)"
+    elif text != text.strip():
+        why = "has whitespace at its start or end"
+    elif any(ord(c) < 32 or ord(c) == 127 for c in text):
+        why = "holds a control character (a newline?)"
+    elif text == LATEST:
+        why = f"is {LATEST!r}, the name of the file that points at the newest tag"
+    else:
+        return text
+    shown = repr(text if len(text) <= 200 else text[:200] + "...")
+    raise CheckpointTagError(f"{source} {shown} {why}; a tag must be a plain directory name inside the "
+                             f"checkpoint directory (e.g. 'global_step100')")
+
+
 
 
 def rank_dir(checkpoint: str, rank: int) -> str:
@@ -69,14 +123,66 @@ def units_from_meta(meta: dict) -> List[UnitLayout]:
 
 
 def resolve_tag(save_dir: str, tag: Optional[str]) -> Optional[str]:
-    """``tag``, or the one ``latest`` names; None when there is no ``latest``."""
+    """``tag``, or the one ``latest`` names (both checked by :func:`check_tag`); None when
+    there is no ``latest``. Whitespace around what ``latest`` holds is ignored, as DeepSpeed does."""
     if tag is not None:
-        return str(tag)
+        return check_tag(tag)
     path = os.path.join(save_dir, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(_LATEST_MAX_BYTES + 1)
+    if len(raw) > _LATEST_MAX_BYTES:
+        raise CheckpointTagError(f"{path} is not a tag: it holds more than {_LATEST_MAX_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointTagError(f"{path} is not a tag: it is not UTF-8 text") from None
+    return check_tag(text.strip(), f"the tag in {path}")
+
+
+def checkpoint_path(save_dir: str, tag: str) -> str:
+    """The directory of ``tag``; where a re-save was cut between its two renames (see
+    checkpoint.py), the complete copy it moved aside."""
+    path = os.path.join(save_dir, tag)
+    if os.path.isdir(path):
+        return path
+    old = moved_aside(save_dir, tag)
+    return old[-1] if old else path
+
+
+def moved_aside(save_dir: str, tag: str) -> List[str]:
+    """The complete copies of ``tag`` a re-save moved aside, oldest first."""
+    prefix = f".{tag}{OLD_COPY}"
+    try:
+        entries = [os.path.join(save_dir, e) for e in os.listdir(save_dir) if e.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    return sorted((p for p in entries if os.path.isdir(p) and not os.path.islink(p)), key=os.path.getmtime)
+
+
+def unsafe_error(path: str, error: pickle.UnpicklingError) -> "UnsafeCheckpointError":
+    """The error for a file ``torch.load(weights_only=True)`` refused, naming it and what it holds."""
+    lines = [l.strip() for l in str(error).splitlines() if "GLOBAL" in l or "Unsupported" in l]
+    reason = lines[0] if lines else (str(error).strip().splitlines() or ["not a torch.save file"])[-1]
+    return UnsafeCheckpointError(
+        f"refused to load {path}: it holds more than tensors and plain containers ({reason}); "
+        f"nothing in it was run. Load checkpoints only from sources you trust; if this one holds "
+        f"your own types (in client_state), allow them with "
+        f"torch.serialization.add_safe_globals([YourType]) before loading")
+
+
+def load_state(path: str):
+    """``torch.load(path, weights_only=True)``: tensors and plain containers only, nothing run.
+
+    Anything else raises :class:`UnsafeCheckpointError` naming the file and what it holds.
+    A script's own types in ``client_state`` can be allowed with
+    ``torch.serialization.add_safe_globals([...])`` before loading.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise unsafe_error(path, error) from None
 
 
 def read_meta(checkpoint: str) -> dict:
@@ -115,10 +221,10 @@ class ShardReader:
             self._files[key] = SafetensorsReader(path, direct=False)
         return self._files[key]
 
-    def read(self, unit_index: int, start: int, stop: int, key: str = "master") -> torch.Tensor:
-        """Elements ``[start, stop)`` of unit ``unit_index``'s flat values (zeros past its end)."""
+    def _pieces(self, unit_index: int, start: int, stop: int):
+        """``(rank, sub_group_index, source_start, out_start, length)`` of each rank file holding
+        part of elements ``[start, stop)`` of unit ``unit_index``."""
         unit = self.units[unit_index]
-        out = torch.zeros(max(0, stop - start), dtype=torch.float32)
         shard = unit.shard_numel
         stop_data = min(stop, unit.numel)
         for rank in range(start // shard if shard else 0, self.world_size):
@@ -131,10 +237,30 @@ class ShardReader:
             layout = self.rank_layout(rank)
             sg = layout.sub_group_of(unit_index)
             base = layout.offsets[unit_index] - sg.start
-            part = self._file(rank, sg.index)
-            if key not in part.keys():
-                raise KeyError(f"checkpoint {self.checkpoint} holds no {key!r} (saved without an optimizer?)")
-            part.read_range(key, base + a - lo, base + b - lo, out=out[a - start:b - start])
+            yield rank, sg.index, base + a - lo, a - start, b - a
+
+    def _part(self, rank: int, index: int, key: str, need: int) -> SafetensorsReader:
+        part = self._file(rank, index)
+        if key not in part.keys():
+            raise KeyError(f"checkpoint {self.checkpoint} holds no {key!r} in {part.name} "
+                           f"(saved without an optimizer?)")
+        info = part.info(key)
+        if info.dtype != torch.float32 or len(info.shape) != 1 or info.shape[0] < need:
+            raise ValueError(f"checkpoint {self.checkpoint} is damaged: {key!r} in {part.name} is not a flat "
+                             f"fp32 tensor of at least {need} elements")
+        return part
+
+    def check(self, unit_index: int, start: int, stop: int, key: str = "master") -> None:
+        """Raise what :meth:`read` would raise for these elements (a missing file, key or range),
+        reading no values."""
+        for rank, index, src, _, n in self._pieces(unit_index, start, stop):
+            self._part(rank, index, key, src + n)
+
+    def read(self, unit_index: int, start: int, stop: int, key: str = "master") -> torch.Tensor:
+        """Elements ``[start, stop)`` of unit ``unit_index``'s flat values (zeros past its end)."""
+        out = torch.zeros(max(0, stop - start), dtype=torch.float32)
+        for rank, index, src, dst, n in self._pieces(unit_index, start, stop):
+            self._part(rank, index, key, src + n).read_range(key, src, src + n, out=out[dst:dst + n])
         return out
 
     def param_names(self) -> List[str]:

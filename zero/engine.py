@@ -24,6 +24,10 @@ from .config import DeepSpeedConfig
 from .logging import Timers, log_rank0
 
 
+class EngineStateError(RuntimeError):
+    """The engine's state is not usable: a step or a load failed half way (the message says what to do)."""
+
+
 def _to_device(value, device: torch.device, cast: Optional[torch.dtype]):
     if isinstance(value, torch.Tensor):
         value = value.to(device, non_blocking=True)
@@ -57,6 +61,7 @@ class ZeroEngine(nn.Module):
         self._last_report = 0
         self._swap_seen = (0.0, 0.0)
         self._closed = False
+        self._unusable: Optional[str] = None
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------------
     @property
@@ -107,8 +112,23 @@ class ZeroEngine(nn.Module):
         self.training = mode
         return self
 
+    # -- a failed step or load ---------------------------------------------------------------------
+    def mark_unusable(self, why: str) -> None:
+        """Refuse forward, backward, step and saves, with ``why``, until a checkpoint is loaded."""
+        self._unusable = why
+
+    def mark_usable(self) -> None:
+        self._unusable = None
+
+    def check_usable(self) -> None:
+        if self._closed:
+            raise EngineStateError("this engine was destroyed")
+        if self._unusable is not None:
+            raise EngineStateError(self._unusable)
+
     # -- forward, backward, step ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.check_usable()
         cast = torch.float16 if self.config.fp16.enabled and self.config.fp16.auto_cast else None
         args = _to_device(args, self.device, cast)
         kwargs = _to_device(kwargs, self.device, cast)
@@ -124,6 +144,7 @@ class ZeroEngine(nn.Module):
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: pass one to zero.initialize or add an "
                                "optimizer section to the config")
+        self.check_usable()
         scaled = loss
         gas = self.gradient_accumulation_steps()
         if gas > 1:
@@ -139,6 +160,7 @@ class ZeroEngine(nn.Module):
     def step(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer")
+        self.check_usable()
         if self.is_gradient_accumulation_boundary():
             self._take_step()
         self.micro_steps += 1
@@ -176,6 +198,7 @@ class ZeroEngine(nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         from .checkpoint import save_checkpoint
 
+        self.check_usable()
         return save_checkpoint(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
@@ -190,6 +213,7 @@ class ZeroEngine(nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         from .checkpoint import save_16bit_model
 
+        self.check_usable()
         return save_16bit_model(self, os.fspath(save_dir), save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 from collections import OrderedDict
 from typing import Optional
 
 import torch
 
-from .checkpoint_format import BUFFERS, ShardReader, resolve_tag
+from nvmeio.atomic_file import replacing
+
+from .checkpoint_format import BUFFERS, ShardReader, checkpoint_path, load_state, resolve_tag
 
 
 def _checkpoint(checkpoint_dir: str, tag: Optional[str]) -> str:
@@ -27,7 +30,7 @@ def _checkpoint(checkpoint_dir: str, tag: Optional[str]) -> str:
     resolved = resolve_tag(checkpoint_dir, tag)
     if resolved is None:
         raise FileNotFoundError(f"{checkpoint_dir} has no 'latest' file; pass the tag explicitly")
-    return os.path.join(checkpoint_dir, resolved)
+    return checkpoint_path(checkpoint_dir, resolved)
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] = None) -> "OrderedDict":
@@ -45,7 +48,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] 
         reader.close()
     buffers = os.path.join(checkpoint, BUFFERS)
     if os.path.isfile(buffers):
-        state.update(torch.load(buffers, map_location="cpu", weights_only=True))
+        state.update(load_state(buffers))
     return state
 
 
@@ -57,14 +60,15 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag: Optional[str] = None) -> None:
-    """Write the consolidated fp32 state_dict to ``output_file`` (temporary name, then renamed)."""
+    """Write the consolidated fp32 state_dict to ``output_file`` (mode 0600, through an exclusive
+    temporary file that replaces it atomically)."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     output_file = os.fspath(output_file)
     parent = os.path.dirname(os.path.abspath(output_file))
     os.makedirs(parent, exist_ok=True)
-    tmp = f"{output_file}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, output_file)
+    with replacing(output_file) as tmp:
+        with open(tmp.fd, "wb", closefd=False) as f:
+            torch.save(state, f)
 
 
 def main(argv=None) -> int:
@@ -75,7 +79,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_file, args.tag)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, pickle.UnpicklingError) as error:
         print(f"zero_to_fp32: {error}", file=sys.stderr)
         return 1
     print(f"saved the fp32 state_dict to {args.output_file}")

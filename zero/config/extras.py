@@ -14,7 +14,7 @@ from typing import ClassVar, List, Optional
 from pydantic import Field, model_validator
 
 from .base import StrictModel, raise_problems
-from .values import Choice, Flag, Int, PathText, Real
+from .values import Choice, FileMode, Flag, Int, PathText, Real
 
 DataType = Choice("fp16", "bf16", "fp32", what="data type", aliases={"bfp16": "bf16"})
 
@@ -75,6 +75,14 @@ class CheckpointConfig(StrictModel):
     parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
     writer: CheckpointWriterConfig = Field(default_factory=CheckpointWriterConfig)
     """How the bytes are written (see :class:`CheckpointWriterConfig`)."""
+    file_mode: FileMode = 0o600
+    """Permissions of the files a checkpoint writes (an octal string, e.g. "0640"); its
+    directories get the same bits plus search (x) where read is set: 0700 by default."""
+
+    @property
+    def dir_mode(self) -> int:
+        mode = self.file_mode
+        return mode | ((mode & 0o444) >> 2)
 
 
 class DataTypesConfig(StrictModel):

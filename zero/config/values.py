@@ -116,6 +116,24 @@ def path_text(value: Any) -> str:
     return value
 
 
+def file_mode(value: Any) -> int:
+    """Permission bits of a file: an octal string ("0640", "0o640") or, from Python, an int
+    (``0o640``). The owner must keep read and write; no bit beyond 0o777."""
+    _reject_auto(value)
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or any(c not in "01234567" for c in text):
+            fail("file_mode", f"expected an octal mode such as \"0600\" or \"0640\", got {short(value)}")
+        value = int(text, 8)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        fail("file_mode", f"expected an octal mode string such as \"0600\", got {short(value)}")
+    if not 0 <= value <= 0o777:
+        fail("file_mode", f"mode {value:#o} has bits beyond 0o777 (write it as an octal string, e.g. \"0640\")")
+    if value & 0o600 != 0o600:
+        fail("file_mode", f"mode {value:#o} does not let the owner read and write the files it saves")
+    return value
+
+
 def _or_auto(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def validate(value: Any) -> Any:
         if isinstance(value, str) and value == AUTO:
@@ -168,6 +186,7 @@ AutoFlag = _typed(bool, flag, auto=True)
 Betas = _typed(Tuple[float, float], betas, auto=False)
 AutoBetas = _typed(Tuple[float, float], betas, auto=True)
 PathText = _typed(str, path_text, auto=False)
+FileMode = _typed(int, file_mode, auto=False)
 
 
 def Choice(*options: str, what: str = "value", aliases: dict[str, str] | None = None) -> Any:

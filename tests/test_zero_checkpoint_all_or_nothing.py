@@ -1,0 +1,184 @@
+"""Saves and loads that fail half way: re-saving a tag never leaves ``latest`` without a complete
+checkpoint and never deletes the only complete copy; a load whose checkpoint lacks a file
+changes nothing (weights, optimizer, counters).
+"""
+import json
+import os
+
+import pytest
+import torch
+
+import zero
+import zero.checkpoint as checkpoint_module
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, train_engine
+
+CFG = GPTConfig()
+
+
+def make_engine(tmp_path, seed=0, offload="none"):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
+    engine, _, _, _ = zero.initialize(model=model, config=base_config(offload, offload, tmp_path / "swap",
+                                                                      lr=1e-2))
+    return engine, model
+
+
+def weights(model):
+    with zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resave_setup(tmp_path):
+    """Tag 't' saved after one step (weights `first`), then one more step (weights `second`)."""
+    engine, model = make_engine(tmp_path)
+    batches = make_batches(CFG, 2, 4)
+    train_engine(engine, batches[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    first = weights(model)
+    train_engine(engine, batches[1:], 1)
+    return engine, model, first, weights(model)
+
+
+def test_resave_exchanges_the_directories_and_a_crash_before_cleanup_loses_nothing(tmp_path, monkeypatch):
+    engine, model, first, second = resave_setup(tmp_path)
+    ckpt = tmp_path / "ckpt"
+
+    def crash(path, *args, **kwargs):
+        raise KeyboardInterrupt("killed while deleting the previous copy")
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(ckpt, tag="t")
+    monkeypatch.undo()
+    # `t` is the new complete copy already; the old one sits under the partial name.
+    assert (ckpt / "latest").read_text() == "t"
+    assert any(e.startswith(".t.partial-") for e in os.listdir(ckpt))
+    engine.load_checkpoint(ckpt)
+    assert same(weights(model), second)
+    engine.save_checkpoint(ckpt, tag="u")  # removes the leftover
+    assert sorted(os.listdir(ckpt)) == ["latest", "t", "u"]
+    engine.destroy()
+
+
+def test_resave_without_exchange_cut_between_the_renames_keeps_the_only_copy(tmp_path, monkeypatch):
+    engine, model, first, second = resave_setup(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setattr(checkpoint_module, "exchange", lambda a, b: False)  # NFS, old kernels
+    real_rename, calls = os.rename, []
+
+    def dying_rename(src, dst, *args, **kwargs):
+        calls.append((src, dst))
+        if len(calls) == 2:  # t moved aside; the new copy is not in place yet
+            raise KeyboardInterrupt("killed between the two renames")
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.os, "rename", dying_rename)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(ckpt, tag="t")
+    monkeypatch.undo()
+    assert (ckpt / "latest").read_text() == "t" and not (ckpt / "t").exists()
+    assert any(e.startswith(".t.old-") for e in os.listdir(ckpt))
+
+    # latest still leads to a complete checkpoint: the copy moved aside.
+    path, _ = engine.load_checkpoint(ckpt)
+    assert ".t.old-" in path and same(weights(model), first)
+    fp32 = zero.get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    assert torch.equal(fp32["wte.weight"], first["wte.weight"])
+
+    # The next save (of another tag) puts the only copy of t back instead of deleting it.
+    engine.save_checkpoint(ckpt, tag="u")
+    assert sorted(os.listdir(ckpt)) == ["latest", "t", "u"]
+    engine.load_checkpoint(ckpt, tag="t")
+    assert same(weights(model), first)
+    engine.destroy()
+
+
+def test_resave_without_exchange_completes(tmp_path, monkeypatch):
+    engine, model, first, second = resave_setup(tmp_path)
+    monkeypatch.setattr(checkpoint_module, "exchange", lambda a, b: False)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "t"]
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert same(weights(model), second)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("missing", ["rank00000/subgroup00001.safetensors", "rank00000/engine.pt", "buffers.pt",
+                                     "zero_meta.json"])
+@pytest.mark.parametrize("offload", ["none", "nvme"])
+def test_a_load_missing_a_file_changes_nothing(tmp_path, missing, offload):
+    engine, model = make_engine(tmp_path, offload=offload)
+    batches = make_batches(CFG, 4, 4)
+    train_engine(engine, batches[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    train_engine(engine, batches[1:2], 1)
+    before, steps, samples = weights(model), engine.global_steps, engine.global_samples
+    adam_step = engine.optimizer.adam_step
+    os.unlink(tmp_path / "ckpt" / "t" / missing)
+    with pytest.raises(FileNotFoundError, match=os.path.basename(missing)):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    assert same(weights(model), before)
+    assert (engine.global_steps, engine.global_samples, engine.optimizer.adam_step) == (steps, samples, adam_step)
+
+    # The engine goes on exactly as one that never tried the load.
+    torch.manual_seed(0)
+    twin, _ = make_engine(tmp_path / "twin", offload=offload)
+    train_engine(twin, batches[:2], 2)
+    assert train_engine(engine, batches[2:], 2) == train_engine(twin, batches[2:], 2)
+    twin.destroy()
+    engine.destroy()
+
+
+@pytest.mark.parametrize("world_change", [False, True])
+def test_a_load_with_a_truncated_shard_changes_nothing(tmp_path, world_change):
+    engine, model = make_engine(tmp_path)
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    if world_change:  # another sub_group_size: the resharding reader's path
+        meta_path = tmp_path / "ckpt" / "t" / "zero_meta.json"
+        meta = json.loads(meta_path.read_text())
+        meta["sub_group_size"] = 5000
+        meta_path.write_text(json.dumps(meta))
+    shard = tmp_path / "ckpt" / "t" / "rank00000" / "subgroup00001.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 4096)
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    before, steps = weights(model), engine.global_steps
+    with pytest.raises(ValueError, match="subgroup00001.safetensors"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    assert same(weights(model), before) and engine.global_steps == steps
+    engine.destroy()
+
+
+def test_a_load_that_fails_while_writing_the_state_says_to_load_again(tmp_path, monkeypatch):
+    engine, model = make_engine(tmp_path)
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    expected = weights(model)
+    store = engine.parts.optimizer_store
+    real_load = store.load
+
+    def failing(sg, *args):
+        if sg.index == 1:
+            raise OSError(5, "Input/output error")
+        return real_load(sg, *args)
+
+    monkeypatch.setattr(store, "load", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine.load_checkpoint(tmp_path / "ckpt")
+    monkeypatch.undo()
+    for use in (lambda: engine(*make_batches(CFG, 1, 4)[0]), engine.step,
+                lambda: engine.save_checkpoint(tmp_path / "ckpt", tag="mixed")):
+        with pytest.raises(zero.EngineStateError, match="failed while writing the checked state.*Load a checkpoint again"):
+            use()
+    assert not (tmp_path / "ckpt" / "mixed").exists()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert same(weights(model), expected)
+    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    engine.destroy()
