@@ -155,3 +155,32 @@ def test_zero_inference_with_the_docs_config_generates_from_nvme(tmp_path, saved
     engine.eval()
     check_same_outputs(engine, model, plain)
     engine.destroy()
+
+
+def test_a_bf16_checkpoint_trains_from_fp32_masters_or_infers_in_bf16(tmp_path):
+    small("llama").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    expected = plain.model.layers[0].mlp.up_proj.weight.detach().float()
+    train = dict(inference_config(tmp_path), optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
+    with zero.Init(config_dict_or_path=train):
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    engine, _, _, _ = zero.initialize(model=model, config=train)
+    unit = model.model.layers[0].mlp.up_proj.weight._zero_unit
+    layout = engine.parts.rank_layout
+    sg = layout.sub_group_of(unit.index)
+    master, _ = engine.parts.optimizer_store.read(sg)
+    start = layout.offsets[unit.index] - sg.start
+    assert master.dtype == torch.float32
+    assert torch.equal(master[start:start + expected.numel()].view_as(expected), expected)
+    engine.destroy()
+    infer = dict(inference_config(tmp_path), bf16={"enabled": True})
+    infer.pop("fp16")
+    with zero.Init(config_dict_or_path=infer):
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert model.model.layers[0].mlp.up_proj.weight._zero_init_shard.dtype == torch.bfloat16
+    engine, _, _, _ = zero.initialize(model=model, config=infer)
+    plain.to(torch.bfloat16)  # the engine computes in bf16 throughout, buffers included (as DeepSpeed does)
+    x = torch.randint(3, VOCAB, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(engine(x).logits, plain(x).logits)
+    engine.destroy()

@@ -1,0 +1,320 @@
+"""ZeRO-Inference beyond memory: `generate` of a Llama-shaped model whose weights exceed this machine's RAM.
+
+    flock /tmp/bench.lock python3 bench/inference.py --results-md bench/RESULTS.md --json bench/out/inference.json
+    python3 bench/inference.py --models small --new-tokens 4          # the in-memory comparison only
+
+For each model (``small``: Llama shape, 1.1B parameters, fits in memory;
+``big``: Llama-7B shape, 6.7B parameters, 27 GB of fp32 weights, more than
+this machine's RAM):
+1. ``create``: built under ``zero.Init`` with parameters on NVMe (each module's
+   slices written as it is built) and saved by ``zero.save_pretrained``
+   (nvmeio's streaming safetensors writer, one gathered tensor at a time);
+2. ``generate`` with a contender, each in a fresh process (its own peak RSS):
+   ``torch`` (plain ``from_pretrained``, the model in memory; small model only),
+   ``zero-cpu`` and ``zero-nvme`` (``from_pretrained`` under ``zero.Init``, then
+   ``zero.initialize`` with the Hugging Face docs' ZeRO-Inference config: no
+   optimizer, parameters on that device, ``max_in_cpu`` 0), greedy, a fixed
+   prompt, ``--new-tokens`` tokens. Reported: seconds per token (the whole
+   ``generate`` call over the tokens made, prefill included), tokens/s, load
+   time, NVMe wait, peak RSS (VmHWM) and peak anonymous memory (RssAnon sampled
+   every 20 ms) of the load and of the generation separately (transformers maps
+   the checkpoint: those pages count in VmHWM and are page cache the kernel
+   drops under pressure), and the tokens (equal across contenders).
+
+Needs about 2.2x the big model's bytes free under ``--nvme-dir`` (checked
+first); everything written is deleted afterwards. Run it under
+``flock /tmp/bench.lock``: the machine is shared.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SECTION = "## ZeRO-Inference beyond memory (bench/inference.py)"
+MODELS = {
+    "small": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                  num_key_value_heads=4, vocab_size=32000),
+    "big": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000),
+}
+AIO = {"block_size": 8388608, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
+       "overlap_events": True}
+
+
+def ds_config(device: str, nvme_path: str, hidden: int) -> dict:
+    """The Hugging Face docs' ZeRO-Inference config, parameters on ``device``."""
+    param = {"device": device, "pin_memory": False}
+    if device == "nvme":
+        param.update(nvme_path=nvme_path, max_in_cpu=0, buffer_count=4)
+    return {"fp16": {"enabled": False}, "bf16": {"enabled": False}, "aio": AIO,
+            "zero_optimization": {"stage": 3, "offload_param": param, "overlap_comm": True,
+                                  "contiguous_gradients": True, "reduce_bucket_size": hidden * hidden,
+                                  "stage3_prefetch_bucket_size": 0.9 * hidden * hidden,
+                                  "stage3_param_persistence_threshold": 10 * hidden},
+            "steps_per_print": 2000, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+            "wall_clock_breakdown": False}
+
+
+def n_params(shape: dict) -> int:
+    h, i, layers, v = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    return layers * per_layer + 2 * v * h + h
+
+
+# -- the child processes -------------------------------------------------------------------------
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakAnon:
+    """Peak RssAnon, sampled every 20 ms: the memory the process holds, without the checkpoint pages
+    transformers maps (file-backed, counted in VmHWM, dropped by the kernel under pressure)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = _status("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _status("RssAnon"))
+
+    def reset(self) -> None:
+        self.peak = _status("RssAnon")
+        with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from the current RSS
+            f.write("5")
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _status("RssAnon"))
+
+
+def _vmhwm() -> int:
+    return _status("VmHWM")
+
+
+def child_create(model: str, out_dir: str, nvme: str) -> dict:
+    import torch
+    import transformers
+
+    import zero
+
+    shape = MODELS[model]
+    config = transformers.LlamaConfig(max_position_embeddings=256, tie_word_embeddings=False, **shape)
+    ds = ds_config("nvme", nvme, shape["hidden_size"])
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    with zero.Init(config_dict_or_path=ds):
+        llama = transformers.LlamaForCausalLM(config)
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    zero.save_pretrained(llama, out_dir)
+    saved = time.perf_counter() - t0
+    nbytes = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
+    return {"build_s": built, "save_s": saved, "checkpoint_bytes": nbytes, "peak_rss": _vmhwm()}
+
+
+def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens: int) -> dict:
+    import torch
+    import transformers
+
+    import zero
+
+    shape = MODELS[model]
+    prompt = torch.tensor([[1, 306, 4658, 278, 6593, 310, 2834, 338]])
+    anon = PeakAnon()
+    t0 = time.perf_counter()
+    if contender == "torch":
+        llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
+        engine = None
+    else:
+        ds = ds_config(contender.split("-")[1], nvme, shape["hidden_size"])
+        with zero.Init(config_dict_or_path=ds):
+            llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
+        engine, _, _, _ = zero.initialize(model=llama, config=ds)
+        engine.eval()
+    load = time.perf_counter() - t0
+    load_hwm, load_anon = _vmhwm(), anon.stop()
+    llama.eval()
+    anon = PeakAnon()
+    anon.reset()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = llama.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+    gen = time.perf_counter() - t0
+    gen_hwm, gen_anon = _vmhwm(), anon.stop()
+    swap_wait = engine.parts.param_store.swap_seconds if engine is not None else 0.0
+    if engine is not None:
+        engine.destroy()
+    return {"load_s": load, "generate_s": gen, "s_per_token": gen / new_tokens, "tokens_per_s": new_tokens / gen,
+            "swap_wait_s": swap_wait, "tokens": out[0, prompt.shape[1]:].tolist(), "load_peak_rss": load_hwm,
+            "load_peak_anon": load_anon, "peak_rss": gen_hwm, "peak_anon": gen_anon}
+
+
+def run_child(*args: str) -> dict:
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], capture_output=True,
+                         text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"child {args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def gib(n: float) -> str:
+    return f"{n / 2 ** 30:.2f}"
+
+
+def check_space(path: str, models) -> None:
+    need = int(2.2 * max(n_params(MODELS[m]) * 4 for m in models))
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise SystemExit(f"{path} has {gib(free)} GiB free; this run needs {gib(need)} GiB (2.2x the largest "
+                         f"model's fp32 weights: its checkpoint plus its swap files)")
+
+
+def table(results: dict, ram: int) -> list:
+    rows = ["| model | params | fp32 weights | contender | load s | load peak RSS / anon GiB | s/token | tokens/s "
+            "| NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for model, r in results.items():
+        weights = r["params"] * 4
+        for name, g in r["generate"].items():
+            rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB"
+                        f"{' (> RAM)' if weights > ram else ''} | {name} | {g['load_s']:.1f} | "
+                        f"{gib(g['load_peak_rss'])} / {gib(g['load_peak_anon'])} | {g['s_per_token']:.2f} | "
+                        f"{g['tokens_per_s']:.3f} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
+                        f"{gib(g['peak_anon'])} | {g['peak_rss'] / weights:.2f} |")
+    return rows
+
+
+def chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels, tps, rss = [], [], []
+    for model, r in results.items():
+        for name, g in r["generate"].items():
+            labels.append(f"{model}\n{name}")
+            tps.append(g["tokens_per_s"])
+            rss.append(g["peak_rss"] / 2 ** 30)
+    a.bar(labels, tps, color="tab:blue")
+    a.set_ylabel("tokens / s")
+    a.set_title("greedy generate, batch 1")
+    b.bar(labels, rss, color="tab:orange")
+    b.set_ylabel("peak RSS (GiB)")
+    b.axhline(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, color="k", ls="--", lw=1)
+    b.set_title("peak RSS (dashed: RAM)")
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--child", nargs="+")
+    p.add_argument("--models", nargs="+", default=["small", "big"], choices=list(MODELS))
+    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--nvme-dir", default=tempfile.gettempdir())
+    p.add_argument("--json")
+    p.add_argument("--results-md")
+    args = p.parse_args(argv)
+    if args.child:
+        kind, *rest = args.child
+        if kind == "create":
+            result = child_create(rest[0], rest[1], rest[2])
+        else:
+            result = child_generate(rest[0], rest[1], rest[2], rest[3], int(rest[4]))
+        print(json.dumps(result))
+        return 0
+
+    check_space(args.nvme_dir, args.models)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load_start = load_average()
+    results = {}
+    work = tempfile.mkdtemp(prefix="bench-inference-", dir=args.nvme_dir)
+    try:
+        for model in args.models:
+            ckpt, swap = os.path.join(work, f"{model}-ckpt"), os.path.join(work, "swap")
+            os.makedirs(swap, exist_ok=True)
+            created = run_child("create", model, ckpt, swap)
+            print(f"{model}: built in {created['build_s']:.1f} s, saved in {created['save_s']:.1f} s "
+                  f"({gib(created['checkpoint_bytes'])} GiB), peak RSS {gib(created['peak_rss'])} GiB", flush=True)
+            contenders = ["torch", "zero-cpu", "zero-nvme"] if model == "small" else ["zero-nvme"]
+            gens = {}
+            for name in contenders:
+                gens[name] = run_child("generate", model, name, ckpt, swap, str(args.new_tokens))
+                g = gens[name]
+                print(f"  {name}: load {g['load_s']:.1f} s (peak RSS {gib(g['load_peak_rss'])}, anon "
+                      f"{gib(g['load_peak_anon'])} GiB), {g['s_per_token']:.2f} s/token, generate peak RSS "
+                      f"{gib(g['peak_rss'])} GiB (anon {gib(g['peak_anon'])}), tokens {g['tokens']}", flush=True)
+            results[model] = {"params": n_params(MODELS[model]), "shape": MODELS[model], "create": created,
+                              "generate": gens}
+            shutil.rmtree(ckpt)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load_end = load_average()
+    rows = table(results, ram)
+    print("\n".join(rows))
+    record = {"started": started, "load_start": load_start, "load_end": load_end, "ram_bytes": ram,
+              "new_tokens": args.new_tokens, "results": results}
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    if args.results_md:
+        sys.path.insert(0, HERE)
+        from results_md import replace_section
+        from pathlib import Path
+
+        png = os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "inference.png")
+        chart(results, png)
+        same = all(len({tuple(g["tokens"]) for g in r["generate"].values()}) == 1 for r in results.values())
+        body = [f"Run {started}, load average {load_start} at the start, {load_end} at the end "
+                f"(2 CPUs, {gib(ram)} GiB RAM, one virtio disk: ~3.4 GiB/s read). Greedy `generate` of "
+                f"{args.new_tokens} tokens from an 8-token prompt, batch 1, fp32; each contender a fresh process "
+                f"(peak RSS = its VmHWM). Models built under `zero.Init` with parameters on NVMe and saved by "
+                f"`zero.save_pretrained` (nvmeio's streaming safetensors writer); the zero contenders load them "
+                f"with `from_pretrained` under `zero.Init` and the Hugging Face docs' ZeRO-Inference config "
+                f"(no optimizer; `max_in_cpu` 0 for NVMe).", "", *rows, "",
+                f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
+                "![ZeRO-Inference](inference.png)"]
+        for model, r in results.items():
+            c = r["create"]
+            body.insert(-2, f"- {model}: built under zero.Init in {c['build_s']:.0f} s at peak RSS "
+                            f"{gib(c['peak_rss'])} GiB, saved ({gib(c['checkpoint_bytes'])} GiB) in {c['save_s']:.0f} s.")
+        replace_section(Path(args.results_md), SECTION, "\n".join(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
