@@ -140,14 +140,16 @@ class ZeroEngine(nn.Module):
             coordinator.stack.clear()
             raise
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` divided by the accumulation steps (DeepSpeed's ``scale_wrt_gas``;
+        False when the caller divided it already, as the Hugging Face Trainer does)."""
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: pass one to zero.initialize or add an "
                                "optimizer section to the config")
         self.check_usable()
         scaled = loss
         gas = self.gradient_accumulation_steps()
-        if gas > 1:
+        if gas > 1 and scale_wrt_gas:
             scaled = scaled / gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale

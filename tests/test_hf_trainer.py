@@ -1,0 +1,183 @@
+"""zero.hf.ZeroTrainer: the Hugging Face Trainer on the ZeRO-3 engine, params and optimizer on NVMe.
+
+3 steps match the plain Trainer's (losses and weights); an HF-style template full of
+"auto" runs unchanged; save and resume through the Trainer continue exactly; values that
+disagree with the TrainingArguments and "auto" buckets without a hidden size are refused.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'nvmeio[hf]'")
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install 'nvmeio[hf]'")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from zero.config import ConfigError  # noqa: E402
+from zero.full_state_dict import full_state_dict  # noqa: E402
+from zero.hf import ZeroTrainer, resolve_for_trainer  # noqa: E402
+
+DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
+HIDDEN = 32
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=HIDDEN, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def dataset(n=24):
+    tokens = torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": t, "labels": t} for t in tokens]
+
+
+def training_args(out, **overrides):
+    kw = dict(output_dir=str(out), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
+              weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+              disable_tqdm=True)
+    kw.update(overrides)
+    return TrainingArguments(**kw)
+
+
+def nvme_config(path, **extra):
+    offload = {"device": "nvme", "nvme_path": str(path)}
+    config = {"zero_optimization": {"stage": 3, "offload_param": dict(offload, max_in_cpu=0),
+                                    "offload_optimizer": offload, "stage3_param_persistence_threshold": 0,
+                                    "sub_group_size": 4096},
+              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "gradient_clipping": "auto"}
+    config.update(extra)
+    return config
+
+
+def template(path):
+    """tests/data's HF-style ZeRO-3 NVMe template, its nvme_path pointed at ``path``."""
+    with open(os.path.join(DATA_DIR, "ds_config_zero3_nvme_auto.json")) as f:
+        config = json.load(f)
+    for key in ("offload_param", "offload_optimizer"):
+        config["zero_optimization"][key]["nvme_path"] = str(path)
+    return config
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+class SwapBytes(TrainerCallback):
+    """Bytes under the NVMe folder at the end of each step."""
+
+    def __init__(self, path):
+        self.path, self.seen = path, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(self.path) for f in fs))
+
+
+def assert_same_weights(expected: dict, got: dict):
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_three_steps_match_the_plain_trainer_with_params_and_optimizer_on_nvme(tmp_path):
+    # No optimizer section: the Trainer's own AdamW with its weight-decay groups, and its linear schedule.
+    plain = Trainer(model=tiny_gpt2(), args=training_args(tmp_path / "plain", gradient_accumulation_steps=2),
+                    train_dataset=dataset())
+    plain.train()
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    swap = SwapBytes(nvme)
+    ours = ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "ours", gradient_accumulation_steps=2),
+                       train_dataset=dataset(), zero_config=nvme_config(nvme), callbacks=[swap])
+    ours.train()
+    assert len(losses(ours)) == 3
+    torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)
+    assert [h["learning_rate"] for h in ours.state.log_history if "loss" in h] == \
+        [h["learning_rate"] for h in plain.state.log_history if "loss" in h]
+    assert_same_weights(plain.model.state_dict(), full_state_dict(ours.model))
+    n_params = sum(p.numel() for p in plain.model.parameters())
+    assert min(swap.seen) >= 16 * n_params  # fp32 params + master + two moments, on NVMe throughout
+    zc = ours.zero_engine.config.zero_optimization
+    assert zc.offload_param.device == zc.offload_optimizer.device == "nvme"
+
+
+def test_hf_template_full_of_auto_runs_unchanged_through_the_trainer(tmp_path):
+    args = training_args(tmp_path / "out", max_grad_norm=0.5, adam_beta2=0.98, adam_epsilon=1e-7,
+                         warmup_steps=2)
+    trainer = ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=dataset(), zero_config=template(tmp_path))
+    trainer.train()
+    assert trainer.state.global_step == 3 and all(torch.isfinite(torch.tensor(losses(trainer))))
+    config = trainer.zero_engine.config
+    assert config.unresolved_autos() == []
+    params = config.optimizer.params
+    assert (params.lr, tuple(params.betas), params.eps, params.weight_decay) == (1e-3, (0.9, 0.98), 1e-7, 0.01)
+    assert config.gradient_clipping == 0.5 and config.precision == "fp32"
+    assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
+            config.train_batch_size) == (4, 1, 4)
+    zc = config.zero_optimization
+    assert (zc.reduce_bucket_size, zc.stage3_prefetch_bucket_size, zc.stage3_param_persistence_threshold) == (
+        HIDDEN * HIDDEN, int(0.9 * HIDDEN * HIDDEN), 10 * HIDDEN)
+    schedule = trainer.zero_engine.lr_scheduler
+    assert type(schedule).__name__ == "WarmupLR"
+    assert schedule.max_lrs == [1e-3] and schedule.min_lrs == [0] and schedule.warmup_num_steps == 2
+
+
+def test_save_and_resume_through_the_trainer_continue_exactly(tmp_path):
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, weight_decay=0.0)
+    whole = ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "whole", **args), train_dataset=dataset(),
+                        zero_config=template(tmp_path))
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    assert {"latest", "global_step2", "model.safetensors", "trainer_state.json"} <= set(os.listdir(checkpoint))
+
+    resumed = ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "resumed", **args),
+                          train_dataset=dataset(), zero_config=template(tmp_path))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert losses(resumed) == losses(whole)  # steps 1-2 from the checkpoint's state, 3-4 trained again
+    final = full_state_dict(whole.model)
+    for name, value in full_state_dict(resumed.model).items():
+        assert torch.equal(value, final[name]), name
+    # the weights save_model wrote load with from_pretrained
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "whole" / "checkpoint-4").state_dict()
+    for name, value in loaded.items():
+        assert torch.equal(value, final[name]), name
+
+
+def test_resuming_from_a_folder_without_an_engine_checkpoint_is_refused(tmp_path):
+    trainer = ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "out"), train_dataset=dataset(),
+                          zero_config=nvme_config(tmp_path))
+    (tmp_path / "plain-checkpoint").mkdir()
+    with pytest.raises(ValueError, match="holds no engine checkpoint .no 'latest' file."):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain-checkpoint"))
+
+
+def test_values_disagreeing_with_the_training_arguments_are_refused(tmp_path):
+    config = nvme_config(tmp_path, optimizer={"type": "AdamW", "params": {"lr": 0.1, "betas": [0.9, 0.999]}},
+                         train_micro_batch_size_per_gpu=8)
+    with pytest.raises(ConfigError) as info:
+        resolve_for_trainer(config, training_args(tmp_path / "out"), tiny_gpt2())
+    problems = {p.path: p.message for p in info.value.problems}
+    assert set(problems) == {"optimizer.params.lr", "train_micro_batch_size_per_gpu"}
+    assert problems["optimizer.params.lr"] == (
+        "is 0.1 in the DeepSpeed config but the TrainingArguments give 0.001 (learning_rate); "
+        "set it to \"auto\" or make them equal")
+    assert "give 4 (per_device_train_batch_size)" in problems["train_micro_batch_size_per_gpu"]
+
+
+def test_hidden_size_autos_on_a_model_without_hidden_size_are_refused(tmp_path):
+    config = template(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        resolve_for_trainer(config, training_args(tmp_path / "out"), torch.nn.Linear(4, 4))
+    assert [p.path for p in info.value.problems] == [
+        "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold"]
+    assert "Linear has no config.hidden_size nor config.hidden_sizes; write an integer" in str(info.value)
+
+
+def test_zero_trainer_needs_its_config(tmp_path):
+    with pytest.raises(TypeError, match="ZeroTrainer needs zero_config="):
+        ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "out"), train_dataset=dataset())
