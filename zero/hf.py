@@ -13,6 +13,8 @@ Either way each parameter is partitioned (to NVMe with ``offload_param.device:
 nvme``) as its checkpoint tensor arrives, so the model is never whole in
 memory; then ``zero.initialize(model=model, config=ds_config)``.
 Tested with transformers 5.x (5.23); other major versions are refused.
+``zero.hf.ZeroTrainer`` (hf_trainer.py, imported on first use: it needs
+accelerate) is the Trainer on this engine.
 
 [Note: which of transformers' paths we hook]
 transformers decides it runs under ZeRO-3 from a global ``HfDeepSpeedConfig``
@@ -127,3 +129,11 @@ def install() -> None:
 
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
     _INSTALLED[0] = True
+
+
+def __getattr__(name):
+    if name in ("ZeroTrainer", "resolve_for_trainer"):  # the Trainer imports accelerate: only when asked
+        from . import hf_trainer, hf_trainer_config
+
+        return hf_trainer.ZeroTrainer if name == "ZeroTrainer" else hf_trainer_config.resolve_for_trainer
+    raise AttributeError(f"module 'zero.hf' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """``ZeroTrainer``: the Hugging Face Trainer on nvmeio's ZeRO-3 engine.
 
-    from zero.hf import ZeroTrainer
+    from zero.hf import ZeroTrainer                          # or zero.hf_trainer
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
                           zero_config="ds_config.json")     # was: Trainer(...), args with deepspeed=
     trainer.train()
@@ -30,28 +30,18 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from typing import Optional
 
 import torch
 import transformers
 from transformers import Trainer
 
-import zero
+from .initialize import initialize
 
-from ..lr_schedules import build_scheduler
-from ..full_state_dict import full_state_dict
-from .trainer_config import read_config, resolve_for_trainer
-
-TESTED_TRANSFORMERS = ((5, 0), (6, 0))  # [from, to): 5.23 tested
-
-
-def _check_version() -> None:
-    version = tuple(int(part) for part in transformers.__version__.split(".")[:2] if part.isdigit())
-    low, high = TESTED_TRANSFORMERS
-    if not low <= version < high:
-        warnings.warn(f"zero.hf.ZeroTrainer is tested with transformers >= {'.'.join(map(str, low))}, < "
-                      f"{'.'.join(map(str, high))}; this is {transformers.__version__}", stacklevel=3)
+from .full_state_dict import full_state_dict
+from .hf import check_transformers_version
+from .hf_trainer_config import read_config, resolve_for_trainer
+from .lr_schedules import build_scheduler
 
 
 class EngineStepsOptimizer:
@@ -105,14 +95,14 @@ class ZeroTrainer(Trainer):
 
     ``zero_config``: the DeepSpeed config (path or dict) that would have gone
     to ``TrainingArguments(deepspeed=...)``; its ``"auto"`` values are filled
-    from the TrainingArguments and the model as HF documents (trainer_config.py).
+    from the TrainingArguments and the model as HF documents (hf_trainer_config.py).
     """
 
     def __init__(self, *args, zero_config=None, **kwargs):
         if zero_config is None:
             raise TypeError("ZeroTrainer needs zero_config=: the DeepSpeed config (a JSON path or a dict) "
                             "that TrainingArguments(deepspeed=...) would take")
-        _check_version()
+        check_transformers_version(transformers.__version__)
         self.zero_config = read_config(zero_config)
         self.zero_engine = None
         super().__init__(*args, **kwargs)
@@ -139,7 +129,7 @@ class ZeroTrainer(Trainer):
         if "optimizer" not in data:  # HF's rule: the Trainer's own optimizer (AdamW, weight-decay groups)
             self.optimizer = None
             trainer_optimizer = super().create_optimizer()
-        engine, _, _, _ = zero.initialize(model=self.model, config=config, optimizer=trainer_optimizer)
+        engine, _, _, _ = initialize(model=self.model, config=config, optimizer=trainer_optimizer)
         self.zero_engine = engine
         self.optimizer = EngineStepsOptimizer(engine)
 
