@@ -36,7 +36,7 @@ import torch
 import transformers
 from transformers import Trainer
 
-from .initialize import initialize
+import zero  # zero.initialize is the function (the lazy name), not the submodule
 
 from .full_state_dict import full_state_dict
 from .hf import check_transformers_version
@@ -129,7 +129,7 @@ class ZeroTrainer(Trainer):
         if "optimizer" not in data:  # HF's rule: the Trainer's own optimizer (AdamW, weight-decay groups)
             self.optimizer = None
             trainer_optimizer = super().create_optimizer()
-        engine, _, _, _ = initialize(model=self.model, config=config, optimizer=trainer_optimizer)
+        engine, _, _, _ = zero.initialize(model=self.model, config=config, optimizer=trainer_optimizer)
         self.zero_engine = engine
         self.optimizer = EngineStepsOptimizer(engine)
 
