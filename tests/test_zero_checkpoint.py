@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import nvmeio
 import zero
 import zero.checkpoint as checkpoint_module
 from zero.examples import GPT, GPTConfig, make_batches
@@ -193,24 +194,74 @@ def sample():
 
 thread = threading.Thread(target=sample)
 thread.start()
-convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2])
+convert_zero_checkpoint_to_fp32_state_dict(sys.argv[1], sys.argv[2], safe_serialization=sys.argv[3] == "1")
 stop[0] = True
 thread.join()
 print(peak[0] - base)
 """
 
 
-def test_zero_to_fp32_holds_the_model_once(tmp_path):
-    """Anonymous memory grows by the fp32 model, once: shards are read memory-mapped, the optimizer
-    states (three times the model) are never read, and no second copy of the model is made."""
+@pytest.mark.parametrize("safe", [False, True])
+def test_zero_to_fp32_holds_the_model_once(tmp_path, safe):
+    """Anonymous memory grows by the fp32 model, once (torch.save format), or by one parameter
+    (safetensors, streamed), plus the writer's two locked buffers: only the masters' bytes are read,
+    the optimizer states (three times the model) never are, and no second copy of the model is made."""
     cfg = GPTConfig(vocab=1024, d_model=256, heads=4, layers=16, seq=32, tie=True)
     engine, _, _, _ = zero.initialize(model=GPT(cfg), config=base_config(sub_group_size=1_000_000))
     engine.save_checkpoint(tmp_path / "ckpt")
     model_bytes = 4 * engine.parts.rank_layout.numel
     engine.destroy()
-    run = subprocess.run([sys.executable, "-c", CONVERT_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "o.bin")],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", CONVERT_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "o.bin"),
+                          "1" if safe else "0"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     growth = int(run.stdout.strip().splitlines()[-1])
     assert model_bytes > 50_000_000
-    assert growth < 1.25 * model_bytes, (growth, model_bytes)
+    writer_buffers = 2 * nvmeio.fast_io.DEFAULT_BUFFER_SIZE + (4 << 20)  # + buffers.pt's reader, Python's own
+    largest = 4 * max(s.numel for u in engine.parts.rank_layout.units for s in u.slots)
+    held = largest if safe else model_bytes
+    assert growth < 1.25 * held + writer_buffers, (growth, held, writer_buffers)
+
+
+def test_zero_to_fp32_safe_serialization_streams_the_same_weights(tmp_path):
+    engine, _ = make_engine(tmp_path, "nvme", "bf16")
+    train_engine(engine, make_batches(CFG, 2, 4), 2)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.destroy()
+    (tmp_path / "out").mkdir()
+    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                          "--safe_serialization"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    import safetensors.torch
+    state = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))
+    direct = zero.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert set(state) == set(direct) == set(GPT(CFG).state_dict())
+    assert all(torch.equal(state[k], direct[k]) and state[k].dtype == torch.float32 for k in state)
+    assert oct(os.stat(tmp_path / "out" / "model.safetensors").st_mode & 0o777) == "0o600"
+
+
+def test_save_16bit_model_as_safetensors_streams_each_unit(tmp_path, monkeypatch):
+    engine, model = make_engine(tmp_path, "nvme", "bf16")
+    train_engine(engine, make_batches(CFG, 2, 4), 2)
+    written = []  # (name, number of units gathered so far): each unit is written as soon as it is gathered
+    import nvmeio.safetensors_file as st
+    real_write = st.SafetensorsWriter.write
+    gathers = [0]
+    for unit in engine.parts.units:
+        real_gather = unit.gather
+        def counting(real_gather=real_gather):
+            gathers[0] += 1
+            return real_gather()
+        monkeypatch.setattr(unit, "gather", counting)
+    monkeypatch.setattr(st.SafetensorsWriter, "write",
+                        lambda self, name, t: (written.append((name, gathers[0])), real_write(self, name, t))[1])
+    assert engine.save_16bit_model(tmp_path / "export", "model.safetensors")
+    monkeypatch.undo()
+    import safetensors.torch
+    state = safetensors.torch.load_file(str(tmp_path / "export" / "model.safetensors"))
+    with zero.GatheredParameters(list(model.parameters())):
+        for name, p in model.named_parameters():
+            assert state[name].dtype == torch.bfloat16 and torch.equal(state[name], p.detach())
+    assert set(state) == set(GPT(CFG).state_dict())
+    first_unit_names = [n for s in engine.parts.units[0].layout.slots for n in s.names]
+    assert all(g == 1 for n, g in written if n in first_unit_names)  # written before unit 2 was gathered
+    engine.destroy()

@@ -26,9 +26,10 @@ missing or damaged file leaves weights and counters untouched. An I/O error
 while the checked state is written into the stores leaves the engine
 refusing to run until a checkpoint is loaded again.
 
-NVMe-resident state is part of the checkpoint: each sub-group is read back
-from its swap file (one at a time, so saving needs one sub-group of host
-memory) and written out with the rest.
+NVMe-resident state is part of the checkpoint: each sub-group's shard is
+copied from its swap file file to file (see [Note: sub-group shards are
+safetensors, copied from swap files] in checkpoint_io.py, which moves all the
+bytes of a save or load).
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from nvmeio import SafetensorsReader
-from nvmeio.atomic_file import exchange, fsync_directory, replacing, write_atomically
+from nvmeio import FastFileWriter, SafetensorsReader, SafetensorsWriter
+from nvmeio.atomic_file import exchange, fsync_directory, write_atomically
 
 from .checkpoint_format import (BUFFERS, LATEST, META, OLD_COPY, ShardReader, check_tag, checkpoint_path,
                                 engine_file, meta_dict, rank_dir, read_meta, resolve_tag, sub_group_file,
@@ -438,38 +439,68 @@ def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
-    """Gather every unit (one at a time) and save the module's state_dict in the compute dtype (rank 0)."""
+    """Gather every unit (one at a time) and save the module's state_dict in the compute dtype (rank 0).
+
+    A ``save_filename`` ending in ``.safetensors`` is written streaming: each unit's
+    parameters go to the file as soon as they are gathered, so the model is never
+    whole in memory. Otherwise the state_dict is assembled and written with
+    ``torch.save``. Either way through nvmeio's FastFileWriter, atomically.
+    """
     comm, parts = engine.comm, engine.parts
     if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         log_rank0(comm.rank, (
             "did not save the model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
             "set it to true, or consolidate a checkpoint with zero_to_fp32"), logging.WARNING)
         return False
-    values = {}
-    with torch.no_grad():
-        for unit in parts.units:
-            unit.fwd_refs += 1
-            unit.gather()
-            if comm.rank == 0:
-                for slot, p in zip(unit.layout.slots, unit.params):
-                    if exclude_frozen_parameters and not p.requires_grad:
-                        continue
-                    tensor = p.detach().to("cpu", copy=True)
-                    for name in slot.names:
-                        values[name] = tensor
-            unit.fwd_refs -= 1
-            parts.coordinator.maybe_release(unit)
+    path = os.path.join(save_dir, save_filename)
+    param_names = {n for u in parts.rank_layout.units for s in u.slots for n in s.names}
+    buffers, writer = {}, None
     if comm.rank == 0:
-        param_names = {n for u in parts.rank_layout.units for s in u.slots for n in s.names}
-        state = {}
-        for name, tensor in engine.module.state_dict(keep_vars=True).items():
-            if name in values:
-                state[name] = values[name]
-            elif name not in param_names:  # a buffer
-                state[name] = tensor.detach().cpu()
         os.makedirs(save_dir, mode=engine.config.checkpoint.dir_mode, exist_ok=True)
-        with replacing(os.path.join(save_dir, save_filename), mode=engine.config.checkpoint.file_mode) as tmp:
-            with open(tmp.fd, "wb", closefd=False) as f:
+        buffers = {name: t.detach().cpu() for name, t in engine.module.state_dict(keep_vars=True).items()
+                   if name not in param_names}
+        if save_filename.endswith(".safetensors"):
+            spec = {name: (p.dtype, tuple(slot.shape)) for unit in parts.units
+                    for slot, p in zip(unit.layout.slots, unit.params)
+                    if not (exclude_frozen_parameters and not p.requires_grad) for name in slot.names}
+            spec.update({name: (b.dtype, tuple(b.shape)) for name, b in buffers.items()})
+            writer = SafetensorsWriter(path, spec, {"format": "pt"})
+    values = {}
+    try:
+        with torch.no_grad():
+            for unit in parts.units:
+                unit.fwd_refs += 1
+                unit.gather()
+                if comm.rank == 0:
+                    for slot, p in zip(unit.layout.slots, unit.params):
+                        if exclude_frozen_parameters and not p.requires_grad:
+                            continue
+                        tensor = p.detach().to("cpu", copy=True)
+                        for name in slot.names:
+                            if writer is not None:
+                                writer.write(name, tensor)
+                            else:
+                                values[name] = tensor
+                unit.fwd_refs -= 1
+                parts.coordinator.maybe_release(unit)
+        if writer is not None:
+            for name, b in buffers.items():
+                writer.write(name, b)
+            writer.close()
+        elif comm.rank == 0:
+            state = {}
+            for name in engine.module.state_dict(keep_vars=True):
+                if name in values:
+                    state[name] = values[name]
+                elif name in buffers:
+                    state[name] = buffers[name]
+            with FastFileWriter(path) as f:
                 torch.save(state, f)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if comm.rank == 0 and engine.config.checkpoint.file_mode != 0o600:  # the writers create 0600
+        os.chmod(path, engine.config.checkpoint.file_mode)
     comm.barrier()
     return True
