@@ -10,10 +10,12 @@ rank directory carries an owner marker, an empty directory named
 when the rank directory is created. Opening a rank directory that exists
 already is allowed only from the process that owns it (a parameter swapper
 and an optimizer swapper of one rank share it, each under its own ``name``).
-A live owner gives :class:`SwapDirectoryInUseError`; a dead one, a foreign
-host (whose processes cannot be checked) or no marker at all gives
+A live owner, an owner on another host (a shared mount: its processes
+cannot be checked from here) or no marker at all gives
+:class:`SwapDirectoryInUseError`, and the directory is never deleted: only an
+owner proven dead (a process of this host that is gone) gives
 :class:`StaleSwapDirectoryError` naming the owner and what the directory
-holds. ``remove_stale=True`` deletes such a directory, with a warning, and
+holds, and ``remove_stale=True`` deletes such a directory, with a warning, and
 starts afresh. Files are created empty with mode 0600 (and directories 0700)
 before nvmeio first writes them, so no other user can read training state
 whatever the umask. :meth:`SwapDirectory.cleanup` (also run at garbage
@@ -180,10 +182,13 @@ class SwapDirectory:
                     f"{self.job_id!r}, rank {self.rank}); use another job_id or nvme_path"
                 )
         files, size = _contents(path)
+        # Deleted only when its owner is proven dead: a process of this host that is gone (or
+        # this very process, whose swappers no longer claim it).
+        proven_dead = bool(owners) and all(h == host for h, _ in owners)
         if any(o == (host, os.getpid()) for o in owners):
             who = "this process (an earlier swapper that was not cleaned up, or a reused pid)"
         elif owners:
-            owner_host, pid = owners[0]
+            owner_host, pid = next(((h, p) for h, p in owners if h != host), owners[0])
             who = (
                 f"process {pid} on host {owner_host}, which is no longer running"
                 if owner_host == host
@@ -191,10 +196,17 @@ class SwapDirectory:
             )
         else:
             who = "an unknown owner (no owner marker)"
+        holds = f"it holds {files} files ({format_bytes(size)})"
+        if not proven_dead:
+            raise SwapDirectoryInUseError(
+                f"swap directory {path} already exists, left by {who}; {holds}. That job may still be "
+                f"running (a shared nvme_path), so it is never deleted automatically: if no job uses "
+                f"it, remove it (rm -r {path}); to run jobs side by side on one nvme_path, give each "
+                f"its own job_id (now {self.job_id!r})"
+            )
         message = (
-            f"swap directory {path} already exists, left by {who}; it holds {files} files "
-            f"({format_bytes(size)}). It is neither reused nor deleted automatically: remove it "
-            f"(rm -r {path}) or pass remove_stale=True"
+            f"swap directory {path} already exists, left by {who}; {holds}. It is neither reused nor "
+            f"deleted automatically: remove it (rm -r {path}) or pass remove_stale=True"
         )
         if not remove_stale:
             raise StaleSwapDirectoryError(message)

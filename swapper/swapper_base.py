@@ -104,6 +104,8 @@ class SwapperBase(abc.ABC):
             if self._pool is not None:
                 self._pool.close()
             self.swap_dir.cleanup()
+            for queue in (self._reads, self._writes):  # worker threads and kernel AIO contexts, now
+                queue.handle.close()
 
     close = cleanup
 

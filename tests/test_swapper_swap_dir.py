@@ -95,15 +95,41 @@ def test_directory_of_a_dead_job_is_reported_and_left_alone(tmp_path):
     assert os.path.exists(tmp_path / "job" / "rank0" / "params" / "param_1.swp")
 
 
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_remove_stale_deletes_a_dead_jobs_directory_with_a_warning(tmp_path):
     (tmp_path / "job" / "rank0" / "params").mkdir(parents=True)
+    (tmp_path / "job" / "rank0" / f".owner@{socket.gethostname()}@{_dead_pid()}").mkdir()
     (tmp_path / "job" / "rank0" / "params" / "old.swp").write_bytes(b"x" * 10)
-    with pytest.raises(StaleSwapDirectoryError, match="no owner marker"):
+    with pytest.raises(StaleSwapDirectoryError, match="which is no longer running"):
         SwapDirectory(tmp_path, "job", 0, "params")
     with pytest.warns(UserWarning, match="removing stale swap directory"):
         d = SwapDirectory(tmp_path, "job", 0, "params", remove_stale=True)
     assert os.listdir(d.path) == []
     d.cleanup()
+
+
+@pytest.mark.parametrize("owner", ["another host", "no marker"])
+def test_a_directory_whose_owner_cannot_be_proven_dead_is_never_deleted(tmp_path, owner):
+    rank = tmp_path / "job" / "rank0"
+    (rank / "params").mkdir(parents=True)
+    (rank / "params" / "live.swp").write_bytes(b"x" * 10)
+    if owner == "another host":
+        (rank / f".owner@other-node-7@{os.getpid()}").mkdir()
+        who = f"process {os.getpid()} on host other-node-7, which cannot be checked from {socket.gethostname()}"
+    else:
+        who = "an unknown owner (no owner marker)"
+    for remove_stale in (False, True):
+        with pytest.raises(SwapDirectoryInUseError) as info:
+            SwapDirectory(tmp_path, "job", 0, "params", remove_stale=remove_stale)
+        message = str(info.value)
+        assert who in message and "may still be running" in message and "never deleted" in message
+        assert f"rm -r {rank}" in message and "give each its own job_id (now 'job')" in message
+    assert (rank / "params" / "live.swp").read_bytes() == b"x" * 10
 
 
 def test_directory_of_a_running_job_is_in_use(tmp_path):

@@ -9,9 +9,9 @@ gradient reducer, the optimizer and the hooks.
 """
 from __future__ import annotations
 
-import itertools
+import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -31,7 +31,7 @@ from .partition import RankLayout, build_rank_layout
 from .unit import ParamUnit, plan_units
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_JOB_COUNTER = itertools.count()
+_JOBS_IN_USE: Set[str] = set()  # job ids of this process's live engines
 
 
 @dataclass
@@ -84,12 +84,52 @@ def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
     return shard
 
 
+JOB_ID_ENV = "NVMEIO_JOB_ID"
+
+
+def _job_id(zc) -> str:
+    """``zero_optimization.nvme_job_id``, else $NVMEIO_JOB_ID, else "zero_stage_3"; an engine made
+    while another of the same process holds that id gets ".1", ".2", ..."""
+    base = zc.nvme_job_id or os.environ.get(JOB_ID_ENV) or "zero_stage_3"
+    n = 0
+    while (job_id := base if n == 0 else f"{base}.{n}") in _JOBS_IN_USE:
+        n += 1
+    _JOBS_IN_USE.add(job_id)
+    return job_id
+
+
+def release_job_id(job_id: str) -> None:
+    """The engine holding ``job_id`` is gone (destroyed or collected)."""
+    _JOBS_IN_USE.discard(job_id)
+
+
+def _swap_store(make):
+    """Build an NVMe store; a swap directory another job may own gets a note on how to set the job id."""
+    from swapper import StaleSwapDirectoryError, SwapDirectoryInUseError
+
+    try:
+        return make()
+    except (SwapDirectoryInUseError, StaleSwapDirectoryError) as error:
+        error.message += (f" (set the job id with zero_optimization.nvme_job_id in the config or the "
+                          f"{JOB_ID_ENV} environment variable)")
+        raise
+
+
 def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
                 spec: Optional[OptimizerSpec], timers: Timers) -> EngineParts:
+    job_id = _job_id(config.zero_optimization)
+    try:
+        return _build_parts(module, config, comm, device, spec, timers, job_id)
+    except BaseException:
+        release_job_id(job_id)
+        raise
+
+
+def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
+                 spec: Optional[OptimizerSpec], timers: Timers, job_id: str) -> EngineParts:
     zc = config.zero_optimization
     dtype = DTYPES[config.precision]
     check_no_meta(module)
-    job_id = "zero_stage_3" + ("" if (n := next(_JOB_COUNTER)) == 0 else f".{n}")
     _cast_buffers(module, device, dtype)
 
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
@@ -102,16 +142,17 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
     state_names = adam.state_names if adam is not None else ()
     if spec is not None:
         if opt_dev == "nvme":
-            opt_store = NvmeOptimizerStore(rank_layout, state_names, zc.offload_optimizer, _aio(config), job_id,
-                                           comm.rank, grad_pin=zc.offload_optimizer.pin_memory)
+            opt_store = _swap_store(lambda: NvmeOptimizerStore(
+                rank_layout, state_names, zc.offload_optimizer, _aio(config), job_id, comm.rank,
+                grad_pin=zc.offload_optimizer.pin_memory))
         else:
             home = device if opt_dev == "none" else torch.device("cpu")
             opt_store = FlatOptimizerStore(rank_layout, state_names, home, zc.offload_optimizer.pin_memory)
 
     par_dev = zc.offload_param.device
     if par_dev == "nvme":
-        param_store: ParamStore = NvmeParamStore(rank_layout, dtype, zc.offload_param, _aio(config), job_id,
-                                                 comm.rank)
+        param_store: ParamStore = _swap_store(lambda: NvmeParamStore(
+            rank_layout, dtype, zc.offload_param, _aio(config), job_id, comm.rank))
     else:
         home = device if par_dev == "none" else torch.device("cpu")
         alias = None

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from .build import EngineParts, OptimizerSpec, build_parts
+from .build import EngineParts, OptimizerSpec, build_parts, release_job_id
 from .comm import Comm
 from .config import DeepSpeedConfig
 from .logging import Timers, log_rank0
@@ -39,6 +40,16 @@ def _to_device(value, device: torch.device, cast: Optional[torch.dtype]):
     if isinstance(value, dict):
         return type(value)((k, _to_device(v, device, cast)) for k, v in value.items())
     return value
+
+
+def _release_parts(parts: EngineParts) -> None:
+    try:
+        parts.coordinator.remove()
+        parts.param_store.close()
+        if parts.optimizer_store is not None:
+            parts.optimizer_store.close()
+    finally:
+        release_job_id(parts.job_id)
 
 
 class ZeroEngine(nn.Module):
@@ -62,6 +73,9 @@ class ZeroEngine(nn.Module):
         self._swap_seen = (0.0, 0.0)
         self._closed = False
         self._unusable: Optional[str] = None
+        # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
+        # the callback holds the parts, never the engine.
+        self._finalizer = weakref.finalize(self, _release_parts, self.parts)
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------------
     @property
@@ -219,11 +233,10 @@ class ZeroEngine(nn.Module):
         return save_16bit_model(self, os.fspath(save_dir), save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
-        """Remove the hooks and the swap files; the engine cannot be used afterwards."""
+        """Remove the hooks and the swap files; the engine cannot be used afterwards.
+
+        An engine dropped without it is released the same way when it is collected."""
         if self._closed:
             return
         self._closed = True
-        self.parts.coordinator.remove()
-        self.parts.param_store.close()
-        if self.parts.optimizer_store is not None:
-            self.parts.optimizer_store.close()
+        self._finalizer()

@@ -134,6 +134,15 @@ def file_mode(value: Any) -> int:
     return value
 
 
+def dir_name(value: Any) -> str:
+    """A plain directory name: no separator, not '.' or '..', no NUL."""
+    _reject_auto(value)
+    if (not isinstance(value, str) or not value or value in (".", "..") or "/" in value or "\0" in value
+            or value != value.strip()):
+        fail("dir_name", f"expected a plain directory name (no '/', not '.' or '..'), got {short(value)}")
+    return value
+
+
 def _or_auto(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def validate(value: Any) -> Any:
         if isinstance(value, str) and value == AUTO:
@@ -187,6 +196,7 @@ Betas = _typed(Tuple[float, float], betas, auto=False)
 AutoBetas = _typed(Tuple[float, float], betas, auto=True)
 PathText = _typed(str, path_text, auto=False)
 FileMode = _typed(int, file_mode, auto=False)
+DirName = _typed(str, dir_name, auto=False)
 
 
 def Choice(*options: str, what: str = "value", aliases: dict[str, str] | None = None) -> Any:

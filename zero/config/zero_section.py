@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from .aio import AioConfig
 from .base import StrictModel, problem_error, raise_problems
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
-from .values import ElementCount, Flag, Int, Real, fail, flag, whole_number
+from .values import DirName, ElementCount, Flag, Int, Real, fail, flag, whole_number
 
 SUPPORTED_STAGE = 3
 
@@ -63,6 +63,10 @@ class ZeroConfig(StrictModel):
     """Given here instead of at the top level; the engine reads ``config.aio``."""
     sub_group_size: Int(minimum=1) = 1_000_000_000
     """Elements per optimizer step tile (the NVMe swap granularity)."""
+    nvme_job_id: Optional[DirName] = None
+    """The directory of this job's swap files under each nvme_path (``<nvme_path>/<job>/rank<r>/``);
+    None: the NVMEIO_JOB_ID environment variable, else "zero_stage_3". Jobs sharing an
+    nvme_path (a shared mount) need different ones."""
 
     # communication
     reduce_bucket_size: ElementCount(minimum=1, auto=True) = 500_000_000
