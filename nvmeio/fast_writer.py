@@ -22,8 +22,9 @@ import warnings
 from typing import Optional
 
 from . import _native
+from .atomic_file import TempFile
 from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
-from .file_ops import commit_temp, copy_range, create_temp_beside, open_direct, preallocate
+from .file_ops import copy_range, open_direct, preallocate, temp_beside
 
 __all__ = ["FastFileWriter"]
 
@@ -61,13 +62,13 @@ class FastFileWriter(io.RawIOBase):
         self._io = io if io is not None else FastIO(buffer_size, double_buffer)
         self._fd = -1
         self._copy_fd = -1
-        self._tmp: Optional[str] = None
+        self._tmp: Optional[TempFile] = None
         self._done = False
         try:
             self._io.acquire(self)
             self._bufs = self._io.buffers()
             if self.atomic:
-                self._tmp, self._fd, self.direct = create_temp_beside(self.name)
+                self._tmp, self._fd, self.direct = temp_beside(self.name)
             else:
                 self._fd, self.direct = open_direct(
                     self.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
@@ -177,7 +178,8 @@ class FastFileWriter(io.RawIOBase):
             os.fsync(self._fd)
             self._close_fds()
             if self._tmp is not None:
-                commit_temp(self._tmp, self.name)
+                self._tmp.publish()  # fsync, rename (or link) over the target, fsync the directory
+                self._tmp.close()
                 self._tmp = None
         except BaseException:
             self.abort()
@@ -204,10 +206,7 @@ class FastFileWriter(io.RawIOBase):
         finally:
             self._close_fds()
             if self._tmp is not None:
-                try:
-                    os.unlink(self._tmp)
-                except FileNotFoundError:
-                    pass
+                self._tmp.close()  # an unpublished temporary vanishes
                 self._tmp = None
             self._finish()
 

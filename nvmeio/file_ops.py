@@ -2,12 +2,13 @@
 preallocation, durable renames, in-kernel copies.
 
 [Note: atomic replacement of a file]
-A file is written under a temporary name in the target's own directory
-(``.<name>.<random>.tmp``), created with O_CREAT|O_EXCL|O_NOFOLLOW so that
-nothing already there (a file, a planted symlink) is ever opened or followed,
-mode 0600. Only once every byte is written and fsynced is it renamed over the
-target, and the directory fsynced, so that a crash at any moment leaves
-either the old file or the complete new one under the target's name.
+A file is written as a temporary file in the target's own directory
+(nvmeio.atomic_file: nameless where the file system allows O_TMPFILE, else a
+random name created O_EXCL|O_NOFOLLOW; either way nothing planted there is
+opened or followed; mode 0600). Only once every byte is written and fsynced
+is it put in place of the target, and the directory fsynced, so that a crash
+at any moment leaves either the old file or the complete new one under the
+target's name, and no temporary behind.
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import secrets
 from typing import Tuple
 
-__all__ = ["create_temp_beside", "open_direct", "preallocate", "populate", "fsync_dir", "commit_temp",
-           "copy_range"]
+from .atomic_file import TempFile, create_temp_beside
+
+__all__ = ["temp_beside", "open_direct", "preallocate", "populate", "copy_range"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -42,27 +43,26 @@ def open_direct(path: str, flags: int, mode: int = 0o600) -> Tuple[int, bool]:
     return os.open(path, flags, mode), False
 
 
-def create_temp_beside(path: str, direct: bool = True) -> Tuple[str, int, bool]:
-    """Creates a new, empty temporary file next to ``path`` (see [Note: atomic
-    replacement of a file]), O_DIRECT when ``direct`` and allowed; returns
-    (temporary path, fd, direct)."""
-    directory, name = os.path.split(os.path.abspath(path))
+def temp_beside(path: str, direct: bool = True) -> Tuple[TempFile, int, bool]:
+    """An exclusive temporary file for replacing ``path`` (nvmeio.atomic_file: anonymous where
+    the file system allows, never through a planted symlink, 0600), and a descriptor to write
+    it through, O_DIRECT when ``direct`` and allowed; returns (TempFile, fd, direct).
+    ``TempFile.publish()`` puts it in place; ``TempFile.close()`` alone discards it."""
+    directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, f"directory {directory!r} does not exist", path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-    for _ in range(100):
-        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-        try:
-            if direct:
-                fd, direct = open_direct(tmp, flags)
-            else:
-                fd = os.open(tmp, flags | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            continue
-        return tmp, fd, direct
-    raise FileExistsError(errno.EEXIST, "could not create a unique temporary file", path)
+    tmp = create_temp_beside(path, readable=False)
+    if not direct:
+        return tmp, os.dup(tmp.fd), False
+    try:
+        # The same (possibly nameless) file again, through its /proc/self/fd magic link, direct.
+        fd, direct = open_direct(tmp.io_path, os.O_WRONLY)
+    except BaseException:
+        tmp.close()
+        raise
+    return tmp, fd, direct
 
 
 def preallocate(fd: int, offset: int, length: int, name: str) -> None:
@@ -91,20 +91,6 @@ def populate(ptr: int, length: int) -> None:
     end = (ptr + length) // _PAGE * _PAGE
     if _populate_works and end > start and _libc.madvise(start, end - start, _MADV_POPULATE_WRITE):
         _populate_works = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def commit_temp(tmp: str, path: str) -> None:
-    """Renames a written, fsynced temporary file over ``path`` and makes the rename durable."""
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def copy_range(src_fd: int, dst_fd: int, length: int, src_offset: int = 0,

@@ -13,8 +13,9 @@ import time
 import warnings
 from typing import Optional
 
+from .atomic_file import TempFile
 from .fast_io import FastIOStats
-from .file_ops import commit_temp, copy_range, create_temp_beside
+from .file_ops import copy_range, temp_beside
 
 __all__ = ["PlainFileWriter"]
 
@@ -27,9 +28,9 @@ class PlainFileWriter(io.RawIOBase):
         self.name = os.fspath(path)
         self.atomic = bool(atomic)
         self.stats = stats if stats is not None else FastIOStats()
-        self._tmp: Optional[str] = None
+        self._tmp: Optional[TempFile] = None
         if self.atomic:
-            self._tmp, self._fd, _ = create_temp_beside(self.name, direct=False)
+            self._tmp, self._fd, _ = temp_beside(self.name, direct=False)
         else:
             self._fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                                | os.O_CLOEXEC, 0o600)
@@ -90,7 +91,8 @@ class PlainFileWriter(io.RawIOBase):
                 os.close(self._fd)
                 self._fd = -1
                 if self._tmp is not None:
-                    commit_temp(self._tmp, self.name)
+                    self._tmp.publish()
+                    self._tmp.close()
                     self._tmp = None
             except BaseException:
                 self.abort()
@@ -109,10 +111,7 @@ class PlainFileWriter(io.RawIOBase):
             os.close(self._fd)
             self._fd = -1
         if self._tmp is not None:
-            try:
-                os.unlink(self._tmp)
-            except FileNotFoundError:
-                pass
+            self._tmp.close()  # an unpublished temporary vanishes
             self._tmp = None
 
     def __exit__(self, exc_type, exc, tb) -> None:
