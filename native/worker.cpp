@@ -350,6 +350,10 @@ void Worker::fail_everything(const std::string& why) {
     finish_slice_if_done(sp.get());
   }
   active_.clear();
+  // Slices not yet activated when the round broke (moved-from ones have no op).
+  for (Slice& sl : incoming_)
+    if (sl.op) refuse(sl, why);
+  incoming_.clear();
   try {
     engine_ = make_engine(cfg_.engine, cfg_.queue_depth, cfg_.single_submit);
     for (auto& r : regions_) engine_->add_buffer(r.p, r.len);
@@ -360,11 +364,11 @@ void Worker::fail_everything(const std::string& why) {
   }
 }
 
-// No engine (see [Note: an engine that breaks]): slices fail as they come.
-void Worker::refuse(Slice& sl) {
+// Fails a slice that never reached the engine (see [Note: an engine that breaks]).
+void Worker::refuse(Slice& sl, const std::string& why) {
   Op& op = *sl.op;
   op.fail(IoError(EIO, op.file ? op.file->path() : "", op.offset, op.nbytes,
-                  "I/O engine failure: " + broken_));
+                  "I/O engine failure: " + why));
   ++local_.slices;
   if (op.slices_left.fetch_sub(1, std::memory_order_acq_rel) == 1) sink_->op_done(sl.op);
 }
@@ -411,7 +415,7 @@ void Worker::round(std::vector<Completion>& events, std::vector<Request>& batch)
   }
   commands_.clear();
   if (!engine_) {
-    for (Slice& sl : incoming_) refuse(sl);
+    for (Slice& sl : incoming_) refuse(sl, broken_);
     incoming_.clear();
     return;
   }

@@ -69,7 +69,7 @@ class Worker {
   void round(std::vector<Completion>& events, std::vector<Request>& batch);
   void activate(Slice sl);
   void fail_everything(const std::string& why);
-  void refuse(Slice& sl);
+  void refuse(Slice& sl, const std::string& why);
   void back_off();
   void publish_stats();
   bool next_request(Request* out);
