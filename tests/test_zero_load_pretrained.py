@@ -144,8 +144,10 @@ def test_saved_by_our_streaming_writer_reloads_bit_identical(tmp_path):
     zero.load_pretrained(again, tmp_path / "saved")
     reloaded = gathered(again)
     assert all(torch.equal(reloaded[n], v) for n, v in original.items())
-    engine, _, _, _ = zero.initialize(model=again, config=config)  # and out of an engine, in bf16
-    zero.save_pretrained(engine, tmp_path / "bf16", dtype=torch.bfloat16)
+    engine, _, _, _ = zero.initialize(model=again, config=config)  # out of an engine, in bf16, sharded
+    index = zero.save_pretrained(engine, tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size=10_000)
+    assert index.endswith("model.safetensors.index.json")
+    assert len([f for f in os.listdir(tmp_path / "bf16") if f.endswith(".safetensors")]) > 2
     engine.destroy()
     plain = GPT(CFG)
     zero.load_pretrained(plain, tmp_path / "bf16")

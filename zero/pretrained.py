@@ -18,13 +18,14 @@ Everything is checked before the first value is written (all-or-nothing):
 every tensor's shape and dtype, and with ``strict`` (the default) that the
 checkpoint and the model hold the same names.
 
-``zero.save_pretrained(model, directory)`` is the way back: one
-``model.safetensors`` written by ``nvmeio.SafetensorsWriter``, one gathered
-parameter at a time, that ``load_pretrained`` (and transformers'
+``zero.save_pretrained(model, directory)`` is the way back: safetensors files
+(sharded with an index past ``max_shard_size``) written by
+``nvmeio.SafetensorsWriter``, one gathered parameter at a time, that ``load_pretrained`` (and transformers'
 ``from_pretrained``, with the model's ``config.json``) reads back bit-identical.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -193,11 +194,27 @@ def load_pretrained(model: nn.Module, path_or_dir, strict: bool = True) -> LoadR
     return LoadResult(missing, unexpected, len(plan))
 
 
-def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = None) -> str:
-    """Write ``model``'s parameters and persistent buffers to ``directory/model.safetensors``, one
+def _shards(sizes: List[Tuple[str, int]], max_bytes: int) -> List[List[str]]:
+    """Names in order, cut into runs of at most ``max_bytes`` (a larger tensor is a shard alone)."""
+    shards: List[List[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if shards[-1] and used + nbytes > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards
+
+
+def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = None,
+                    max_shard_size: int = 5_000_000_000) -> str:
+    """Write ``model``'s parameters and persistent buffers as safetensors in ``directory``, one
     tensor at a time (each gathered from its partitions, then dropped); ``dtype`` casts floating-point
-    tensors. Every rank must call it; rank 0 writes. A Hugging Face model's config is saved beside it.
-    Returns the file's path."""
+    tensors. Files of at most ``max_shard_size`` bytes: ``model.safetensors`` if one is enough, else
+    ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` (Hugging Face's layout;
+    transformers maps each file whole, which fails for a file larger than memory). Every rank must
+    call it; rank 0 writes. A Hugging Face model's config is saved beside. Returns the file or index."""
     from nvmeio import SafetensorsWriter
 
     from .gathered import GatheredParameters
@@ -205,7 +222,7 @@ def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = 
     module = getattr(model, "module", model) if hasattr(model, "parts") else model
     directory = os.fspath(directory)
     comm = init_distributed()
-    tensors: Dict[str, Tuple[torch.nn.Module, str, bool]] = {}
+    tensors: Dict[str, _Target] = {}
     seen = set()
     for name, target in _targets(module).items():
         t = target.tensor()
@@ -216,24 +233,43 @@ def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = 
     def out_dtype(t: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
-    writer = None
+    def nbytes(target: _Target) -> int:
+        numel = 1
+        for d in target.shape():
+            numel *= d
+        return numel * torch.empty(0, dtype=out_dtype(target.tensor())).element_size()
+
+    shards = _shards([(n, nbytes(t)) for n, t in tensors.items()], max_shard_size)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if comm.rank == 0:
         os.makedirs(directory, exist_ok=True)
-        spec = {n: (out_dtype(t.tensor()), t.shape()) for n, t in tensors.items()}
-        writer = SafetensorsWriter(os.path.join(directory, "model.safetensors"), spec, metadata={"format": "pt"})
-    try:
-        for name, target in tensors.items():
-            t = target.tensor()
-            with GatheredParameters([t] if target.is_param else []):
-                if writer is not None:
-                    writer.write(name, t.detach().to(out_dtype(t)).contiguous())
-        if writer is not None:
-            writer.close()
-            writer = None
-    finally:
-        if writer is not None:
-            writer.abort()
+    for file, shard in zip(names, shards):
+        writer = None
+        if comm.rank == 0:
+            spec = {n: (out_dtype(tensors[n].tensor()), tensors[n].shape()) for n in shard}
+            writer = SafetensorsWriter(os.path.join(directory, file), spec, metadata={"format": "pt"})
+        try:
+            for name in shard:
+                target = tensors[name]
+                t = target.tensor()
+                with GatheredParameters([t] if target.is_param else []):
+                    if writer is not None:
+                        writer.write(name, t.detach().to(out_dtype(t)).contiguous())
+            if writer is not None:
+                writer.close()
+                writer = None
+        finally:
+            if writer is not None:
+                writer.abort()
+    result = os.path.join(directory, names[0])
+    if comm.rank == 0 and len(shards) > 1:
+        result = os.path.join(directory, "model.safetensors.index.json")
+        index = {"metadata": {"total_size": sum(nbytes(t) for t in tensors.values())},
+                 "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
+        with open(result, "w") as f:
+            json.dump(index, f, indent=2)
     config = getattr(module, "config", None)
     if comm.rank == 0 and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)
-    return os.path.join(directory, "model.safetensors")
+    return result
