@@ -790,6 +790,7 @@ def sec_directory(ctx, d):
 def sec_sigterm(ctx, d):
     code = ("import os, signal, threading, numpy, nvmeio\n"
             "from nvmeio import faults\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the launcher set\n"
             "h = nvmeio.aio_handle(block_size=1 << 20, backend='psync')\n"
             "faults.arm(delay_us=20000)\n"
             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"

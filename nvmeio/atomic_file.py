@@ -17,8 +17,10 @@ system allows it (ext4, XFS, btrfs, tmpfs): it has no name at all until
 process killed at any point (SIGTERM, SIGKILL, a crash) leaves nothing
 behind. Elsewhere it gets a random name, created ``O_CREAT | O_EXCL |
 O_NOFOLLOW`` (an existing file or symlink there is refused, never followed)
-and removed on failure. Either way the new file is 0600 and the final step
-is a ``rename`` over the target, atomic on POSIX file systems.
+and removed on failure (a process killed before that leaves it behind: only
+the nameless form is proof against SIGKILL). Either way the new file is 0600
+and the final step is a ``rename`` over the target, atomic on POSIX file
+systems.
 
 ``io_path`` names the open temporary file for APIs that take a path
 (``/proc/self/fd/N``: a magic link to this very file, which nothing can

@@ -141,6 +141,7 @@ def test_sigterm_during_write_leaves_no_temporary_file(nvme_dir):
     # process dies at once, no Python cleanup) arrives in the middle of it.
     code = ("import os, signal, threading, numpy, nvmeio\n"
             "from nvmeio import faults\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the launcher set\n"
             "h = nvmeio.aio_handle(block_size=1 << 20, backend='psync')\n"
             "faults.arm(delay_us=20000)\n"
             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
