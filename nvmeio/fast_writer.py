@@ -129,38 +129,76 @@ class FastFileWriter(io.RawIOBase):
             raise
         return n
 
-    def copy_from(self, source, length: int, offset: int = 0) -> None:
-        """Appends ``length`` bytes of file ``source`` (a path or an open fd, left
-        open) starting at ``offset``, moved file to file inside the kernel
-        (``copy_file_range``: a reflink where the file system shares blocks),
-        never through Python memory. See ``file_ops.copy_range`` for the fallback.
+    def copy_from(self, source, length: int, offset: int = 0, via: str = "buffers") -> None:
+        """Appends ``length`` bytes of file ``source`` (a path, or an open fd left open)
+        starting at ``offset``, never through Python objects.
+
+        ``via="buffers"`` (default): read O_DIRECT into this writer's locked buffers
+        and written O_DIRECT from them, the read of one buffer overlapping the write
+        of the other (see [Note: copying through the buffers]). ``via="kernel"``:
+        ``copy_file_range`` (a reflink where the file system shares blocks, else a
+        page-cache copy inside the kernel; ``file_ops.copy_range`` falls back to
+        pread/pwrite where the call is refused).
         """
         self._check_open()
         if length < 0 or offset < 0:
             raise ValueError(f"length and offset must be non-negative, got {length}, {offset}")
+        if via not in ("buffers", "kernel"):
+            raise ValueError(f"via must be 'buffers' or 'kernel', got {via!r}")
         t0 = time.perf_counter()
+        own = not isinstance(source, int)
+        src = -1
         try:
             if self._fill:
                 self._submit(last=True)  # what was written before lands first
             elif self._pending:
                 self._io.handle.wait()
                 self._pending = False
-            if self._copy_fd < 0:
-                # The O_DIRECT descriptor would need aligned copies: a buffered one of the same file.
-                self._copy_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
-            own = not isinstance(source, int)
-            src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if own else source
-            try:
+            if via == "kernel":
+                if self._copy_fd < 0:
+                    # The O_DIRECT descriptor would need aligned copies: a buffered one of the same file.
+                    self._copy_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)
+                src = os.open(source, os.O_RDONLY | os.O_CLOEXEC) if own else source
                 copy_range(src, self._copy_fd, length, offset, self._base)
-            finally:
-                if own:
-                    os.close(src)
+            else:
+                src = open_direct(os.fspath(source), os.O_RDONLY)[0] if own else source
+                self._copy_through_buffers(src, length, offset)
         except BaseException:
             self.abort()
             raise
+        finally:
+            if own and src >= 0:
+                os.close(src)
         self._base += length
         self._io.stats.bytes_copied += length
         self._io.stats.copy_seconds += time.perf_counter() - t0
+
+    def _copy_through_buffers(self, src: int, length: int, offset: int) -> None:
+        """[Note: copying through the buffers]
+        On file systems without shared blocks (ext4), ``copy_file_range`` copies
+        through the page cache and the data must then be fsynced: measured here
+        0.4-1.1 GiB/s. Reading the source O_DIRECT into the locked buffers while
+        the previous buffer is written O_DIRECT keeps both directions of the disk
+        busy without the page cache (measured 1.3 GiB/s on the same files)."""
+        handle, bufs, size = self._io.handle, self._bufs, self._size
+        if length == 0:
+            return
+        handle.sync_pread(bufs[0][:min(size, length)], src, offset)
+        cur, done = 0, 0
+        while done < length:
+            k = min(size, length - done)
+            preallocate(self._fd, self._base + done, k, self.name)
+            handle.async_pwrite(bufs[cur][:k], self._fd, self._base + done)
+            nxt = done + k
+            if nxt < length and len(bufs) > 1:
+                handle.async_pread(bufs[cur ^ 1][:min(size, length - nxt)], src, offset + nxt)
+            handle.wait()
+            if nxt < length:
+                if len(bufs) > 1:
+                    cur ^= 1
+                else:
+                    handle.sync_pread(bufs[0][:min(size, length - nxt)], src, offset + nxt)
+            done = nxt
 
     def close(self) -> None:
         """Writes the rest, fsyncs and (atomic) renames over ``path``; idempotent."""

@@ -62,8 +62,9 @@ class PlainFileWriter(io.RawIOBase):
             raise
         return len(memoryview(data).cast("B"))
 
-    def copy_from(self, source, length: int, offset: int = 0) -> None:
-        """Appends ``length`` bytes of ``source`` (path or fd) from ``offset`` (copy_file_range)."""
+    def copy_from(self, source, length: int, offset: int = 0, via: str = "kernel") -> None:
+        """Appends ``length`` bytes of ``source`` (path or fd) from ``offset`` (copy_file_range;
+        ``via`` is accepted for the FastFileWriter interface: this writer has no buffers)."""
         self._check_open()
         t0 = time.perf_counter()
         own = not isinstance(source, int)

@@ -172,11 +172,11 @@ class SafetensorsWriter:
         self._file.write(_as_bytes(tensor))
         self._next += 1
 
-    def copy_from(self, name: str, source, offset: int = 0) -> None:
+    def copy_from(self, name: str, source, offset: int = 0, **how) -> None:
         """The next declared tensor's bytes, from file ``source`` (path or fd) at ``offset``,
-        moved inside the kernel (see ``FastFileWriter.copy_from``)."""
+        file to file (see ``FastFileWriter.copy_from``; ``how`` is passed on)."""
         info = self._expect(name)
-        self._file.copy_from(source, info.nbytes, offset)
+        self._file.copy_from(source, info.nbytes, offset, **how)
         self._next += 1
 
     def close(self) -> None:

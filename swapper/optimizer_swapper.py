@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from nvmeio.file_ops import copy_range
 
 from .aio_config import AioConfig
 from .async_swapper import AsyncTensorSwapper, SwapOutTicket
@@ -260,46 +259,44 @@ class PartitionedOptimizerSwapper(SwapperBase):
 
     @property
     def can_import(self) -> bool:
-        """Whether :meth:`import_state` may fill swap files (not with checksums on: the
-        copied bytes would have no recorded checksum)."""
-        return self._checksums is None
+        """Whether :meth:`import_state` may be used (always: the state is written through
+        the pool like any swap-out, checksums included)."""
+        return True
 
-    def import_state(self, sub_group_id: int, sources: Mapping[str, Tuple[str, int]]) -> None:
-        """Replaces a sub-group's state with bytes of other files, copied file to file in
-        the kernel (``copy_file_range``), never through host memory: ``sources`` maps
-        ``"master"`` and every state name to ``(path, byte offset)`` of its
-        ``numel * itemsize`` bytes (a checkpoint's tensor data)."""
+    def import_state(self, sub_group_id: int, sources: Mapping[str, Tuple[str, int]],
+                     write: bool = True) -> SubGroupTensors:
+        """Replaces a sub-group's state with bytes of other files (a checkpoint's tensor
+        data), never through torch tensors: ``sources`` maps ``"master"`` and every state
+        name to ``(path, byte offset)`` of its ``numel * itemsize`` bytes. They are read
+        straight into the sub-group's pool buffer (O_DIRECT, one op each, in parallel)
+        and written out as one swap-out; ``write=False`` leaves the sub-group in host
+        memory instead (the returned tensors; :meth:`swap_out` it when done)."""
         g = self._group(sub_group_id)
         wanted = {"master", *self.state_names}
         if set(sources) != wanted:
             raise ValueError(f"import_state needs sources for exactly {sorted(wanted)}, got {sorted(sources)}")
-        if not self.can_import:
-            raise SwapStateError("import_state is not available with checksums on; use initialize()")
         if g.state in (SubGroupState.READING, SubGroupState.WRITING):
             self.synchronize()
-        if g.state is SubGroupState.AVAILABLE:
-            self._evict(g)  # the copy in host memory is replaced
-        self._check_space()
-        path = self.swap_dir.create(g.file_name)
-        offsets = self._offsets(g.layout)
-        dst = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        if g.buffer is None:
+            g.buffer = self._acquire(g)
+        lay, offsets = g.layout, self._offsets(g.layout)
+        g.state, g.read_grad = SubGroupState.READING, False
+        for name, (src_path, src_offset) in sources.items():
+            view = g.buffer.bytes()[offsets[name]:offsets[name] + lay.tensor_bytes]
+            self._reads.submit(IoKind.READ, view, os.fspath(src_path), src_offset, lambda error: None)
         try:
-            for name, (src_path, src_offset) in sources.items():
-                src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    copy_range(src, dst, g.layout.tensor_bytes, src_offset, offsets[name])
-                finally:
-                    os.close(src)
-            if os.fstat(dst).st_size < g.layout.written_bytes:  # reads take the padding too
-                os.ftruncate(dst, g.layout.written_bytes)
+            self._wait(self._reads, None)
         except BaseException:
-            g.state = SubGroupState.UNWRITTEN  # the file is undefined now
+            self._evict(g)  # the swap file still holds the previous state
             raise
-        finally:
-            os.close(dst)
-        g.state = SubGroupState.ON_NVME
+        g.state = SubGroupState.AVAILABLE
         g.grad_ranges.clear()
         g.grad_tickets.clear()
+        tensors = self._tensors(g, with_grad=False)
+        if write:
+            self._begin_write(g)
+            self._wait(self._writes, None)
+        return tensors
 
     @staticmethod
     def _offsets(layout: SubGroupLayout) -> Dict[str, int]:

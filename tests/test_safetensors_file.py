@@ -84,7 +84,8 @@ def test_read_into_existing_tensor_and_non_contiguous_write(tmp_path):
             r.get_tensor("u")
 
 
-def test_copy_from_another_file_in_the_kernel(tmp_path):
+@pytest.mark.parametrize("via", ["buffers", "kernel"])
+def test_copy_from_another_file(tmp_path, via):
     src = tmp_path / "swap.bin"
     payload = torch.randn(10_000)
     src.write_bytes(b"\0" * 4096 + payload.numpy().tobytes())
@@ -92,7 +93,7 @@ def test_copy_from_another_file_in_the_kernel(tmp_path):
     with SafetensorsWriter(path, {"a": (torch.int8, (3,)), "b": (torch.float32, (10_000,)),
                                   "c": (torch.float32, (2,))}, buffer_size=8192) as w:
         w.write("a", torch.tensor([1, 2, 3], dtype=torch.int8))
-        w.copy_from("b", str(src), 4096)
+        w.copy_from("b", str(src), 4096, via=via)  # lands at an unaligned offset of the file
         w.write("c", torch.tensor([5.0, 6.0]))
     back = safetensors.torch.load_file(str(path))
     assert torch.equal(back["b"], payload) and back["c"].tolist() == [5.0, 6.0]

@@ -287,11 +287,13 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
             if numel != sg.numel:
                 raise ValueError(f"checkpoint shard {path}: {k!r} holds {numel} elements, sub-group "
                                  f"{sg.index} has {sg.numel}")
-        imported = load_states and store.import_state(
-            sg, {k: (path, shard.data_start + shard.info(k).begin) for k in keys})
-        master = shard.get_tensor("master")
-        if store is not None and not imported:
-            store.load(sg, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
+        master = None
+        if load_states:  # the whole state, read straight into the store's swap buffer
+            master = store.import_state(sg, {k: (path, shard.data_start + shard.info(k).begin) for k in keys})
+        if master is None:
+            master = shard.get_tensor("master")
+            if store is not None:
+                store.load(sg, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
     return master
 
 

@@ -8,11 +8,15 @@ atomically; ``type: python`` writes with plain buffered file I/O.
 [Note: sub-group shards are safetensors, copied from swap files]
 A sub-group's shard holds its fp32 ``master`` and optimizer states as one
 safetensors file whose data starts on a 4096-byte boundary. When the state
-lives in NVMe swap files (``offload_optimizer.device: nvme``), its bytes are
-copied from the swap file into the shard inside the kernel
-(``copy_file_range``), never through host memory; a load on the same layout
-copies them back the same way (``import_state``). Otherwise tensors are
-written from memory through the writer.
+lives in NVMe swap files (``offload_optimizer.device: nvme``), its bytes go
+from the swap file into the shard file to file, never through torch tensors:
+with ``type: fast`` read O_DIRECT into the writer's locked buffers and
+written O_DIRECT (measured 2-3x faster on ext4 than ``copy_file_range``,
+which copies through the page cache and must then be fsynced); with
+``type: python`` by ``copy_file_range`` (a reflink where the file system
+shares blocks). A load on the same layout reads the shard's bytes straight
+into the swapper's pool buffer and writes them out as a swap-out
+(``import_state``). Otherwise tensors are written from memory.
 """
 from __future__ import annotations
 

@@ -75,10 +75,11 @@ class OptimizerStore(abc.ABC):
         state lives in a file that a checkpoint can copy file to file; else None."""
         return None
 
-    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> bool:
-        """Fill the sub-group from (path, offset) of each tensor's bytes, file to file;
-        False when this store cannot (the caller then uses :meth:`load`)."""
-        return False
+    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
+        """Fill the sub-group from (path, offset) of each tensor's bytes, file to file, and
+        return a copy of its master; None when this store cannot (the caller then uses
+        :meth:`load`)."""
+        return None
 
     def close(self) -> None:
         pass
@@ -229,11 +230,13 @@ class NvmeOptimizerStore(OptimizerStore):
         finally:
             self.io_seconds += time.perf_counter() - t0
 
-    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> bool:
+    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
         if not sub_group.numel or not self.swapper.can_import:
-            return False
-        self.swapper.import_state(sub_group.index, sources)
-        return True
+            return None
+        tensors = self.swapper.import_state(sub_group.index, sources, write=False)
+        master = tensors.master.clone()  # a memory copy: cheaper than reading the file again
+        self.swapper.swap_out(sub_group.index, async_op=True)
+        return master
 
     @property
     def swap_dir(self) -> str:
