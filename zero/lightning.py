@@ -194,6 +194,11 @@ class ZeroStrategy(DDPStrategy):
                                    offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
                                    offload_optimizer_device="nvme")
 
+    def setup_distributed(self) -> None:
+        if self.num_processes * self.num_nodes > 1:
+            return super().setup_distributed()
+        self.set_world_ranks()  # one process: no process group, no MASTER_* variables left behind
+
     # -- building the engine ----------------------------------------------------------------------
     @contextlib.contextmanager
     def model_sharded_context(self):
