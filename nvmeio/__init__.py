@@ -23,18 +23,22 @@ except ImportError as _e:
     raise
 
 from . import faults
-from .aio_handle import ValidationError, aio_handle, available_backends
-from .errors import AioError, ShortReadError
+from .aio_handle import aio_handle
+from .backend_choice import available_backends
+from .errors import AioError, ShortReadError, ValidationError
 from .fast_io import FastIO
 from .fast_reader import FastFileReader
 from .fast_writer import FastFileWriter
 from .safetensors_file import SafetensorsError, SafetensorsReader, SafetensorsWriter
 from .gds_handle import gds_handle, gds_unavailable_reason
+from .handle_choice import new_handle
+from .settings import AioSettings
 
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
-           "ShortReadError", "ValidationError", "FastIO", "FastFileWriter", "FastFileReader",
-           "SafetensorsWriter", "SafetensorsReader", "SafetensorsError", "__version__"]
+           "AioSettings", "new_handle", "ShortReadError", "ValidationError", "FastIO",
+           "FastFileWriter", "FastFileReader", "SafetensorsWriter", "SafetensorsReader",
+           "SafetensorsError", "__version__"]
 
 
 def _raise_open_file_limit() -> None:

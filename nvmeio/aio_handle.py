@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import os
 import stat
 import threading
@@ -25,49 +24,22 @@ import warnings
 from typing import Any, Callable, Optional
 
 from . import _native, atomic_file
-from .backend_choice import fastest_backend
+from .backend_choice import resolve_backend
 from .buffers import DeviceBuffer, IoBuffer, as_io_buffer
 from .cuda_staging import StagingConfig, StagingEngine
-from .errors import AioError, make_error
+from .env import env_flag
+from .errors import make_error
+from .file_checks import compare_with_file
 from .locked import LockedTensors
+from .settings import AioSettings
 
-__all__ = ["aio_handle", "available_backends", "ValidationError"]
+__all__ = ["aio_handle"]
 
 PathLike = "str | os.PathLike[str] | int"
-
-
-class ValidationError(AioError):
-    """``validate=True`` found the file and the buffer differ."""
-
-
-@functools.lru_cache(maxsize=None)
-def _probed_backends() -> tuple[str, ...]:
-    # Probing sets up and tears down a ring and an AIO context (~30 ms); what
-    # the kernel allows does not change while the process runs.
-    return tuple(_native.available_backends())
-
-
-def available_backends() -> list[str]:
-    """Backends this build has and this kernel allows (io_uring, aio, psync order)."""
-    return list(_probed_backends())
-
-
-# Largest settings the core accepts. block_size: a worker may hold two bounce
-# buffers of it, and the kernel moves at most ~2 GiB per request anyway;
-# queue_depth: io_uring's ring limit; intra_op_parallelism: threads per handle.
-MAX_BLOCK_SIZE = 256 << 20
-MAX_QUEUE_DEPTH = 32768
-MAX_INTRA_OP_PARALLELISM = 1024
+_DEFAULTS = AioSettings()
+_VALIDATE_PIECE = 64 << 20  # bytes compared per step by validate=True
 _MAX_OFFSET = (1 << 63) - 1     # off_t
 _MAX_FD = (1 << 31) - 1
-
-
-def _positive_int(name: str, value: Any, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if value > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
-    return value
 
 
 def path_arg(name: str, value: Any) -> str:
@@ -98,23 +70,6 @@ def _is_fd(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _resolve_backend(backend: str) -> str:
-    available = available_backends()
-    if backend == "auto":
-        return fastest_backend()
-    if backend not in available:
-        raise ValueError(f"backend {backend!r} is not available here; available backends: "
-                         f"{', '.join(available)}")
-    return backend
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
 class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
     """Asynchronous file I/O handle (DeepSpeed ``aio_handle`` compatible).
 
@@ -128,22 +83,30 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         backend: "auto" (the fastest available, measured once per process; see
             nvmeio.backend_choice), "io_uring", "aio" (kernel AIO) or "psync".
 
-    Environment: ``NVMEIO_BACKEND`` fixes what "auto" means; ``NVMEIO_DIRECT_IO=0`` turns O_DIRECT off (buffered I/O +
-    fdatasync, as on a file system that refuses O_DIRECT); ``NVMEIO_MLOCK=0``
-    makes ``new_cpu_locked_tensor`` skip mlock.
+    Environment (read by nvmeio.env; flags take 0/1, false/true, no/yes,
+    off/on): ``NVMEIO_BACKEND`` fixes what "auto" means; ``NVMEIO_DIRECT_IO=0``
+    turns O_DIRECT off (buffered I/O + fdatasync, as on a file system that
+    refuses O_DIRECT); ``NVMEIO_MLOCK=0`` makes ``new_cpu_locked_tensor`` skip
+    mlock. The defaults and bounds are :class:`nvmeio.AioSettings`'.
     """
 
-    def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
-                 single_submit: bool = False, overlap_events: bool = False,
-                 intra_op_parallelism: int = 1, backend: str = "auto"):
-        self._block_size = _positive_int("block_size", block_size, MAX_BLOCK_SIZE)
-        self._queue_depth = _positive_int("queue_depth", queue_depth, MAX_QUEUE_DEPTH)
-        self._intra_op_parallelism = _positive_int("intra_op_parallelism", intra_op_parallelism,
-                                                   MAX_INTRA_OP_PARALLELISM)
-        self._single_submit = bool(single_submit)
-        self._overlap_events = bool(overlap_events)
-        self._backend = _resolve_backend(backend)
-        self._direct_io = _env_flag("NVMEIO_DIRECT_IO", True)
+    def __init__(self, block_size: int = _DEFAULTS.block_size,
+                 queue_depth: int = _DEFAULTS.queue_depth,
+                 single_submit: bool = _DEFAULTS.single_submit,
+                 overlap_events: bool = _DEFAULTS.overlap_events,
+                 intra_op_parallelism: int = _DEFAULTS.intra_op_parallelism,
+                 backend: str = _DEFAULTS.backend):
+        settings = AioSettings(block_size=block_size, queue_depth=queue_depth,
+                               single_submit=bool(single_submit),
+                               overlap_events=bool(overlap_events),
+                               intra_op_parallelism=intra_op_parallelism, backend=backend)
+        self._block_size = settings.block_size
+        self._queue_depth = settings.queue_depth
+        self._intra_op_parallelism = settings.intra_op_parallelism
+        self._single_submit = settings.single_submit
+        self._overlap_events = settings.overlap_events
+        self._backend = resolve_backend(settings.backend)
+        self._direct_io = env_flag("NVMEIO_DIRECT_IO", True)
         self._native = self._new_native()
         self._device_ops = None  # device (CUDA) ops: created on the first one
         self._lock = threading.Lock()
@@ -181,6 +144,9 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
             raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
         target = _fd_arg("filename", filename) if _is_fd(filename) else path_arg("filename", filename)
+        if validate and isinstance(target, int):
+            # Refused before anything is submitted: the check re-reads the file by its path.
+            raise ValueError("validate=True needs a path, not a file descriptor")
         io = as_io_buffer(buffer, writable=not write)
         if file_offset > _MAX_OFFSET - io.nbytes:
             raise ValueError(f"file_offset {file_offset} is out of range: the op would end past "
@@ -202,8 +168,6 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 self._inflight.remove(io)
             raise
         if validate:
-            if path is None:
-                raise ValueError("validate=True needs a path, not a file descriptor")
             with self._lock:
                 self._checks.append(lambda: _validate(io, path, file_offset))
         if not self._warned_buffered and self._native.refused_direct():
@@ -214,8 +178,6 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
 
     def _submit_device(self, write: bool, io: DeviceBuffer, target: "str | int", file_offset: int,
                        validate: bool) -> None:
-        if isinstance(target, int) and validate:
-            raise ValueError("validate=True needs a path, not a file descriptor")
         self._device_engine().submit(write, io, target, file_offset, validate)
 
     def async_pread(self, buffer: Any, filename: PathLike = None, file_offset: int = 0, *,
@@ -488,13 +450,5 @@ def _async_kwarg(async_op: bool, kwargs: dict) -> bool:
 
 def _validate(io: IoBuffer, path: str, offset: int) -> None:
     """Re-reads the file range through the page cache and compares bytes."""
-    expected = ctypes.string_at(io.ptr, io.nbytes)
-    with open(path, "rb") as f:
-        f.seek(offset)
-        actual = f.read(io.nbytes)
-    if actual != expected:
-        at = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b), len(actual))
-        exc = ValidationError(errno.EIO, f"validation failed: file and buffer differ at byte {at}",
-                              path)
-        exc.offset, exc.length = offset, io.nbytes
-        raise exc
+    compare_with_file(path, offset, io.nbytes, lambda at, n: ctypes.string_at(io.ptr + at, n),
+                      _VALIDATE_PIECE)

@@ -17,6 +17,7 @@ io_uring, aio, psync order.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -24,8 +25,9 @@ import time
 import warnings
 
 from . import _native
+from .env import env_flag, env_str
 
-__all__ = ["fastest_backend", "measure_backends"]
+__all__ = ["available_backends", "fastest_backend", "measure_backends", "resolve_backend"]
 
 _chosen: str | None = None
 _SMALL = 64 * 1024
@@ -33,29 +35,53 @@ _BIG = 8 << 20
 MARGIN = 0.15
 
 
-def _one_round(backend: str, path: str, buf) -> float:
-    from .aio_handle import aio_handle  # noqa: PLC0415 - avoids an import cycle
+@functools.lru_cache(maxsize=None)
+def _probed_backends() -> tuple[str, ...]:
+    # Probing sets up and tears down a ring and an AIO context (~30 ms); what
+    # the kernel allows does not change while the process runs.
+    return tuple(_native.available_backends())
 
-    h = aio_handle(queue_depth=32, intra_op_parallelism=1, backend=backend)
+
+def available_backends() -> list[str]:
+    """Backends this build has and this kernel allows (io_uring, aio, psync order)."""
+    return list(_probed_backends())
+
+
+def resolve_backend(backend: str) -> str:
+    """The backend a handle asked for ``backend`` uses; ValueError if it is not here."""
+    if backend == "auto":
+        return fastest_backend()
+    available = available_backends()
+    if backend not in available:
+        raise ValueError(f"backend {backend!r} is not available here; available backends: "
+                         f"{', '.join(available)}")
+    return backend
+
+
+def _one_round(backend: str, path: str, buf) -> float:
+    # The native handle directly (an aio_handle would resolve "auto" through this module).
+    h = _native.Handle(block_size=1 << 20, queue_depth=32, single_submit=False,
+                       overlap_events=False, intra_op_parallelism=1, backend=backend,
+                       direct_io=env_flag("NVMEIO_DIRECT_IO", True))
+    ptr = buf.ptr
     start = time.perf_counter()
-    h.sync_pwrite(buf, path)
-    h.sync_pread(buf, path)
-    for i in range(64):
-        h.async_pwrite(buf[i * _SMALL:(i + 1) * _SMALL], path, i * _SMALL)
-    h.wait()
-    for i in range(64):
-        h.async_pread(buf[i * _SMALL:(i + 1) * _SMALL], path, i * _SMALL)
-    h.wait()
-    return time.perf_counter() - start
+    for write in (True, False):
+        h.submit(write, ptr, _BIG, path, 0)
+        h.wait()
+    for write in (True, False):
+        for i in range(64):
+            h.submit(write, ptr + i * _SMALL, _SMALL, path, i * _SMALL)
+        h.wait()
+    elapsed = time.perf_counter() - start
+    h.close()
+    return elapsed
 
 
 def measure_backends(directory: str | None = None, rounds: int = 5) -> dict[str, float]:
     """Median seconds of the probe mix per available backend."""
-    from .aio_handle import available_backends  # noqa: PLC0415
-
     backends = available_backends()
-    directory = directory or os.environ.get("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
-    buf = memoryview(_native.LockedBuffer(_BIG, True))
+    directory = directory or env_str("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
+    buf = _native.LockedBuffer(_BIG, True)
     times: dict[str, list[float]] = {b: [] for b in backends}
     # Created exclusively with a random name, then reached only through its
     # descriptor: nothing planted in a shared directory can redirect the probe.
@@ -85,9 +111,7 @@ def fastest_backend() -> str:
     """The backend ``"auto"`` resolves to in this process (see the note)."""
     global _chosen
     if _chosen is None:
-        forced = os.environ.get("NVMEIO_BACKEND")
-        from .aio_handle import available_backends  # noqa: PLC0415
-
+        forced = env_str("NVMEIO_BACKEND")
         available = available_backends()
         if forced:
             if forced not in available:

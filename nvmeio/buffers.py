@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _native
-from .cuda_staging import cuda_unavailable_reason
+from .cuda import cuda_unavailable_reason
 
 __all__ = ["IoBuffer", "DeviceBuffer", "as_io_buffer"]
 

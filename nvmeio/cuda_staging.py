@@ -54,23 +54,18 @@ while it waits for a copy instead of spinning on a core the I/O needs.
 
 from __future__ import annotations
 
-import collections
-import errno
-import functools
-import os
-import stat
-import threading
 import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from . import _native
-from .errors import make_error
+from .cuda import CudaBackend
+from .device_ops import DeviceOpQueue
+from .env import env_int
+from .file_checks import compare_with_file, prepare_target
 
-__all__ = ["Chunk", "plan_chunks", "StagingConfig", "StagingEngine", "DeviceOpQueue",
-           "CudaBackend", "cuda_unavailable_reason", "stream_fence", "prepare_target",
-           "compare_with_file"]
+__all__ = ["Chunk", "plan_chunks", "StagingConfig", "StagingEngine", "run_write", "run_read"]
 
 FILE_ALIGN = 4096  # chunk boundaries in the file; the O_DIRECT alignment nvmeio uses
 DEFAULT_CHUNK_BYTES = 32 << 20
@@ -138,25 +133,10 @@ class StagingConfig:
     def from_env(cls, block_size: int, intra_op_parallelism: int) -> "StagingConfig":
         """The handle's staging: the environment's values, else the defaults,
         with a chunk big enough to give every worker thread a full block."""
-        raw = os.environ.get("NVMEIO_STAGING_CHUNK_BYTES")
-        if raw is not None:
-            chunk = _env_int("NVMEIO_STAGING_CHUNK_BYTES", raw, 1)
-        else:
-            chunk = max(DEFAULT_CHUNK_BYTES,
-                        _round_up(block_size, FILE_ALIGN) * intra_op_parallelism)
-        count = _env_int("NVMEIO_STAGING_CHUNKS",
-                         os.environ.get("NVMEIO_STAGING_CHUNKS", str(DEFAULT_NUM_CHUNKS)), 2)
+        default = max(DEFAULT_CHUNK_BYTES, _round_up(block_size, FILE_ALIGN) * intra_op_parallelism)
+        chunk = env_int("NVMEIO_STAGING_CHUNK_BYTES", default, 1)
+        count = env_int("NVMEIO_STAGING_CHUNKS", DEFAULT_NUM_CHUNKS, 2)
         return cls(_round_up(chunk, FILE_ALIGN), count)
-
-
-def _env_int(name: str, raw: str, minimum: int) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be at least {minimum}")
-    return value
 
 
 # -- the pipeline (device side injected: CUDA in use, a CPU stand-in in tests) ---------------------
@@ -224,264 +204,6 @@ def _settle(copier, tokens: list) -> None:
                 copier.wait(token)
             except Exception:  # noqa: BLE001 - the op's own error is the one raised
                 pass
-
-
-def compare_with_file(path: str, file_offset: int, nbytes: int, fetch: Callable[[int, int], Any],
-                      piece_bytes: int) -> None:
-    """Raises ValidationError unless the file range equals the buffer.
-
-    ``fetch(buffer_offset, n)`` returns the buffer's bytes there (anything
-    ``bytes()`` accepts); the file is read through the page cache, piece by
-    piece, so neither side is ever copied whole.
-    """
-    from .aio_handle import ValidationError  # aio_handle imports this module
-
-    with open(path, "rb") as f:
-        f.seek(file_offset)
-        done = 0
-        while done < nbytes:
-            n = min(piece_bytes, nbytes - done)
-            actual = f.read(n)
-            expected = bytes(fetch(done, n))
-            if actual != expected:
-                at = next((i for i, (a, b) in enumerate(zip(actual, expected)) if a != b),
-                          len(actual))
-                exc = ValidationError(errno.EIO, "validation failed: file and buffer differ at "
-                                      f"byte {done + at}", path)
-                exc.offset, exc.length = file_offset, nbytes
-                raise exc
-            done += n
-
-
-# -- files: the checks the native core makes at submission, made here for staged ops -------------
-
-def prepare_target(write: bool, target: "str | int", file_offset: int,
-                   nbytes: int) -> Callable[[], None]:
-    """Checks the file of a device op before it is queued, and returns what
-    undoes a failed write: a file this call created (0600, as the native core
-    creates files) is removed, an existing file that grew gets its old size back.
-
-    Raises what the native core raises at submission: AioError subclasses
-    (FileNotFoundError, IsADirectoryError, ShortReadError, ...) with path,
-    offset and length.
-    """
-    where = f"<fd {target}>" if isinstance(target, int) else target
-
-    def fail(err: int, what: str) -> None:
-        raise make_error(err, what, where, file_offset, nbytes)
-
-    if isinstance(target, int):
-        try:
-            st = os.fstat(target)
-        except OSError as e:
-            fail(e.errno, f"fstat failed: {e.strerror}")
-    elif write:
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            try:
-                st = os.stat(target)
-            except OSError as e:
-                fail(e.errno, f"open for writing failed: {e.strerror}")
-            if stat.S_ISDIR(st.st_mode):
-                fail(errno.EISDIR, "open for writing failed: Is a directory")
-            if not os.access(target, os.W_OK):
-                fail(errno.EACCES, "open for writing failed: Permission denied")
-            if stat.S_ISREG(st.st_mode):
-                return functools.partial(_restore_size, target, st.st_size)
-            return _nothing
-        except OSError as e:
-            parent = os.path.dirname(os.path.abspath(target))
-            if e.errno == errno.ENOENT and not os.path.isdir(parent):
-                fail(e.errno, f"open for writing failed: directory '{parent}' does not exist")
-            fail(e.errno, f"open for writing failed: {e.strerror}")
-        os.close(fd)
-        return functools.partial(_remove, target)
-    else:
-        try:
-            st = os.stat(target)
-        except OSError as e:
-            fail(e.errno, f"open for reading failed: {e.strerror}")
-    if stat.S_ISDIR(st.st_mode):
-        fail(errno.EISDIR, f"open for {'writing' if write else 'reading'} failed: Is a directory")
-    if not write and stat.S_ISREG(st.st_mode) and nbytes and file_offset + nbytes > st.st_size:
-        fail(errno.ENODATA, f"short read: the file holds {st.st_size} bytes, but reading {nbytes} "
-                            f"bytes at offset {file_offset} needs {file_offset + nbytes}")
-    return _nothing
-
-
-def _nothing() -> None:
-    pass
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _restore_size(path: str, size: int) -> None:
-    try:
-        if os.stat(path).st_size > size:
-            os.truncate(path, size)
-    except OSError:
-        pass
-
-
-# -- the background thread of a handle's device ops ------------------------------------------------
-
-class DeviceOpQueue:
-    """Runs a handle's device ops one at a time, in submission order, on one
-    background thread (started on the first op). ``drain()`` is the device
-    half of ``wait()``; see [Note: async ops on CUDA tensors and data races]."""
-
-    def __init__(self, name: str = "nvmeio-device-ops") -> None:
-        self._name = name
-        self._cv = threading.Condition()
-        self._jobs: collections.deque = collections.deque()
-        self._pending = 0    # queued or running
-        self._completed = 0  # since the last drain
-        self._errors: list[BaseException] = []
-        self._closed = False
-        self._thread: Optional[threading.Thread] = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("this handle's device op queue is closed")
-            self._jobs.append(job)
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-
-    def pending(self) -> int:
-        with self._cv:
-            return self._pending
-
-    def drain(self) -> "tuple[int, BaseException | None]":
-        """Waits until no op is queued or running; returns how many completed
-        since the last drain and the first error among them (not raised)."""
-        with self._cv:
-            while self._pending:
-                self._cv.wait()
-            n, self._completed = self._completed, 0
-            errors, self._errors = self._errors, []
-        return n, (errors[0] if errors else None)
-
-    def close(self) -> None:
-        """Lets queued ops finish, then ends the thread."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._jobs and not self._closed:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            error: Optional[BaseException] = None
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - handed to wait()
-                error = exc
-            job = None  # release the op's buffers before it is reported done
-            with self._cv:
-                self._pending -= 1
-                self._completed += 1
-                if error is not None:
-                    self._errors.append(error)
-                self._cv.notify_all()
-
-
-# -- CUDA ------------------------------------------------------------------------------------------
-
-def cuda_unavailable_reason(torch: Any = None) -> Optional[str]:
-    """None when torch can use a CUDA device here, else what is missing."""
-    if torch is None:
-        try:
-            import torch
-        except ImportError:
-            return "torch is not installed (`pip install torch`)"
-    if getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None:
-        return (f"this torch ({torch.__version__}) is built without CUDA; on a machine with an "
-                "NVIDIA GPU install a CUDA build, e.g. `pip install torch --index-url "
-                "https://download.pytorch.org/whl/cu126` (other CUDA versions: "
-                "https://pytorch.org/get-started/locally/)")
-    if not torch.cuda.is_available():
-        return (f"torch {torch.__version__} has CUDA {torch.version.cuda}, but "
-                "torch.cuda.is_available() is False: no NVIDIA GPU or driver is visible to this "
-                "process (nvidia-smi must list the GPU; check CUDA_VISIBLE_DEVICES)")
-    return None
-
-
-def stream_fence(device: Any) -> Any:
-    """An event recorded now on ``device``'s current stream (of the calling
-    thread): waiting for it orders after the work already queued there."""
-    import torch
-
-    event = torch.cuda.Event(blocking=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-class _CudaCopier:
-    """Copies of one device, queued on its own stream, one event per copy."""
-
-    def __init__(self, device: Any) -> None:
-        import torch
-
-        self._torch = torch
-        self._device = device
-        self._stream = torch.cuda.Stream(device=device)
-
-    def fence(self) -> Any:
-        return stream_fence(self._device)
-
-    def start(self, fence: Any) -> None:
-        self._stream.wait_event(fence)
-
-    def _copy(self, src, dst) -> Any:
-        torch = self._torch
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)
-            done.record(self._stream)
-        return done
-
-    to_host = _copy
-    to_device = _copy
-
-    def wait(self, token: Any) -> None:
-        token.synchronize()
-
-
-class CudaBackend:
-    """The device side of :class:`StagingEngine` on a real GPU."""
-
-    def copier(self, device: Any) -> _CudaCopier:
-        return _CudaCopier(device)
-
-    def pin_host(self, ptr: int, nbytes: int) -> Optional[str]:
-        """Pins host memory for DMA from every device; returns why not, or None."""
-        import torch
-
-        cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
-        return None if err == 0 else f"cudaHostRegister returned error {err}"
-
-    def unpin_host(self, ptr: int) -> None:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class _HostChunks:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno as _errno
 from functools import lru_cache
 
-__all__ = ["AioError", "ShortReadError", "make_error"]
+__all__ = ["AioError", "ShortReadError", "ValidationError", "make_error"]
 
 
 class AioError(OSError):
@@ -35,6 +35,10 @@ class ShortReadError(AioError):
 
     A short read is always an error: nvmeio never hands back zero-filled data.
     """
+
+
+class ValidationError(AioError):
+    """``validate=True`` found the file and the buffer differ."""
 
 
 @lru_cache(maxsize=None)

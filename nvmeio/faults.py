@@ -47,12 +47,12 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
-import os
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Iterator, Optional, Union
 
 from . import _native
+from .env import env_str
 
 __all__ = ["FaultPlan", "inject", "arm", "disarm", "fired", "plan_from_text", "ENV_VAR"]
 
@@ -185,7 +185,7 @@ def plan_from_text(text: str) -> FaultPlan:
 
 def arm_from_env() -> Optional[FaultPlan]:
     """Arms the plan in NVMEIO_FAULTS, if set (called when nvmeio is imported)."""
-    text = os.environ.get(ENV_VAR, "").strip()
+    text = (env_str(ENV_VAR) or "").strip()
     if not text:
         return None
     plan = arm(plan_from_text(text))

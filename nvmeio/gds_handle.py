@@ -36,13 +36,16 @@ import weakref
 from typing import Any, Optional
 
 from .aio_handle import aio_handle
-from .cuda_staging import DeviceOpQueue, compare_with_file, cuda_unavailable_reason, \
-    prepare_target, stream_fence
+from .cuda import cuda_unavailable_reason, stream_fence
+from .device_ops import DeviceOpQueue
 from .errors import AioError, make_error
+from .file_checks import compare_with_file, prepare_target
 from .locked import check_new_tensor_args
+from .settings import AioSettings
 
 __all__ = ["gds_handle", "gds_unavailable_reason"]
 
+_DEFAULTS = AioSettings()
 _VALIDATE_PIECE = 64 << 20  # bytes compared per step by validate=True
 
 
@@ -281,9 +284,11 @@ class gds_handle(aio_handle):  # noqa: N801 - the name users know from DeepSpeed
     not available.
     """
 
-    def __init__(self, block_size: int = 1048576, queue_depth: int = 128,
-                 single_submit: bool = False, overlap_events: bool = False,
-                 intra_op_parallelism: int = 1):
+    def __init__(self, block_size: int = _DEFAULTS.block_size,
+                 queue_depth: int = _DEFAULTS.queue_depth,
+                 single_submit: bool = _DEFAULTS.single_submit,
+                 overlap_events: bool = _DEFAULTS.overlap_events,
+                 intra_op_parallelism: int = _DEFAULTS.intra_op_parallelism):
         kvikio = _load_kvikio()
         super().__init__(block_size=block_size, queue_depth=queue_depth,
                          single_submit=single_submit, overlap_events=overlap_events,

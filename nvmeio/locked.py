@@ -13,12 +13,12 @@ later allocation at the same address can never hit a stale registration.
 
 from __future__ import annotations
 
-import os
 import resource
 import warnings
 import weakref
 
 from . import _native
+from .env import env_flag
 
 __all__ = ["LockedTensors", "check_new_tensor_args"]
 
@@ -57,7 +57,7 @@ class LockedTensors:
         check_new_tensor_args(num_elem, example_tensor)
         dtype = example_tensor.dtype
         nbytes = num_elem * example_tensor.element_size()
-        region = _native.LockedBuffer(nbytes, os.environ.get("NVMEIO_MLOCK", "1") != "0")
+        region = _native.LockedBuffer(nbytes, env_flag("NVMEIO_MLOCK", True))
         if not region.locked and not self._warned:
             self._warned = True
             why = region.lock_error or "disabled by NVMEIO_MLOCK=0"

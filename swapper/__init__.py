@@ -26,11 +26,12 @@ Optimizer state (``offload_optimizer: nvme``)::
     opt.step(lambda k, t: fused_adamw(t.master, t.grad, t.exp_avg, t.exp_avg_sq))
 
 ``cleanup()`` (or ``with``) deletes the files; a clean interpreter exit does too.
+
+The package exports the swappers, the buffer pool and the errors; the rest
+(states, layouts, checksums, the swap directory) is imported from its module.
 """
-from .aio_config import AioConfig, make_handle
-from .async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
-from .buffer_pool import PinnedBufferPool, PoolBuffer
-from .checksum import ChecksumAlgorithm, ChecksumTable
+from .async_swapper import AsyncTensorSwapper
+from .buffer_pool import PinnedBufferPool
 from .errors import (
     BufferTooSmallError,
     InsufficientHostMemoryError,
@@ -43,47 +44,24 @@ from .errors import (
     SwapFileTruncatedError,
     SwapStateError,
 )
-from .host_memory import HostMemory
-from .io_queue import IoKind, IoQueue
-from .optimizer_swapper import PartitionedOptimizerSwapper, StepStats
-from .param_swapper import PartitionState, PartitionedParamSwapper, swap_file_name
+from .optimizer_swapper import PartitionedOptimizerSwapper
+from .param_swapper import PartitionedParamSwapper
 from .pipelined_optimizer_swapper import PipelinedOptimizerSwapper
-from .sub_group import ADAM_STATES, SubGroupLayout, SubGroupState, SubGroupTensors
-from .swap_dir import SwapDirectory, disk_free_bytes
 
 __all__ = [
-    "ADAM_STATES",
+    "AsyncTensorSwapper",
+    "PartitionedParamSwapper",
     "PartitionedOptimizerSwapper",
     "PipelinedOptimizerSwapper",
-    "StepStats",
-    "SubGroupLayout",
-    "SubGroupState",
-    "SubGroupTensors",
-    "AioConfig",
-    "AsyncTensorSwapper",
+    "PinnedBufferPool",
     "BufferTooSmallError",
-    "ChecksumAlgorithm",
-    "ChecksumTable",
-    "HostMemory",
     "InsufficientHostMemoryError",
     "InsufficientSwapSpaceError",
-    "IoKind",
-    "IoQueue",
-    "PartitionState",
-    "PartitionedParamSwapper",
-    "PinnedBufferPool",
-    "PoolBuffer",
     "PoolExhaustedError",
     "StaleSwapDirectoryError",
     "SwapCorruptionError",
-    "SwapDirectory",
     "SwapDirectoryInUseError",
     "SwapError",
     "SwapFileTruncatedError",
-    "SwapOutTicket",
     "SwapStateError",
-    "WriteState",
-    "disk_free_bytes",
-    "make_handle",
-    "swap_file_name",
 ]

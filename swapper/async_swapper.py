@@ -20,7 +20,8 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from .aio_config import AioConfig, make_handle
+from nvmeio import AioSettings, new_handle
+
 from .buffer_pool import PinnedBufferPool, PoolBuffer, align_up, byte_view
 from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
 from .errors import PoolExhaustedError, SwapFileTruncatedError
@@ -87,7 +88,7 @@ class AsyncTensorSwapper:
         self,
         swap_dir: SwapDirectory,
         pool: PinnedBufferPool,
-        aio_config: Union[AioConfig, dict, None] = None,
+        aio_config: Union[AioSettings, dict, None] = None,
         *,
         checksum: Union[str, ChecksumAlgorithm, ChecksumTable, None] = None,
         writes: Optional[IoQueue] = None,
@@ -97,8 +98,8 @@ class AsyncTensorSwapper:
         self.swap_dir = swap_dir
         self.pool = pool
         self.checksums = checksum_table(checksum)
-        self._writes = writes if writes is not None else IoQueue(make_handle(aio_config))
-        self._reads = reads if reads is not None else IoQueue(make_handle(aio_config))
+        self._writes = writes if writes is not None else IoQueue(new_handle(aio_config))
+        self._reads = reads if reads is not None else IoQueue(new_handle(aio_config))
         self._holder = holder
         self._current: Optional[_Slot] = None
 

@@ -148,11 +148,6 @@ class PinnedBufferPool:
         with self._cond:
             return len(self._free)
 
-    def holders(self) -> List[str]:
-        """Who holds the buffers that are out, one entry per buffer."""
-        with self._cond:
-            return [b.holder or "?" for b in self._buffers if b not in self._free]
-
     def acquire(self, count: int = 1, *, holder: str = "", timeout: Optional[float] = 0.0) -> List[PoolBuffer]:
         """Take ``count`` buffers, all or none.
 

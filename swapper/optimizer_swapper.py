@@ -22,7 +22,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from .aio_config import AioConfig
+from nvmeio import AioSettings
+
 from .async_swapper import AsyncTensorSwapper, SwapOutTicket
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
@@ -69,7 +70,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
     def __init__(
         self,
         nvme_path,
-        aio_config: Union[AioConfig, dict, None] = None,
+        aio_config: Union[AioSettings, dict, None] = None,
         buffer_count: Optional[int] = None,
         dtype: torch.dtype = torch.float32,
         *,
@@ -83,7 +84,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
         free_space_fn: Optional[FreeSpaceFn] = None,
         remove_stale: bool = False,
     ):
-        config = AioConfig.coerce(aio_config)
+        config = AioSettings.coerce(aio_config)
         needed = self.buffers_needed()
         if buffer_count is None:
             buffer_count = needed

@@ -26,7 +26,8 @@ from urllib.parse import quote
 
 import torch
 
-from .aio_config import AioConfig
+from nvmeio import AioSettings
+
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapStateError
@@ -91,7 +92,7 @@ class PartitionedParamSwapper(SwapperBase):
     """Swaps parameter partitions, registered by stable id, between NVMe and pool buffers.
 
     Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``aio_config`` is a
-    DeepSpeed ``aio`` dict or :class:`AioConfig`; ``buffer_size`` and ``max_in_cpu``
+    DeepSpeed ``aio`` dict or :class:`nvmeio.AioSettings`; ``buffer_size`` and ``max_in_cpu``
     count elements of ``dtype`` (integral floats such as ``1e8`` are accepted).
     ``checksum`` (``"xxhash"``, ``"crc32c"``, ``"crc32"`` or ``None``) verifies every
     swap-in. Tensors returned by :meth:`swap_in` / :meth:`get_buffer` view pool
@@ -105,7 +106,7 @@ class PartitionedParamSwapper(SwapperBase):
     def __init__(
         self,
         nvme_path,
-        aio_config: Union[AioConfig, dict, None] = None,
+        aio_config: Union[AioSettings, dict, None] = None,
         buffer_count: int = 5,
         buffer_size: Optional[int] = int(1e8),
         max_in_cpu: int = int(1e9),
@@ -119,7 +120,7 @@ class PartitionedParamSwapper(SwapperBase):
         free_space_fn: Optional[FreeSpaceFn] = None,
         remove_stale: bool = False,
     ):
-        config = AioConfig.coerce(aio_config)
+        config = AioSettings.coerce(aio_config)
         self.buffer_count = as_count(buffer_count, "buffer_count")
         self.buffer_size = None if buffer_size is None else as_count(buffer_size, "buffer_size")
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):

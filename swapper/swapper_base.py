@@ -19,7 +19,8 @@ from typing import Iterable, List, Optional
 
 import torch
 
-from .aio_config import AioConfig
+from nvmeio import AioSettings, new_handle
+
 from .buffer_pool import PinnedBufferPool, PoolBuffer
 from .checksum import checksum_table
 from .errors import PoolExhaustedError, SwapFileTruncatedError, SwapStateError, add_note
@@ -37,7 +38,7 @@ class SwapperBase(abc.ABC):
     def __init__(
         self,
         nvme_path,
-        config: AioConfig,
+        config: AioSettings,
         dtype: torch.dtype,
         *,
         job_id,
@@ -51,8 +52,8 @@ class SwapperBase(abc.ABC):
         self.dtype = dtype
         self.pin_memory = pin_memory
         self._checksums = checksum_table(checksum)
-        self._reads = IoQueue(config.make_handle())
-        self._writes = IoQueue(config.make_handle())
+        self._reads = IoQueue(new_handle(config))
+        self._writes = IoQueue(new_handle(config))
         self._pool: Optional[PinnedBufferPool] = None
         self._space_checked = 0
         self._closed = False

@@ -206,3 +206,25 @@ def test_an_empty_write_at_a_large_offset_does_not_extend_the_file(nvme_dir, bac
     assert h.sync_pwrite(np.empty(0, np.uint8), nvme_dir / "new.bin", file_offset=1 << 30) == 1
     assert os.path.getsize(nvme_dir / "new.bin") == 0
     assert h.sync_pread(np.empty(0, np.uint8), path, file_offset=1 << 40) == 1   # never short
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_validate_with_a_file_descriptor_is_refused_before_anything_is_submitted(nvme_dir, write):
+    # Regression: the op used to be submitted, then ValueError raised with it still in flight.
+    h = nvmeio.aio_handle()
+    path = nvme_dir / "fd.bin"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        op = h.pwrite if write else h.pread
+        buf = random_bytes(4096, seed=3) if write else np.full(4096, 7, np.uint8)
+        with pytest.raises(ValueError, match="validate=True needs a path, not a file descriptor"):
+            op(buf, fd, True, True)
+        assert h._native.pending() == 0 and h.wait() == 0
+        assert file_bytes(path) == bytes(4096)      # nothing was written
+        if not write:
+            assert (buf == 7).all()                 # nothing was read
+        assert h.pwrite(random_bytes(4096, seed=3), fd) == 1  # without validate the fd works
+        assert file_bytes(path) == random_bytes(4096, seed=3).tobytes()
+    finally:
+        os.close(fd)

@@ -10,7 +10,7 @@ import torch
 
 import nvmeio
 from nvmeio import _native
-from nvmeio.aio_handle import MAX_BLOCK_SIZE
+from nvmeio.settings import MAX_BLOCK_SIZE
 
 NUL_MESSAGE = "filename contains a NUL byte, which would cut the path short"
 

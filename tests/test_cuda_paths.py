@@ -24,8 +24,8 @@ import nvmeio
 from helpers import file_bytes, random_bytes
 from nvmeio import cuda_staging
 from nvmeio.buffers import DeviceBuffer
-from nvmeio.cuda_staging import (FILE_ALIGN, DeviceOpQueue, StagingConfig, StagingEngine,
-                                 plan_chunks)
+from nvmeio.cuda_staging import FILE_ALIGN, StagingConfig, StagingEngine, plan_chunks
+from nvmeio.device_ops import DeviceOpQueue
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -6,13 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from swapper import (
-    AsyncTensorSwapper,
-    PinnedBufferPool,
-    PoolExhaustedError,
-    SwapDirectory,
-    WriteState,
-)
+from swapper import AsyncTensorSwapper, PinnedBufferPool, PoolExhaustedError
+from swapper.async_swapper import WriteState
+from swapper.swap_dir import SwapDirectory
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int64, torch.bool, torch.complex64]
 

@@ -8,12 +8,12 @@ import torch
 import nvmeio
 from swapper import (
     BufferTooSmallError,
-    HostMemory,
     InsufficientHostMemoryError,
     PinnedBufferPool,
     PoolExhaustedError,
     SwapStateError,
 )
+from swapper.host_memory import HostMemory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int8])

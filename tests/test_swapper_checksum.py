@@ -7,18 +7,17 @@ import torch
 
 from swapper import (
     AsyncTensorSwapper,
-    ChecksumTable,
-    PartitionState,
     PartitionedOptimizerSwapper,
     PartitionedParamSwapper,
     PinnedBufferPool,
     PipelinedOptimizerSwapper,
-    SubGroupState,
     SwapCorruptionError,
-    SwapDirectory,
     SwapFileTruncatedError,
-    swap_file_name,
 )
+from swapper.checksum import ChecksumTable
+from swapper.param_swapper import PartitionState, swap_file_name
+from swapper.sub_group import SubGroupState
+from swapper.swap_dir import SwapDirectory
 
 
 def _algorithm(name, package=None):

@@ -10,8 +10,8 @@ from swapper import (
     PartitionedParamSwapper,
     PinnedBufferPool,
     PipelinedOptimizerSwapper,
-    SwapDirectory,
 )
+from swapper.swap_dir import SwapDirectory
 
 
 def _files(root):

@@ -4,11 +4,8 @@ import os
 import pytest
 import torch
 
-from swapper import (
-    PartitionedOptimizerSwapper,
-    SubGroupState,
-    SwapStateError,
-)
+from swapper import PartitionedOptimizerSwapper, SwapStateError
+from swapper.sub_group import SubGroupState
 
 SIZES = [5, 1000, 4097, 33]
 

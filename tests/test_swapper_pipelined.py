@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import nvmeio
+from nvmeio import handle_choice
 from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper
 
 SIZES = [1000, 4097, 33, 2048, 777]
@@ -90,7 +91,7 @@ _REAL_HANDLE = nvmeio.aio_handle
 
 
 def _schedule(tmp_path, monkeypatch, **flags):
-    monkeypatch.setattr(nvmeio, "aio_handle", _Recorder)
+    monkeypatch.setattr(handle_choice, "aio_handle", _Recorder)
     _Recorder.events = []
     with PipelinedOptimizerSwapper(tmp_path, None, **flags) as s:
         for i in range(4):

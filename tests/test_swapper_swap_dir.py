@@ -8,13 +8,8 @@ import textwrap
 
 import pytest
 
-from swapper import (
-    InsufficientSwapSpaceError,
-    StaleSwapDirectoryError,
-    SwapDirectory,
-    SwapDirectoryInUseError,
-    disk_free_bytes,
-)
+from swapper import InsufficientSwapSpaceError, StaleSwapDirectoryError, SwapDirectoryInUseError
+from swapper.swap_dir import SwapDirectory, disk_free_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,7 +3,7 @@
 import pytest
 
 from zero.config import ConfigError, DeepSpeedConfig, UnresolvedAutoError, load_config, resolve_auto
-from zero.config.auto import RULES
+from zero.config.auto_rules import RULES
 from zero.config.base import join
 
 BUCKETS_AUTO = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",

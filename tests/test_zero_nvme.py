@@ -19,7 +19,7 @@ import zero
 from zero.param_store import unit_id
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config, train_engine
-from swapper import swap_file_name
+from swapper.param_swapper import swap_file_name
 
 CFG = GPTConfig()
 
@@ -105,7 +105,7 @@ def test_process_memory_stays_below_the_model_states(tmp_path):
 
 def test_optimizer_states_are_read_during_the_last_backward(tmp_path):
     """The first sub-group is read while the backward of the last micro-batch runs, not in step()."""
-    from swapper import SubGroupState
+    from swapper.sub_group import SubGroupState
 
     config = base_config("none", "nvme", tmp_path, accumulation=2, sub_group_size=3000)
     engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)

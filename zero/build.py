@@ -9,12 +9,15 @@ gradient reducer, the optimizer and the hooks.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
 import torch
 import torch.nn as nn
+
+from nvmeio import AioSettings
+from nvmeio.env import env_str
+from nvmeio.handle_choice import require_gds
 
 from .comm import Comm
 from .config import ConfigError, DeepSpeedConfig, Problem
@@ -57,9 +60,12 @@ class EngineParts:
     job_id: str
 
 
-def _aio(config: DeepSpeedConfig) -> dict:
-    """The handle settings for the swappers, ``backend`` included."""
-    return config.aio.handle_kwargs()
+def _aio(config: DeepSpeedConfig) -> AioSettings:
+    """The handle settings for the swappers (``use_gds``: refused here unless it can run)."""
+    settings = config.aio.settings()
+    if settings.use_gds:
+        require_gds()
+    return settings
 
 
 def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -90,7 +96,7 @@ JOB_ID_ENV = "NVMEIO_JOB_ID"
 def _job_id(zc) -> str:
     """``zero_optimization.nvme_job_id``, else $NVMEIO_JOB_ID, else "zero_stage_3"; an engine made
     while another of the same process holds that id gets ".1", ".2", ..."""
-    base = zc.nvme_job_id or os.environ.get(JOB_ID_ENV) or "zero_stage_3"
+    base = zc.nvme_job_id or env_str(JOB_ID_ENV) or "zero_stage_3"
     n = 0
     while (job_id := base if n == 0 else f"{base}.{n}") in _JOBS_IN_USE:
         n += 1
@@ -128,6 +134,7 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
 def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
                  spec: Optional[OptimizerSpec], timers: Timers, job_id: str) -> EngineParts:
     zc = config.zero_optimization
+    aio = _aio(config)  # before anything is built: use_gds is refused, never dropped
     dtype = DTYPES[config.precision]
     check_no_meta(module)
     _cast_buffers(module, device, dtype)
@@ -143,7 +150,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     if spec is not None:
         if opt_dev == "nvme":
             opt_store = _swap_store(lambda: NvmeOptimizerStore(
-                rank_layout, state_names, zc.offload_optimizer, _aio(config), job_id, comm.rank,
+                rank_layout, state_names, zc.offload_optimizer, aio, job_id, comm.rank,
                 grad_pin=zc.offload_optimizer.pin_memory))
         else:
             home = device if opt_dev == "none" else torch.device("cpu")
@@ -152,7 +159,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     par_dev = zc.offload_param.device
     if par_dev == "nvme":
         param_store: ParamStore = _swap_store(lambda: NvmeParamStore(
-            rank_layout, dtype, zc.offload_param, _aio(config), job_id, comm.rank))
+            rank_layout, dtype, zc.offload_param, aio, job_id, comm.rank))
     else:
         home = device if par_dev == "none" else torch.device("cpu")
         alias = None

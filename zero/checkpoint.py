@@ -471,7 +471,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
     try:
         with torch.no_grad():
             for unit in parts.units:
-                unit.fwd_refs += 1
+                unit.hold()
                 unit.gather()
                 if comm.rank == 0:
                     for slot, p in zip(unit.layout.slots, unit.params):
@@ -483,7 +483,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
                                 writer.write(name, tensor)
                             else:
                                 values[name] = tensor
-                unit.fwd_refs -= 1
+                unit.unhold()
                 parts.coordinator.maybe_release(unit)
         if writer is not None:
             for name, b in buffers.items():

@@ -159,9 +159,8 @@ class Coordinator:
             u.gather()
 
     def maybe_release(self, u: ParamUnit) -> None:
-        if u.persistent or u.fwd_refs > 0 or u.in_backward:
-            return
-        u.release()
+        if u.releasable:
+            u.release()
 
     def release_all(self) -> None:
         """Release every non-persistent unit (after a step, every unit whose shard changed)."""
@@ -178,14 +177,14 @@ class Coordinator:
         frame = _Frame(module)
         self.stack.append(frame)
         for u in self.module_units.get(module, ()):
-            u.fwd_refs += 1
+            u.hold()
             frame.units.append(u)
             self.fetch(u)
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         frame = self.stack.pop()
         for u in frame.units:
-            u.fwd_refs -= 1
+            u.unhold()
             self.maybe_release(u)
         if torch.is_grad_enabled() and self.reducer is not None:
             tensors = output_tensors(output)
@@ -198,7 +197,7 @@ class Coordinator:
             return
         u = entry[0]
         frame = self.stack[-1]
-        u.fwd_refs += 1
+        u.hold()
         frame.units.append(u)
         self.externals.setdefault(frame.module, set()).add(u)
         self.fetch(u)

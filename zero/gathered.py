@@ -49,7 +49,7 @@ class GatheredParameters:
 
     def __enter__(self):
         for u in self.units:
-            u.fwd_refs += 1
+            u.hold()
             u.gather()
         for p in self.init_params:
             p.data = full_param_value(p, self.comm).clone() if self.comm.distributed else \
@@ -62,8 +62,8 @@ class GatheredParameters:
             for u in self.units:
                 if modified:
                     self._write_back(u)
-                u.fwd_refs -= 1
-                if not u.persistent and u.fwd_refs == 0 and not u.in_backward:
+                u.unhold()
+                if u.releasable:
                     u.release()
             for p in self.init_params:
                 if modified:

@@ -27,7 +27,7 @@ not supported (DDP has the same rule without ``find_unused_parameters``).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
@@ -142,9 +142,3 @@ class GradReducer:
         for flags in self._fresh:
             for i in range(len(flags)):
                 flags[i] = False
-
-    def any_fresh(self) -> bool:
-        return any(any(f) for f in self._fresh)
-
-    def fresh_units(self) -> List[int]:
-        return [i for i, f in enumerate(self._fresh) if any(f)]

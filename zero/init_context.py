@@ -223,7 +223,7 @@ class Init:
                 raise ValueError(
                     "zero.Init(remote_device='nvme') needs a directory for the swap files: pass "
                     "config_dict_or_path= a config with zero_optimization.offload_param.nvme_path set")
-            self._nvme = (offload, loaded.aio.handle_kwargs())
+            self._nvme = (offload, loaded.aio.settings())
         self._store: Optional[NvmeInitStore] = None
         self.materialize = True  # give meta parameters values when their module is built
         self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one

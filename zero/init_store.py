@@ -77,8 +77,9 @@ class NvmeInitStore:
     ``max_in_cpu``, ``buffer_count``, ``pin_memory``), ``aio`` the handle settings.
     """
 
-    def __init__(self, offload, aio: dict, rank: int):
-        from swapper import AsyncTensorSwapper, PinnedBufferPool, SwapDirectory
+    def __init__(self, offload, aio, rank: int):
+        from swapper import AsyncTensorSwapper, PinnedBufferPool
+        from swapper.swap_dir import SwapDirectory
 
         job = "zero_init" + ("" if (n := next(_JOBS)) == 0 else f".{n}")
         swap_dir = SwapDirectory(offload.nvme_path, job, rank, "params", remove_stale=True)

@@ -149,7 +149,7 @@ class NvmeParamStore(ParamStore):
         self.swapper.release([self._ids[layout.index]])
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
-        from swapper import PartitionState
+        from swapper.param_swapper import PartitionState
 
         pid = self._ids[layout.index]
         if self.swapper.state(pid) is not PartitionState.IN_CPU:

@@ -48,7 +48,7 @@ class ParamUnit:
         self.full: torch.Tensor = None
         self.persistent = False  # stays gathered between uses (threshold, or gathering is free)
         self.free = False  # gathering is free (see free_gather); decided once the stores are filled
-        self.fwd_refs = 0  # forwards in progress that use it
+        self.fwd_refs = 0  # holds: forwards in progress, GatheredParameters blocks, saves (hold())
         self.in_backward = False  # gathered for a backward that has not reduced its gradients yet
         self.grad_count = sum(1 for p in params if p.requires_grad)
         self.grads_left = self.grad_count
@@ -60,6 +60,19 @@ class ParamUnit:
 
     def __repr__(self) -> str:
         return f"ParamUnit({self.layout.index}, {self.layout.module_name or '<root>'!r}, {self.state.name})"
+
+    def hold(self) -> None:
+        """One more user needs the unit gathered until it calls :meth:`unhold`."""
+        self.fwd_refs += 1
+
+    def unhold(self) -> None:
+        """Ends a :meth:`hold`; the caller releases the unit if it is now :attr:`releasable`."""
+        self.fwd_refs -= 1
+
+    @property
+    def releasable(self) -> bool:
+        """The one release rule: not persistent, not held, not waiting for its gradients."""
+        return not self.persistent and self.fwd_refs == 0 and not self.in_backward
 
     def free_gather(self) -> bool:
         """Whether gathering costs nothing: one rank, and the shard lives in memory for good, on

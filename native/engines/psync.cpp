@@ -14,8 +14,6 @@ namespace {
 
 class PsyncEngine final : public Engine {
  public:
-  explicit PsyncEngine(int depth) : depth_(depth) {}
-
   int submit(const Request* reqs, int n) override {
     for (int i = 0; i < n; ++i) {
       const Request& r = reqs[i];
@@ -45,12 +43,12 @@ class PsyncEngine final : public Engine {
   }
 
  private:
-  int depth_;
   std::deque<Completion> done_;
 };
 
 }  // namespace
 
-std::unique_ptr<Engine> make_psync_engine(int depth) { return std::make_unique<PsyncEngine>(depth); }
+// No queue, so no depth: each request completes inside submit().
+std::unique_ptr<Engine> make_psync_engine(int /*depth*/) { return std::make_unique<PsyncEngine>(); }
 
 }  // namespace nvmeio

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
 from typing import Any, Optional, Sequence
 
+from ..env import env_flag
 from .dirs import check_dir
 from .log import PlotUnavailable, RunLog, plot_results, require_matplotlib
 from .measure import PageCache, Workload, split_io_size
@@ -253,7 +253,7 @@ def _tune(args: argparse.Namespace, space: SweepSpace, buffered: list[str]) -> i
         _note("no O_DIRECT in " + "; ".join(buffered) + ": tuning anyway in buffered mode "
               "(page cache + fdatasync; the files are evicted before every read), so the "
               "numbers are not those of direct I/O")
-    elif os.environ.get("NVMEIO_DIRECT_IO", "1").strip().lower() in ("0", "false", "no", "off"):
+    elif not env_flag("NVMEIO_DIRECT_IO", True):
         _note("NVMEIO_DIRECT_IO=0: tuning in buffered mode")
         buffered = ["NVMEIO_DIRECT_IO=0"]
     try:

@@ -18,12 +18,14 @@ the ZeRO config reads. A sweep file written for ds_nvme_tune still loads:
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import json
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
+
+from ..hints import did_you_mean, hint
+from ..settings import AioSettings
 
 __all__ = ["KEYS", "DEFAULT_SWEEP", "Config", "SweepSpace", "SweepConfigError", "build_space",
            "load_sweep_config", "parse_size", "format_size", "GDS_BACKEND"]
@@ -45,13 +47,8 @@ DEFAULT_SWEEP: dict[str, list] = {
 }
 
 # A key missing from a --sweep_config keeps the handle's default.
-HANDLE_DEFAULTS: dict[str, Any] = {
-    "block_size": 1 << 20,
-    "queue_depth": 128,
-    "single_submit": False,
-    "overlap_events": False,
-    "intra_op_parallelism": 1,
-}
+HANDLE_DEFAULTS: dict[str, Any] = {k: v for k, v in AioSettings().as_dict().items()
+                                   if k in KEYS and k != "backend"}
 
 # ds_nvme_tune's names -> ours; "sequential_requests" is also negated.
 ALIASES = {
@@ -113,33 +110,23 @@ class Config:
     def use_gds(self) -> bool:
         return self.backend == GDS_BACKEND
 
+    def settings(self) -> AioSettings:
+        """This point as handle settings (the --gds pseudo-backend is ``use_gds``)."""
+        return AioSettings(block_size=self.block_size, queue_depth=self.queue_depth,
+                           single_submit=self.single_submit, overlap_events=self.overlap_events,
+                           intra_op_parallelism=self.intra_op_parallelism,
+                           backend="auto" if self.use_gds else self.backend,
+                           use_gds=self.use_gds)
+
     def handle_kwargs(self) -> dict:
         """Keyword arguments for ``aio_handle`` (``gds_handle`` without backend)."""
-        kwargs = {k: getattr(self, k) for k in KEYS if k != "backend"}
-        if not self.use_gds:
-            kwargs["backend"] = self.backend
-        return kwargs
+        return self.settings().handle_kwargs()
 
     def aio_block(self) -> dict:
-        """The ZeRO config's ``"aio"`` section for this configuration.
-
-        Real booleans and ``intra_op_parallelism`` (never ``num_threads`` or
-        ``"false"``). ``use_gds: true`` appears only for a --gds sweep, where
-        the gds_handle has no ``backend``; otherwise the block is exactly the
-        keyword arguments of ``nvmeio.aio_handle``.
-        """
-        block = {
-            "block_size": self.block_size,
-            "queue_depth": self.queue_depth,
-            "intra_op_parallelism": self.intra_op_parallelism,
-            "single_submit": self.single_submit,
-            "overlap_events": self.overlap_events,
-        }
-        if self.use_gds:
-            block["use_gds"] = True
-        else:
-            block["backend"] = self.backend
-        return block
+        """The ZeRO config's ``"aio"`` section for this configuration
+        (:meth:`nvmeio.AioSettings.aio_block`: real booleans, ``intra_op_parallelism``,
+        ``use_gds: true`` and no backend for a --gds sweep)."""
+        return self.settings().aio_block()
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -178,10 +165,6 @@ class SweepSpace:
     def __contains__(self, config: Config) -> bool:
         return all(getattr(config, k) in self.values[k] for k in KEYS)
 
-    def swept_keys(self) -> list[str]:
-        """Keys with more than one value."""
-        return [k for k in KEYS if len(self.values[k]) > 1]
-
     def describe(self) -> str:
         parts = []
         for k in KEYS:
@@ -196,13 +179,6 @@ class SweepSpace:
 
 
 # -- validation ----------------------------------------------------------------------
-
-def _did_you_mean(key: str, known: Sequence[str]) -> str:
-    hint = difflib.get_close_matches(key, list(known), n=1, cutoff=0.5)
-    if hint:
-        return f"; did you mean {hint[0]!r}?"
-    return f"; known keys: {', '.join(known)}"
-
 
 def _check_numeric(key: str, values: list) -> list[int]:
     out = []
@@ -242,8 +218,8 @@ def _check_backends(values: list, available: Sequence[str], where: str) -> list[
             raise SweepConfigError(f"{where}: name the backends to compare instead of 'auto'; "
                                    f"available here: {', '.join(available)}")
         if v not in available:
-            hint = difflib.get_close_matches(v, list(available), n=1, cutoff=0.5)
-            more = f" (did you mean {hint[0]!r}?)" if hint else ""
+            match = did_you_mean(v, available)
+            more = f" (did you mean {match!r}?)" if match else ""
             raise SweepConfigError(f"{where}: backend {v!r} is not available here{more}; "
                                    f"available backends: {', '.join(available)}")
         if v not in out:
@@ -261,7 +237,7 @@ def normalize_sweep(raw: Any, available: Sequence[str], where: str = "sweep conf
     source: dict[str, str] = {}
     for key, values in raw.items():
         if key not in known:
-            raise SweepConfigError(f"{where}: unknown key {key!r}{_did_you_mean(key, known)}")
+            raise SweepConfigError(f"{where}: unknown key {key!r}; {hint(key, known)}")
         ours = ALIASES.get(key, key)
         if ours in out:
             raise SweepConfigError(f"{where}: {key!r} and {source[ours]!r} both set {ours}")

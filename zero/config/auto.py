@@ -1,6 +1,6 @@
-"""Resolving ``"auto"`` values, with the rules Hugging Face uses.
+"""Resolving ``"auto"`` values, with the rules Hugging Face uses (auto_rules.py).
 
-A key may hold ``"auto"`` only where a rule below says how to fill it:
+A key may hold ``"auto"`` only where a rule in auto_rules.py says how to fill it:
 
 - from the model's hidden size ``h``: ``reduce_bucket_size = h²``,
   ``stage3_prefetch_bucket_size = int(0.9·h²)``,
@@ -16,67 +16,15 @@ config wins.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Optional
 
+from nvmeio.hints import did_you_mean
+
+from .auto_rules import BATCH_KEYS, KNOWN_NAMES, RULES, AutoRule, unresolved_message
 from .batch import ACCUM, MICRO, TRAIN
 from .ds_config import DeepSpeedConfig, validate_config
-from .errors import ConfigError, Problem, UnresolvedAutoError, did_you_mean
+from .errors import ConfigError, Problem, UnresolvedAutoError
 from .values import AUTO
-
-
-class AutoRule(NamedTuple):
-    """How one key's ``"auto"`` is filled."""
-
-    path: tuple[str, ...]
-    known: str
-    """Keyword of :func:`resolve_auto` giving the value."""
-    from_hidden: Optional[Callable[[int], int]] = None
-    """Formula of the model's hidden size, used when ``known`` is not passed."""
-    fallback: Optional[str] = None
-    """Another keyword used when ``known`` is not passed (warmup_max_lr <- lr)."""
-
-
-RULES: tuple[AutoRule, ...] = (
-    AutoRule(("zero_optimization", "reduce_bucket_size"), "reduce_bucket_size",
-             from_hidden=lambda h: h * h),
-    AutoRule(("zero_optimization", "stage3_prefetch_bucket_size"), "stage3_prefetch_bucket_size",
-             from_hidden=lambda h: int(0.9 * h * h)),
-    AutoRule(("zero_optimization", "stage3_param_persistence_threshold"),
-             "stage3_param_persistence_threshold", from_hidden=lambda h: 10 * h),
-    AutoRule(("optimizer", "params", "lr"), "lr"),
-    AutoRule(("optimizer", "params", "betas"), "betas"),
-    AutoRule(("optimizer", "params", "eps"), "eps"),
-    AutoRule(("optimizer", "params", "weight_decay"), "weight_decay"),
-    AutoRule(("scheduler", "params", "warmup_min_lr"), "warmup_min_lr"),
-    AutoRule(("scheduler", "params", "warmup_max_lr"), "warmup_max_lr", fallback="lr"),
-    AutoRule(("scheduler", "params", "warmup_num_steps"), "warmup_num_steps"),
-    AutoRule(("scheduler", "params", "total_num_steps"), "total_num_steps"),
-    AutoRule(("fp16", "enabled"), "fp16"),
-    AutoRule(("bf16", "enabled"), "bf16"),
-    AutoRule(("gradient_clipping",), "gradient_clipping"),
-    AutoRule((TRAIN,), TRAIN),
-    AutoRule((MICRO,), MICRO),
-    AutoRule((ACCUM,), ACCUM),
-)
-
-RULE_BY_PATH = {".".join(rule.path): rule for rule in RULES}
-KNOWN_NAMES = frozenset(rule.known for rule in RULES)
-BATCH_KEYS = (TRAIN, MICRO, ACCUM)
-
-
-def unresolved_message(path: str) -> str:
-    """What to do about ``path`` still holding ``"auto"``."""
-    rule = RULE_BY_PATH.get(path)
-    if rule is None:
-        return 'still "auto"; write a value in the config'
-    ways = [f"pass {rule.known}=<value> to zero.config.resolve_auto()"]
-    if rule.from_hidden is not None:
-        ways.insert(0, "pass hidden_size=<the model's hidden size> to load_config() or resolve_auto()")
-    if rule.fallback is not None:
-        ways.append(f"pass {rule.fallback}=<value>")
-    if rule.known in BATCH_KEYS:
-        ways.append("give two of " + ", ".join(BATCH_KEYS))
-    return f'still "auto"; {", or ".join(ways)}, or write a value in the config'
 
 
 def _value(rule: AutoRule, hidden_size: Optional[int], known: dict[str, Any]) -> Any:

@@ -39,7 +39,10 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, model_
 from pydantic_core import PydanticCustomError
 from pydantic_core.core_schema import ErrorType
 
-from .errors import Problem, UnresolvedAutoError, did_you_mean, short
+from nvmeio.hints import did_you_mean
+
+from .auto_rules import unresolved_message
+from .errors import Problem, UnresolvedAutoError, short
 from .values import AUTO, allows_auto
 
 _PYDANTIC_ERROR_TYPES = frozenset(typing.get_args(ErrorType))
@@ -117,8 +120,6 @@ class StrictModel(BaseModel):
     def __getattribute__(self, name: str) -> Any:
         value = super().__getattribute__(name)
         if type(value) is str and value == AUTO and name in type(self)._auto_fields:
-            from .auto import unresolved_message  # auto.py imports the models
-
             path = join(self._path, name)
             raise UnresolvedAutoError([Problem(path, unresolved_message(path))])
         return value

@@ -8,8 +8,7 @@ carries all the problems of one load, so a user fixes a file in one pass.
 
 from __future__ import annotations
 
-import difflib
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 
 class Problem(NamedTuple):
@@ -60,17 +59,6 @@ class ConfigDeprecationWarning(UserWarning):
 
 class IgnoredSettingWarning(UserWarning):
     """A key DeepSpeed knows was set, but nvmeio has no such feature."""
-
-
-def did_you_mean(word: str, candidates: Iterable[str], ignore_case: bool = False) -> str | None:
-    """The candidate closest to ``word`` (difflib), or None if none is close."""
-    candidates = list(candidates)
-    if ignore_case:
-        lowered = {c.lower(): c for c in candidates}
-        match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
-        return lowered[match[0]] if match else None
-    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return match[0] if match else None
 
 
 def short(value: object) -> str:

@@ -26,7 +26,9 @@ from typing import Annotated, Any, Callable, Literal, Tuple, Union
 from pydantic import PlainSerializer, PlainValidator
 from pydantic_core import PydanticCustomError
 
-from .errors import did_you_mean, short
+from nvmeio.hints import did_you_mean
+
+from .errors import short
 
 AUTO = "auto"
 
