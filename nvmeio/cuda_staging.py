@@ -54,6 +54,7 @@ while it waits for a copy instead of spinning on a core the I/O needs.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
