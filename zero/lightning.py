@@ -45,9 +45,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-import zero  # zero.initialize is the function (the lazy name)
+from nvmeio.hints import did_you_mean
 
-from .config.errors import did_you_mean
+import zero  # zero.initialize is the function (the lazy name)
 
 CHECKPOINT_TAG = "checkpoint"
 
