@@ -85,19 +85,21 @@ def assert_same_weights(expected: dict, got: dict):
 def test_three_steps_match_the_plain_trainer_with_params_and_optimizer_on_nvme(tmp_path):
     # No optimizer section: the Trainer's own AdamW with its weight-decay groups, and its linear schedule.
     plain = Trainer(model=tiny_gpt2(), args=training_args(tmp_path / "plain", gradient_accumulation_steps=2),
-                    train_dataset=dataset())
+                    train_dataset=dataset(), eval_dataset=dataset(8))
     plain.train()
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     swap = SwapBytes(nvme)
     ours = ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "ours", gradient_accumulation_steps=2),
-                       train_dataset=dataset(), zero_config=nvme_config(nvme), callbacks=[swap])
+                       train_dataset=dataset(), eval_dataset=dataset(8), zero_config=nvme_config(nvme),
+                       callbacks=[swap])
     ours.train()
     assert len(losses(ours)) == 3
     torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)
     assert [h["learning_rate"] for h in ours.state.log_history if "loss" in h] == \
         [h["learning_rate"] for h in plain.state.log_history if "loss" in h]
     assert_same_weights(plain.model.state_dict(), full_state_dict(ours.model))
+    torch.testing.assert_close(ours.evaluate()["eval_loss"], plain.evaluate()["eval_loss"], rtol=1e-6, atol=0)
     n_params = sum(p.numel() for p in plain.model.parameters())
     assert min(swap.seen) >= 16 * n_params  # fp32 params + master + two moments, on NVMe throughout
     zc = ours.zero_engine.config.zero_optimization
