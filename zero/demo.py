@@ -167,7 +167,8 @@ def run_small(args, root: str) -> int:
     print(f"checked against plain torch AdamW over the first {check} steps: "
           f"max relative difference of the losses {err:.2e} (rtol 1e-6)")
     print(f"throughput: {tokens_per_s:,.0f} tokens/s; peak RSS {peak_rss_bytes() / 2**20:,.0f} MiB")
-    print(f"model states on NVMe during training: {on_disk / 2**20:.1f} MiB "
+    where = "on NVMe" if args.offload == "nvme" else f"on disk (offload {args.offload}: they stay in memory)"
+    print(f"model states {where} during training: {on_disk / 2**20:.1f} MiB "
           f"({STATE_BYTES_PER_PARAM} bytes x {n_params:,} params = "
           f"{STATE_BYTES_PER_PARAM * n_params / 2**20:.1f} MiB)")
     ok = err <= 1e-6 and after < before
