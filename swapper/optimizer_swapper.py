@@ -203,6 +203,33 @@ class PartitionedOptimizerSwapper(SwapperBase):
         g.grad_tickets.extend(tickets)
         return tickets
 
+    def swap_in_gradients(self, sub_group_id: int, out: torch.Tensor) -> None:
+        """Read back the whole gradient written with :meth:`swap_out_gradients` into ``out``
+        (blocking; gradient accumulation adds the next micro-batch to it)."""
+        g = self._group(sub_group_id)
+        covered = covered_elements(g.grad_ranges)
+        if covered != g.layout.numel or out.numel() != g.layout.numel:
+            raise SwapStateError(
+                f"sub-group {sub_group_id}: {covered} of {g.layout.numel} gradient elements are on NVMe, "
+                f"{out.numel()} asked for"
+            )
+        if any(not t.done for t in g.grad_tickets):
+            self._writes.drain()
+        self._gradients().swap_in([out.reshape(-1)], [g.file_name], [g.layout.grad_offset])
+
+    def drop_gradients(self, sub_group_id: int) -> None:
+        """Forget the gradient written since the last swap-out (a skipped step): the next
+        swap-in reads master and states only."""
+        g = self._group(sub_group_id)
+        if any(not t.done for t in g.grad_tickets):
+            self._writes.drain()
+        if g.state is SubGroupState.READING:
+            self._wait(self._reads, None)
+        if g.state is SubGroupState.AVAILABLE and g.read_grad:
+            self._evict(g)  # the state is unchanged on NVMe; only the gradient is dropped
+        g.grad_ranges.clear()
+        g.grad_tickets.clear()
+
     def swap_in(self, sub_group_id: int, async_op: bool = False) -> SubGroupTensors:
         """Bring a sub-group into a pool buffer; the tensors are valid after :meth:`synchronize`
         when ``async_op``. Includes the gradient when one was written since the last swap-out."""

@@ -44,7 +44,8 @@ def test_16bit_runs_track_fp32_and_agree_across_offloads(tmp_path, fp32_losses, 
             runs[offload] = train_engine(engine, make_batches(CFG, STEPS, 4), STEPS)
             dtype = torch.bfloat16 if precision == "bf16" else torch.float16
             assert {p.dtype for p in model.parameters()} == {dtype}
-            assert engine.parts.optimizer_store.grads.dtype == torch.float32
+            grads = engine.parts.optimizer_store.grads  # nvme: on NVMe, sub-group by sub-group
+            assert grads is None if offload == "nvme" else grads.dtype == torch.float32
             assert engine.skipped_steps == 0
         finally:
             engine.destroy()

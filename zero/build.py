@@ -22,6 +22,7 @@ from nvmeio.handle_choice import require_gds
 from .comm import Comm
 from .config import ConfigError, DeepSpeedConfig, Problem
 from .coordinator import Coordinator
+from .grad_stash import GradStash
 from .grads import GradReducer
 from .heap import return_freed_heap
 from .init_context import forget_init_shard, full_param_value, meta_parameter_names
@@ -150,8 +151,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     if spec is not None:
         if opt_dev == "nvme":
             opt_store = _swap_store(lambda: NvmeOptimizerStore(
-                rank_layout, state_names, zc.offload_optimizer, aio, job_id, comm.rank,
-                grad_pin=zc.offload_optimizer.pin_memory))
+                rank_layout, state_names, zc.offload_optimizer, aio, job_id, comm.rank))
         else:
             home = device if opt_dev == "none" else torch.device("cpu")
             opt_store = FlatOptimizerStore(rank_layout, state_names, home, zc.offload_optimizer.pin_memory)
@@ -200,15 +200,20 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     reducer = optimizer = None
     if spec is not None:
         comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
+        stash = None
+        if opt_store.stash_gradients:
+            stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count})
         reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
-                              predivide=config.gradient_predivide_factor)
+                              predivide=config.gradient_predivide_factor, stash=stash)
         optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
                                   hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
                                   group_ranges=_group_ranges(spec, units, rank_layout),
                                   clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=adam,
                                   torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
     coordinator = Coordinator(module, units, module_units, reducer, param_store,
-                              zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear)
+                              zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear,
+                              max_live_numel=zc.stage3_max_live_parameters,
+                              max_reuse_distance=zc.stage3_max_reuse_distance)
     coordinator.install()
     for u in units:
         if u.free:

@@ -26,6 +26,16 @@ starts the NVMe reads of the next units (up to ``stage3_prefetch_bucket_size``
 elements and the free pool buffers). When the order differs, prefetching stops
 for the rest of that iteration and the new order is recorded: no warnings, no
 stale trace.
+
+[Note: live parameters and reuse distance]
+``stage3_max_live_parameters`` bounds the elements of non-persistent units that
+are gathered or being prefetched at once: prefetching stops at the bound, and
+a unit is kept gathered after use (instead of released) only within it. Only
+the units the running modules need right now can push past it. A unit is kept
+when the trace says it is fetched again within ``stage3_max_reuse_distance``
+elements of other fetches (a block used at the end of forward and again at the
+start of backward), which saves reading it from NVMe twice. ``live_numel`` and
+``peak_live_numel`` make the bound observable.
 """
 from __future__ import annotations
 
@@ -94,13 +104,18 @@ class Coordinator:
 
     def __init__(self, root: nn.Module, units: List[ParamUnit], module_units: Dict[nn.Module, List[int]],
                  reducer: Optional[GradReducer], store: ParamStore, prefetch_numel: int, timers: Timers,
-                 memory_efficient_linear: bool = True):
+                 memory_efficient_linear: bool = True, max_live_numel: int = 10**9,
+                 max_reuse_distance: int = 10**9):
         self.root = root
         self.units = units
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
         self.reducer = reducer
         self.store = store
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.live_numel = 0  # elements of non-persistent units gathered or being prefetched
+        self.peak_live_numel = 0
         self.timers = timers
         self.stack: List[_Frame] = []
         self.externals: Dict[nn.Module, Set[ParamUnit]] = {}
@@ -115,6 +130,10 @@ class Coordinator:
         self._trace: Optional[List[int]] = None
         self._recording: List[int] = []
         self._trace_ok = False
+        self._next_use: List[int] = []  # per trace position: where the same unit is fetched next
+        self._trace_numel: List[int] = []  # prefix sums of the fetched units' elements
+        self._last_fetch: Dict[int, int] = {}  # unit -> its latest position in this iteration
+        self._kept: Dict[ParamUnit, None] = {}  # gathered after use for a near reuse, oldest first
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -155,12 +174,47 @@ class Coordinator:
         self._record(u)
         if u.state is ParamState.AVAILABLE:
             return
+        prefetched = u.state is ParamState.INFLIGHT
+        if not u.persistent and not prefetched:  # a prefetched unit was counted when its read began
+            self._make_room(u.layout.numel)
         with self.timers.phase("param fetch"):
             u.gather()
+        if not u.persistent and not prefetched:
+            self._count_live(u.layout.numel)
+
+    def _make_room(self, numel: int) -> None:
+        """Release units kept for reuse, oldest first, until ``numel`` more fit the live bound."""
+        while self._kept and self.live_numel + numel > self.max_live_numel:
+            kept = next(iter(self._kept))
+            del self._kept[kept]
+            if kept.state is ParamState.AVAILABLE and kept.releasable:
+                kept.release()
+                self.live_numel -= kept.layout.numel
+
+    def _count_live(self, numel: int) -> None:
+        self.live_numel += numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def maybe_release(self, u: ParamUnit) -> None:
-        if u.releasable:
-            u.release()
+        if not u.releasable or u.state is not ParamState.AVAILABLE:
+            return
+        self._kept.pop(u, None)
+        if self._reused_soon(u):
+            self._kept[u] = None
+            return
+        u.release()
+        self.live_numel -= u.layout.numel
+
+    def _reused_soon(self, u: ParamUnit) -> bool:
+        """Whether the trace fetches ``u`` again within the reuse distance, with room to keep it."""
+        if not self._trace_ok or self.live_numel > self.max_live_numel:
+            return False
+        now = len(self._recording) - 1
+        last = self._last_fetch.get(u.index, -1)
+        nxt = self._next_use[last] if 0 <= last < len(self._next_use) else -1
+        if nxt <= now:
+            return False
+        return self._trace_numel[nxt] - self._trace_numel[now + 1] <= self.max_reuse_distance
 
     def release_all(self) -> None:
         """Release every non-persistent unit (after a step, every unit whose shard changed)."""
@@ -169,6 +223,8 @@ class Coordinator:
             u.in_backward = False
             if not u.free:
                 u.release()
+        self.live_numel = 0
+        self._kept.clear()
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
@@ -249,16 +305,32 @@ class Coordinator:
             if self._trace is not None and self._trace != self._recording:
                 logger.debug("zero: the order of parameter fetches changed; recording the new order")
             self._trace = self._recording
+            self._index_trace()
         self._recording = []
+        self._last_fetch = {}
         self._trace_ok = self._trace is not None
         self.store.drop_prefetched()
         for u in self.units:
             if u.state is ParamState.INFLIGHT:  # prefetched, never used
                 u.state = ParamState.NOT_AVAILABLE
+        self.live_numel = sum(u.layout.numel for u in self.units
+                              if u.state is ParamState.AVAILABLE and not u.persistent)
+
+    def _index_trace(self) -> None:
+        trace = self._trace
+        self._next_use = [-1] * len(trace)
+        last: Dict[int, int] = {}
+        for pos in range(len(trace) - 1, -1, -1):
+            self._next_use[pos] = last.get(trace[pos], -1)
+            last[trace[pos]] = pos
+        self._trace_numel = [0]
+        for index in trace:
+            self._trace_numel.append(self._trace_numel[-1] + self.units[index].layout.numel)
 
     def _record(self, u: ParamUnit) -> None:
         pos = len(self._recording)
         self._recording.append(u.index)
+        self._last_fetch[u.index] = pos
         if not self._trace_ok:
             return
         if pos >= len(self._trace) or self._trace[pos] != u.index:
@@ -275,9 +347,13 @@ class Coordinator:
             nxt = self.units[index]
             if nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or index in wanted:
                 continue
+            if self.live_numel + nxt.layout.numel > self.max_live_numel:
+                break
             wanted[index] = nxt.layout
             nxt.state = ParamState.INFLIGHT
             room -= 1
             budget -= nxt.layout.shard_numel
+            if not nxt.persistent:
+                self._count_live(nxt.layout.numel)
         if wanted:
             self.store.prefetch(list(wanted.values()))

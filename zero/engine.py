@@ -70,7 +70,7 @@ class ZeroEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._last_report = 0
-        self._swap_seen = (0.0, 0.0)
+        self._waits_seen = (0.0, 0.0)
         self._closed = False
         self._unusable: Optional[str] = None
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
@@ -167,10 +167,16 @@ class ZeroEngine(nn.Module):
             scaled = scaled / gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
-        if self.is_gradient_accumulation_boundary():
-            self.parts.optimizer_store.prefetch()
+        boundary = self.is_gradient_accumulation_boundary()
+        store = self.parts.optimizer_store
+        if self.parts.reducer.stash is not None:
+            self.parts.reducer.stash.boundary = boundary
+        if boundary and not store.stash_gradients:
+            store.prefetch()
         with self.timers.phase("backward"):
             scaled.backward(retain_graph=retain_graph)
+        if boundary and store.stash_gradients:
+            store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
         return loss
 
     def step(self) -> None:
@@ -182,7 +188,7 @@ class ZeroEngine(nn.Module):
         self.micro_steps += 1
 
     def _take_step(self) -> None:
-        with self.timers.phase("step"):
+        with self.timers.phase("optimizer"):
             stepped = self.optimizer.step()
         if stepped:
             self.parts.coordinator.release_all()
@@ -193,6 +199,8 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         if self.config.train_batch_size:
             self.global_samples += self.config.train_batch_size
+        if self.timers.enabled:
+            self._report_times()
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
             self._report()
@@ -201,14 +209,17 @@ class ZeroEngine(nn.Module):
         log_rank0(self.comm.rank, (
             f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
             f"mom={self.get_mom()}, loss_scale={self.get_loss_scale():g}"))
-        if self.timers.enabled:
-            param_swap = self.parts.param_store.swap_seconds
-            opt_swap = self.parts.optimizer_store.io_seconds if self.parts.optimizer_store else 0.0
-            self.timers.add("param swap-in", param_swap - self._swap_seen[0])
-            self.timers.add("optimizer swap wait", opt_swap - self._swap_seen[1])
-            self._swap_seen = (param_swap, opt_swap)
-            log_rank0(self.comm.rank, self.timers.report(self.global_steps - self._last_report))
         self._last_report = self.global_steps
+
+    def _report_times(self) -> None:
+        """``wall_clock_breakdown``: one line per step saying where its time went."""
+        stores = [self.parts.param_store] + ([self.parts.optimizer_store] if self.parts.optimizer_store else [])
+        reads = sum(s.read_wait_seconds for s in stores)
+        writes = sum(s.write_wait_seconds for s in stores)
+        self.timers.add("read wait", reads - self._waits_seen[0])
+        self.timers.add("write wait", writes - self._waits_seen[1])
+        self._waits_seen = (reads, writes)
+        log_rank0(self.comm.rank, self.timers.report(self.global_steps))
 
     # -- checkpoints and model export ---------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:

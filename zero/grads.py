@@ -15,7 +15,9 @@ buffer is reduce-scattered (summed over ranks in ``communication_data_type``)
 and this rank's slice, divided by the world size, is copied or added into the
 partition (``gradient_predivide_factor`` f divides by f before the sum and by
 world_size / f after, which keeps fp16 sums in range). The partition lives where the optimizer states live (device for
-``offload_optimizer: none``, host memory otherwise).
+``offload_optimizer: none``, host memory for ``cpu``); for ``nvme`` there is no
+whole partition: each sub-group's gradient goes to its swap file as soon as
+backward completes it (grad_stash.py).
 
 [Note: every rank reduces the same units in the same order]
 Collectives must match across ranks. A unit is reduced when the last of its
@@ -27,22 +29,26 @@ not supported (DDP has the same rule without ``find_unused_parameters``).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .comm import Comm
+from .grad_stash import GradStash
 from .partition import RankLayout
 from .unit import ParamUnit
 
 
 class GradReducer:
-    """Accumulates gradients into ``grads``, the flat fp32 partition of the rank."""
+    """Accumulates gradients into ``grads``, the flat fp32 partition of the rank, or, when
+    ``grads`` is None, into the sub-group buffers of ``stash``."""
 
-    def __init__(self, rank_layout: RankLayout, grads: torch.Tensor, comm: Comm, device: torch.device,
-                 dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True, predivide: float = 1.0):
+    def __init__(self, rank_layout: RankLayout, grads: Optional[torch.Tensor], comm: Comm, device: torch.device,
+                 dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True, predivide: float = 1.0,
+                 stash: Optional[GradStash] = None):
         self.rank_layout = rank_layout
-        self.hold = hold and comm.world_size == 1
+        self.stash = stash
+        self.hold = hold and comm.world_size == 1 and stash is None
         self._held: Dict[int, torch.Tensor] = {}  # rank-space start of a parameter -> its gradient
         self.grads = grads
         self.comm = comm
@@ -61,6 +67,13 @@ class GradReducer:
         self._buffers: Dict[int, torch.Tensor] = {}
 
     # -- during backward -----------------------------------------------------------------------
+    def _target(self, unit_index: int) -> torch.Tensor:
+        """Where the gradient of one unit's shard accumulates."""
+        if self.stash is not None:
+            return self.stash.unit_view(unit_index)
+        start, stop = self.rank_layout.unit_range(unit_index)
+        return self.grads[start:stop]
+
     def add(self, unit: ParamUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Take the accumulated gradient of one parameter of ``unit``."""
         layout = unit.layout
@@ -77,7 +90,8 @@ class GradReducer:
                 self._fresh[layout.index][slot_index] = True
                 self._zero[layout.index][slot_index] = False
             else:
-                self._accumulate(self.grads[start:start + slot.numel], flat, layout.index, slot_index)
+                dst = self._target(layout.index)[slot.offset:slot.stop]
+                self._accumulate(dst, flat, layout.index, slot_index)
             return
         buf = self._buffers.get(layout.index)
         if buf is None:
@@ -86,9 +100,20 @@ class GradReducer:
         buf[slot.offset:slot.stop].copy_(grad.reshape(-1))
 
     def finish(self, unit: ParamUnit) -> None:
-        """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks)."""
-        if self.comm.world_size == 1:
-            return
+        """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks);
+        with a stash, write its sub-group out when this was the sub-group's last unit."""
+        if self.comm.world_size > 1:
+            self._reduce_scatter(unit)
+        if self.stash is not None:
+            sg = self.stash.unit_done(unit.layout.index)
+            if sg is not None:
+                for u in sg.units:
+                    target = self.stash.unit_view(u)
+                    for a, b in self._stale(u):
+                        target[a:b].zero_()
+                self.stash.write(sg)
+
+    def _reduce_scatter(self, unit: ParamUnit) -> None:
         layout = unit.layout
         buf = self._buffers.pop(layout.index, None)
         if buf is None:
@@ -100,8 +125,7 @@ class GradReducer:
         del buf
         shard = shard.float() if shard.dtype != torch.float32 else shard
         shard.div_(self.comm.world_size / self.predivide)
-        start, stop = self.rank_layout.unit_range(layout.index)
-        self._accumulate(self.grads[start:stop], shard, layout.index, 0)
+        self._accumulate(self._target(layout.index), shard, layout.index, 0)
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, unit_index: int, slot_index: int) -> None:
         if not self._fresh[unit_index][slot_index]:
@@ -114,6 +138,20 @@ class GradReducer:
             dst.add_(src)
 
     # -- at the step ---------------------------------------------------------------------------
+    def _stale(self, unit_index: int) -> List[Tuple[int, int]]:
+        """Shard-relative ranges of ``unit_index`` that got no gradient since the last step."""
+        u = self.rank_layout.units[unit_index]
+        fresh = self._fresh[unit_index]
+        if self.comm.world_size > 1:
+            return [] if fresh[0] else [(0, u.shard_numel)]
+        return [(s.offset, s.stop) for s, f in zip(u.slots, fresh) if not f]
+
+    def norm(self, start: int, stop: int) -> torch.Tensor:
+        """The norm of one parameter piece's gradient (taken on the way to NVMe with a stash)."""
+        if self.stash is not None:
+            return self.stash.norm(start, stop)
+        return torch.linalg.vector_norm(self.grad(start, stop))
+
     def grad(self, start: int, stop: int) -> torch.Tensor:
         """The gradient of rank-space elements ``[start, stop)``: one parameter piece."""
         held = self._held.get(start)
@@ -122,7 +160,10 @@ class GradReducer:
         return self.grads[start:stop]
 
     def zero_stale(self) -> None:
-        """Zero the slices that got no gradient since the last step (unused or frozen parameters)."""
+        """Zero the slices that got no gradient since the last step (unused or frozen parameters);
+        a stash zeroes them as each sub-group is written."""
+        if self.stash is not None:
+            return
         for u in self.rank_layout.units:
             base = self.rank_layout.offsets[u.index]
             fresh, zero = self._fresh[u.index], self._zero[u.index]
@@ -136,8 +177,10 @@ class GradReducer:
                     self.grads[base:base + u.shard_numel].zero_()
                 zero[i] = True
 
-    def clear(self) -> None:
-        """The step consumed the gradients: the next ones are copied, not added."""
+    def clear(self, consumed: bool = True) -> None:
+        """The step consumed the gradients (or skipped them): the next ones are copied, not added."""
+        if self.stash is not None:
+            self.stash.clear(consumed)
         self._held.clear()
         for flags in self._fresh:
             for i in range(len(flags)):

@@ -61,9 +61,15 @@ class Timers:
     def add(self, name: str, seconds: float) -> None:
         self.totals[name] = self.totals.get(name, 0.0) + seconds
 
-    def report(self, steps: int) -> str:
-        """``name: ms`` per step for every phase, then reset."""
-        steps = max(1, steps)
-        text = " | ".join(f"{name}: {1000.0 * total / steps:.2f}" for name, total in self.totals.items())
+    # What bounds a step, first: compute, the optimizer, and the time blocked on NVMe.
+    HEADLINE = ("forward", "backward", "optimizer", "read wait", "write wait")
+
+    def report(self, step: int) -> str:
+        """``time (ms) step N | name: ms | ...`` since the last report, then reset.
+
+        ``read wait`` / ``write wait``: blocked on NVMe reads (parameters, optimizer
+        states) and writes; the other fields include the waits inside them."""
+        names = [n for n in self.HEADLINE] + [n for n in self.totals if n not in self.HEADLINE]
+        text = " | ".join(f"{name}: {1000.0 * self.totals.get(name, 0.0):.2f}" for name in names)
         self.totals.clear()
-        return f"time (ms) per step | {text}"
+        return f"time (ms) step {step} | {text}"

@@ -95,6 +95,10 @@ class ZeroOptimizer(Optimizer):
         self._sg_ranges: Dict[int, List[List[Range]]] = {
             sg.index: [[(a, b) for a, b in ranges if sg.start <= a < sg.stop] for ranges in group_ranges]
             for sg in rank_layout.sub_groups}
+        if reducer.stash is not None:  # gradients on NVMe: norms are taken as they are written
+            reducer.stash.norm_ranges = {i: [r for ranges in per_group for r in ranges]
+                                         for i, per_group in self._sg_ranges.items()}
+            reducer.stash.want_norms = self.clip > 0 or scaler.dynamic
         self.inner: Optional[Optimizer] = None
         if torch_optimizer_type is not None:
             reducer.hold = False  # the torch optimizer reads .grad views of the flat partition
@@ -126,7 +130,7 @@ class ZeroOptimizer(Optimizer):
             overflow = not math.isfinite(float(norm))
             if self.scaler.dynamic and overflow:
                 self.global_grad_norm = None
-                self.reducer.clear()
+                self.reducer.clear(consumed=False)
                 self.skipped_steps += 1
                 self.last_overflow_message = self.scaler.update(True)
                 return False
@@ -149,9 +153,9 @@ class ZeroOptimizer(Optimizer):
         return True
 
     def _global_norm(self) -> torch.Tensor:
-        norms = [torch.linalg.vector_norm(self.reducer.grad(a, b)) for a, b in self._norm_ranges]
+        norms = [self.reducer.norm(a, b) for a, b in self._norm_ranges]
         total = (torch.linalg.vector_norm(torch.stack(norms)) if norms
-                 else torch.zeros((), device=self.store.grads.device))
+                 else torch.zeros((), device=self.store.grads.device if self.store.grads is not None else "cpu"))
         if self.comm.distributed:
             squared = (total.double() ** 2).reshape(1)
             self.comm.all_reduce(squared)
@@ -167,7 +171,11 @@ class ZeroOptimizer(Optimizer):
         for group, ranges in zip(self.param_groups, self._sg_ranges[sg.index]):
             if not ranges:
                 continue
-            grads = [self.reducer.grad(a, b) for a, b in ranges]
+            if self.reducer.stash is not None:
+                grad = self.reducer.stash.step_grad(grad, sg)
+                grads = [grad[a - sg.start:b - sg.start] for a, b in ranges]
+            else:
+                grads = [self.reducer.grad(a, b) for a, b in ranges]
             if coef is not None:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
             views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]  # noqa: E731

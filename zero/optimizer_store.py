@@ -5,9 +5,10 @@ compute device, ``cpu`` in host memory, ``nvme`` keeps master weights and
 states in one swap file per sub-group through
 :class:`swapper.PipelinedOptimizerSwapper` (which reads sub-group i+1 and
 writes i-1 while i is stepped when ``pipeline_read``/``pipeline_write`` are
-on). The fp32 gradient partition always stays in memory: on the device for
-``none``, in host memory for ``cpu`` and ``nvme``, so that backward never
-waits for the disk.
+on). The fp32 gradient partition stays in memory for ``none`` (on the device)
+and ``cpu`` (host memory); for ``nvme`` each sub-group's gradient goes to the
+gradient region of its swap file during backward (grad_stash.py) and is read
+with the state at the step, so the partition is never whole in memory.
 
 Every store runs the step the same way: :meth:`OptimizerStore.step` calls
 ``fn(sub_group, master, states, grad)`` once per sub-group, in order, with
@@ -36,8 +37,10 @@ def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = Fa
 class OptimizerStore(abc.ABC):
     """Interface; ``grads`` is the flat fp32 gradient partition of the rank."""
 
-    grads: torch.Tensor
-    io_seconds = 0.0  # time blocked on NVMe during steps (wall_clock_breakdown)
+    grads: Optional[torch.Tensor]  # None when gradients go to NVMe (stash_gradients)
+    stash_gradients = False
+    read_wait_seconds = 0.0  # blocked on NVMe reads (wall_clock_breakdown)
+    write_wait_seconds = 0.0  # blocked on NVMe writes
 
     def __init__(self, rank_layout: RankLayout, state_names: Sequence[str]):
         self.rank_layout = rank_layout
@@ -52,8 +55,13 @@ class OptimizerStore(abc.ABC):
     def step(self, fn: StepFn) -> None:
         ...
 
+    @property
+    def io_seconds(self) -> float:
+        return self.read_wait_seconds + self.write_wait_seconds
+
     def prefetch(self) -> None:
-        """A step is coming (backward of the last micro-batch started): start reading."""
+        """A step is coming: start reading (when the backward of the last micro-batch starts,
+        or, with ``stash_gradients``, when it ended and the gradients are on NVMe)."""
 
     @abc.abstractmethod
     def write_master(self, unit_index: int, values: torch.Tensor) -> None:
@@ -142,19 +150,21 @@ class NvmeOptimizerStore(OptimizerStore):
     the Adam update alone when forward and backward are longer than the I/O.
     """
 
+    stash_gradients = True
+
     def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], offload, aio, job_id: str,
-                 rank: int, grad_pin: bool = False):
+                 rank: int):
         from swapper import PipelinedOptimizerSwapper
 
         super().__init__(rank_layout, state_names)
         self.swapper = PipelinedOptimizerSwapper(
             offload.nvme_path, aio, None, torch.float32, state_names=self.state_names, job_id=job_id,
             rank=rank, name="optimizer", pin_memory=offload.pin_memory, remove_stale=True,
-            pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
+            swap_gradients=True, pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
         self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
         for sg in self._groups:
             self.swapper.register_sub_group(sg.index, sg.numel)
-        self.grads = _host_or_device(rank_layout.numel, torch.device("cpu"), grad_pin)
+        self.grads = None  # each sub-group's gradient goes to its swap file (grad_stash.py)
         self._staging = None
         self._staged_sg = None
         self._prefetched = False
@@ -173,10 +183,10 @@ class NvmeOptimizerStore(OptimizerStore):
             self._staging = self._staged_sg = None
 
     def prefetch(self) -> None:
-        if self._groups and not self._prefetched:
+        if self._groups:
             t0 = time.perf_counter()
             self.swapper.swap_in(self._groups[0].index, async_op=True)
-            self.io_seconds += time.perf_counter() - t0  # waiting for a write still in flight
+            self.write_wait_seconds += time.perf_counter() - t0  # a write still in flight
             self._prefetched = True
 
     def step(self, fn: StepFn) -> None:
@@ -186,11 +196,11 @@ class NvmeOptimizerStore(OptimizerStore):
             tensors = self.swapper.swap_in(sg.index)  # waits only for what is not read yet
             if k + 1 < len(groups) and self.swapper.pipeline_read:
                 self.swapper.swap_in(groups[k + 1].index, async_op=True)
-            self.io_seconds += time.perf_counter() - t0
-            fn(sg, tensors.master, tensors.states, self.grads[sg.start:sg.stop])
+            self.read_wait_seconds += time.perf_counter() - t0
+            fn(sg, tensors.master, tensors.states, tensors.grad)
             t0 = time.perf_counter()
             self.swapper.swap_out(sg.index, async_op=True)
-            self.io_seconds += time.perf_counter() - t0
+            self.write_wait_seconds += time.perf_counter() - t0
         self._prefetched = False
 
     def write_master(self, unit_index: int, values: torch.Tensor) -> None:
@@ -209,7 +219,7 @@ class NvmeOptimizerStore(OptimizerStore):
             return tensors.master.clone(), {k: v.clone() for k, v in tensors.states.items()}
         finally:
             self.swapper.release(sub_group.index)
-            self.io_seconds += time.perf_counter() - t0
+            self.read_wait_seconds += time.perf_counter() - t0
 
     def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
         if not sub_group.numel:

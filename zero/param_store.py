@@ -35,7 +35,8 @@ class ParamStore(abc.ABC):
     """Interface of the shard stores; see the concrete classes."""
 
     resident = True  # every shard is a tensor that lives as long as the store, updated in place
-    swap_seconds = 0.0  # time spent waiting for NVMe reads (wall_clock_breakdown)
+    read_wait_seconds = 0.0  # blocked on NVMe reads (wall_clock_breakdown)
+    write_wait_seconds = 0.0  # blocked handing shards to NVMe writes (a full pool waits for writes)
 
     @abc.abstractmethod
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
@@ -141,7 +142,7 @@ class NvmeParamStore(ParamStore):
     def fetch(self, layout: UnitLayout) -> torch.Tensor:
         t0 = time.perf_counter()
         tensor = self.swapper.swap_in([self._ids[layout.index]])[0]
-        self.swap_seconds += time.perf_counter() - t0
+        self.read_wait_seconds += time.perf_counter() - t0
         self._prefetched.discard(layout.index)
         return tensor
 
@@ -172,7 +173,9 @@ class NvmeParamStore(ParamStore):
             self._prefetched.clear()
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self.swapper.swap_out_tensors([self._ids[layout.index]], [values], async_op=True)
+        self.write_wait_seconds += time.perf_counter() - t0
 
     def flush(self) -> None:
         self.swapper.synchronize()

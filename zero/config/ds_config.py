@@ -40,7 +40,8 @@ class DeepSpeedConfig(StrictModel):
 
     _aliases: ClassVar[Mapping[str, str]] = {"bfloat16": "bf16"}
     _inert: ClassVar[frozenset[str]] = frozenset({
-        "sparse_gradients", "disable_allgather", "dump_state", "memory_breakdown"})
+        "sparse_gradients", "disable_allgather", "dump_state", "memory_breakdown", "prescale_gradients",
+        "zero_force_ds_cpu_optimizer"})
 
     train_batch_size: Optional[Int(minimum=1, auto=True)] = None
     train_micro_batch_size_per_gpu: Optional[Int(minimum=1, auto=True)] = None
@@ -143,7 +144,7 @@ def _emit_notes(config: DeepSpeedConfig, sink: list | None) -> None:
         for name in sorted(type(section)._inert & section.model_fields_set):
             default = type(section).model_fields[name].get_default(call_default_factory=True)
             value = section.raw(name)
-            if value != default:
+            if value != default and value != "auto":  # "auto": the user chose nothing
                 found.append((f"{join(path, name)} = {short(value)} is accepted for DeepSpeed "
                               f"compatibility but has no effect in nvmeio", IgnoredSettingWarning))
     for message, category in found:

@@ -93,6 +93,8 @@ class OffloadOptimizerConfig(OffloadBase):
     """
 
     _name: ClassVar[str] = "offload_optimizer"
+    # buffer_count: the NVMe swapper sizes its own pool (one buffer per sub-group in flight).
+    _inert: ClassVar[frozenset[str]] = frozenset({"fast_init", "buffer_count"})
 
     buffer_count: Int(minimum=1) = 4
     fast_init: Flag = False
@@ -121,6 +123,12 @@ class OffloadOptimizerConfig(OffloadBase):
                     if key not in explicit:
                         self.__dict__[key] = True
         self.__dict__["pipeline"] = self.pipeline_read or self.pipeline_write
+        if self.raw("ratio") != 1.0:
+            problems.append((("ratio",), (
+                f"ratio = {self.raw('ratio')}: partial optimizer offload (part of the optimizer step on "
+                f"the compute device) is not implemented in nvmeio; drop ratio to offload the whole "
+                f"optimizer, or set offload_optimizer.device to 'none' to keep it all on the device"),
+                self.raw("ratio")))
         if self.device == "nvme" and self.buffer_count < MIN_NVME_OPTIMIZER_BUFFERS:
             problems.append((("buffer_count",), (
                 f"buffer_count = {self.buffer_count} is too small for device 'nvme': the NVMe "

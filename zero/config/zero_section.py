@@ -3,8 +3,10 @@
 nvmeio implements ZeRO stage 3 only; any other stage is an error here, with
 the fix in the message. Keys are named as users write them (the ``stage3_``
 prefixed forms); DeepSpeed's unprefixed spellings are accepted as aliases.
-Keys of DeepSpeed features nvmeio does not have (ZeRO++, MiCS, ...) are
-accepted, and warn when set to anything but their default.
+Keys of DeepSpeed features nvmeio does not have (ZeRO++, MiCS, ...) and
+tuning knobs of DeepSpeed's machinery that nvmeio does not share (gradient
+buckets: nvmeio reduces each unit as one flat buffer) are accepted, and warn,
+naming the key, when set to anything but their default.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class ZeroConfig(StrictModel):
         "zero_hpz_partition_size", "zero_quantized_weights",
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
+        # DeepSpeed's bucketing and scheduling knobs: nvmeio reduce-scatters and gathers one
+        # unit at a time, always overlapped, with contiguous gradients.
+        "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+        "reduce_scatter", "allgather_partitions", "round_robin_gradients", "ignore_unused_parameters",
+        "load_from_fp32_weights", "override_module_apply", "log_trace_cache_warnings",
     })
 
     stage: Int(minimum=0) = 0

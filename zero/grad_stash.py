@@ -1,0 +1,111 @@
+"""GradStash: each sub-group's gradient goes to NVMe as soon as backward completes it.
+
+With ``offload_optimizer.device: nvme`` the rank's fp32 gradient partition is
+never whole in host memory. A sub-group's gradient is gathered in a buffer of
+``sub_group_size`` elements that opens when the first of its units receives a
+gradient and closes when the last of its units is reduced: then the slices no
+parameter wrote are zeroed (what ``GradReducer.zero_stale`` does for a
+resident partition) and the buffer is written into the gradient region of the
+sub-group's swap file (``PartitionedOptimizerSwapper.swap_out_gradients``),
+where the step reads it together with the master weights and Adam states.
+Units complete in reverse order during backward, so only the sub-groups whose
+units are half done are open at once.
+
+[Note: the global norm is taken on the way out]
+Clipping and fp16 overflow checks need the norm of the whole gradient before
+any sub-group is updated. On the micro-batch that ends an accumulation window
+the stash takes each parameter's norm from the completed buffer before it is
+written (the same ``vector_norm`` of the same fp32 values that
+``ZeroOptimizer._global_norm`` takes of a resident partition), so the step
+combines those norms in the same order and results stay bit-identical to
+plain PyTorch, without reading the gradients twice. On the other micro-batches
+of a window the partial sum is read back when the sub-group opens again and
+the next micro-batch is added to it, ``p.grad += g`` as torch does.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from .partition import RankLayout, SubGroup
+
+Range = Tuple[int, int]
+
+
+class GradStash:
+    """The open sub-group buffers of one rank and the norms of the last window's gradients.
+
+    ``grad_units``: the units that receive gradients (whose completion closes a sub-group).
+    """
+
+    def __init__(self, rank_layout: RankLayout, swapper, grad_units: Set[int]):
+        self.rank_layout = rank_layout
+        self.swapper = swapper
+        self._sub_group = {u: sg for sg in rank_layout.sub_groups for u in sg.units}
+        self._needed = {sg.index: sum(1 for u in sg.units if u in grad_units) for sg in rank_layout.sub_groups}
+        self._open: Dict[int, torch.Tensor] = {}
+        self._done: Dict[int, int] = {}
+        self._written: Set[int] = set()  # gradient on NVMe since the last step
+        self.norm_ranges: Dict[int, List[Range]] = {}  # per sub-group: parameter pieces (optimizer sets)
+        self.want_norms = False  # clipping or fp16 overflow checks (optimizer sets)
+        self.boundary = True  # this backward ends an accumulation window (engine sets)
+        self.norms: Dict[Range, torch.Tensor] = {}
+        self.peak_open_numel = 0  # most gradient elements in open buffers at once (memory tests)
+
+    def sub_group(self, unit_index: int) -> SubGroup:
+        return self._sub_group[unit_index]
+
+    def unit_view(self, unit_index: int) -> torch.Tensor:
+        """Where the gradient of ``unit_index``'s shard accumulates (opens its sub-group)."""
+        sg = self._sub_group[unit_index]
+        buf = self._open.get(sg.index)
+        if buf is None:
+            buf = torch.empty(sg.numel, dtype=torch.float32)
+            if sg.index in self._written:  # the window's partial sum, to add this micro-batch to
+                self.swapper.swap_in_gradients(sg.index, buf)
+            self._open[sg.index] = buf
+            self.peak_open_numel = max(self.peak_open_numel, sum(b.numel() for b in self._open.values()))
+        start, stop = self.rank_layout.unit_range(unit_index)
+        return buf[start - sg.start:stop - sg.start]
+
+    def unit_done(self, unit_index: int) -> Optional[SubGroup]:
+        """Count a reduced unit; returns its sub-group when that was its last unit."""
+        sg = self._sub_group[unit_index]
+        self.unit_view(unit_index)  # a unit no parameter of which got a gradient still opens it
+        done = self._done.get(sg.index, 0) + 1
+        if done < self._needed[sg.index]:
+            self._done[sg.index] = done
+            return None
+        self._done.pop(sg.index, None)
+        return sg
+
+    def write(self, sg: SubGroup) -> None:
+        """The sub-group's gradient is complete (stale slices zeroed): take norms, write, close."""
+        buf = self._open.pop(sg.index)
+        if self.boundary and self.want_norms:
+            for a, b in self.norm_ranges.get(sg.index, ()):
+                self.norms[(a, b)] = torch.linalg.vector_norm(buf[a - sg.start:b - sg.start])
+        self.swapper.swap_out_gradients(sg.index, buf)
+        self._written.add(sg.index)
+
+    def norm(self, a: int, b: int) -> torch.Tensor:
+        found = self.norms.get((a, b))
+        return found if found is not None else torch.zeros(())
+
+    def clear(self, consumed: bool) -> None:
+        """After a step (``consumed``) or a skipped one (the gradients on NVMe are dropped)."""
+        if not consumed:
+            for index in sorted(self._written):
+                self.swapper.drop_gradients(index)
+        self._written.clear()
+        self.norms.clear()
+
+    @staticmethod
+    def step_grad(grad: Optional[torch.Tensor], sg: SubGroup) -> torch.Tensor:
+        """The sub-group's gradient as read with its state; zeros when none was written."""
+        return grad if grad is not None else torch.zeros(sg.numel, dtype=torch.float32)
+
+    @property
+    def open_sub_groups(self) -> Sequence[int]:
+        return tuple(self._open)
