@@ -22,6 +22,7 @@ from nvmeio.handle_choice import require_gds
 from .comm import Comm
 from .config import ConfigError, DeepSpeedConfig, Problem
 from .coordinator import Coordinator
+from . import memory_check
 from .grad_stash import GradStash
 from .grads import GradReducer
 from .heap import return_freed_heap
@@ -143,6 +144,11 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
     rank_layout = build_rank_layout(layouts, comm.rank, zc.sub_group_size)
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
+    adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
+    memory_check.check_host_memory(
+        memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
+                                       adam_states, spec is not None),
+        memory_check.probe())
 
     opt_dev = zc.offload_optimizer.device
     opt_store: Optional[OptimizerStore] = None

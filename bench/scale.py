@@ -1,0 +1,317 @@
+"""Training beyond memory at speed: step time beside plain torch, and peak memory at 2x RAM.
+
+    flock /tmp/bench.lock python3 bench/scale.py speed           # 311M: torch, zero cpu/nvme variants, DeepSpeed
+    flock /tmp/bench.lock python3 bench/scale.py scale           # 1.63B and ~3B under zero.Init(nvme), 3 steps
+    flock /tmp/bench.lock python3 bench/scale.py speed scale --results-md bench/RESULTS.md \\
+        --json bench/out/scale.json --png bench/scale.png
+
+Speed: GPT from zero.examples (vocab 8192, 24 layers, d_model 1024, 16 heads,
+tied head: 311M parameters), seq 128, batch 2, fp32 AdamW. ``torch``: plain
+PyTorch, everything in memory, ``AdamW(fused=True)``. ``zero-cpu``:
+parameters and optimizer in host memory. ``zero-nvme``: both on NVMe,
+``max_in_cpu`` 0, ``sub_group_size`` and ``buffer_size`` 2e7, aio block 8 MiB,
+queue depth 32, 4 threads, pipelined optimizer reads and writes, prefetch on;
+``zero-nvme-noprefetch`` (``stage3_prefetch_bucket_size`` 0 and
+``stage3_max_reuse_distance`` 0) and ``zero-nvme-nopipeline`` (pipeline_read
+and pipeline_write off) beside it. ``ds-*``: DeepSpeed 0.19.8 (``--ds-python``)
+with the same config; each failure is recorded with its last line. Every
+contender runs in its own process (its VmHWM is its peak RSS), one after the
+other: ``--warmup`` steps, then the median of ``--steps``.
+
+Scale: the same GPT at 32 layers x d_model 2048 (1.63B) and 32 x 2816 (~3.1B,
+model states about 2x this machine's RAM), built under
+``zero.Init(remote_device="nvme")`` and trained 3 steps with parameters and
+optimizer on NVMe. Peak RSS is printed beside the model-state bytes (16 per
+parameter: fp32 weights, gradients, exp_avg, exp_avg_sq) and the estimator's
+NVMe row. Free disk space is checked first; swap files are deleted after.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+SECTION = "## Training beyond memory (bench/scale.py)"
+SPEED_MODEL = dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True)
+SCALE_MODELS = {"1.63B": dict(vocab=8192, d_model=2048, heads=16, layers=32, seq=128, tie=True),
+                "3.1B": dict(vocab=8192, d_model=2816, heads=22, layers=32, seq=128, tie=True)}
+BATCH = 2
+LR = 1e-4
+AIO = {"block_size": 8 << 20, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
+       "overlap_events": True}
+SPEED = ["torch", "zero-cpu", "zero-nvme", "zero-nvme-noprefetch", "zero-nvme-nopipeline", "ds-cpu",
+         "ds-nvme", "ds-nvme-optimizer"]
+GiB = 1 << 30
+
+
+def config(kind: str, nvme_path: str, live: int = 10 ** 9) -> dict:
+    """The DeepSpeed config dict of one contender (both engines read the same)."""
+    if kind.endswith("cpu"):
+        zc = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    else:
+        zc = {"stage": 3, "sub_group_size": int(2e7), "stage3_max_live_parameters": live,
+              "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7),
+                                "max_in_cpu": 0},
+              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True,
+                                    "pipeline_write": True}}
+        if kind.endswith("noprefetch"):
+            zc.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+        if kind.endswith("nopipeline"):
+            zc["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
+        if kind.startswith("ds-"):
+            zc["offload_optimizer"]["buffer_count"] = 16  # DeepSpeed's pipelining needs more than 4
+        if kind == "ds-nvme-optimizer":  # parameters in host memory, optimizer on NVMe
+            zc["offload_param"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": zc, "aio": AIO, "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
+
+
+def _vm(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
+    """Measure one contender in this process."""
+    import torch
+
+    from zero.examples import GPT, GPTConfig
+
+    scale = name.startswith("scale-")
+    cfg = GPTConfig(**(SCALE_MODELS[name[6:]] if scale else SPEED_MODEL))
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
+    y = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
+    t0 = time.perf_counter()
+    if name == "torch":
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+
+        def step():
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+    elif name.startswith("ds-"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        import deepspeed
+
+        conf = config(name, nvme_path)
+        with deepspeed.zero.Init(config_dict_or_path=conf):
+            model = GPT(cfg)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=conf)
+    else:
+        import zero
+
+        numel_guess = 12 * cfg.layers * cfg.d_model ** 2
+        conf = config("zero-nvme" if scale else name, nvme_path,
+                      live=max(int(2e7), numel_guess // 40) if scale else 10 ** 9)
+        with zero.Init(config_dict_or_path=conf):
+            model = GPT(cfg)
+        built_rss = _vm("VmRSS")
+        engine, _, _, _ = zero.initialize(model=model, config=conf)
+    if not name == "torch":
+        def step():
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    init_s = time.perf_counter() - t0
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    times, losses = [], []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+        losses.append(float(loss.detach()))
+    out = {"contender": name, "params": params, "init_s": round(init_s, 1),
+           "median_s": statistics.median(times[warmup:]), "times_s": [round(t, 2) for t in times],
+           "peak_rss_bytes": _vm("VmHWM"), "losses": losses}
+    if scale:
+        from zero import estimate_zero3
+
+        total, largest = params, max(sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(False))
+                                     for m in model.modules())
+        est = estimate_zero3(total, largest, "nvme", "nvme", bytes_per_param=4, sub_group_size=int(2e7),
+                             optimizer_pipeline_slots=3, additional_buffer_factor=1.0,
+                             max_live_parameters=conf["zero_optimization"]["stage3_max_live_parameters"])
+        out.update(built_rss_bytes=built_rss, estimate_cpu_bytes=est.cpu_bytes, estimate_nvme_bytes=est.nvme_bytes)
+    return out
+
+
+def run_contender(name: str, args, nvme_root: str) -> dict:
+    python = args.ds_python if name.startswith("ds-") else sys.executable
+    nvme_path = tempfile.mkdtemp(prefix=f"{name}-", dir=nvme_root)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    steps, warmup = (args.scale_steps, 0) if name.startswith("scale-") else (args.steps, args.warmup)
+    cmd = [python, os.path.abspath(__file__), "--child", name, "--steps", str(steps), "--warmup", str(warmup),
+           "--nvme_path", nvme_path]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        text = out.stdout + out.stderr
+    except subprocess.TimeoutExpired as exc:
+        text = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {args.timeout} s"
+    finally:
+        shutil.rmtree(nvme_path, ignore_errors=True)
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    last = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return {"contender": name, "error": last[-1][:200] if last else "no output"}
+
+
+def disk_needed(names) -> int:
+    """Swap bytes of the largest contender: fp32 weights, master, two Adam states and gradients."""
+    from zero.examples import GPT, GPTConfig  # noqa: F401 - sizes by formula, nothing built
+
+    def params(m):
+        d, layers = m["d_model"], m["layers"]
+        return layers * (12 * d * d + 13 * d) + m["vocab"] * d + m["seq"] * d + 2 * d
+
+    sizes = [params(SCALE_MODELS[n[6:]]) if n.startswith("scale-") else params(SPEED_MODEL) for n in names]
+    return int(max(sizes, default=0) * 20 * 1.05)
+
+
+def table(results: dict) -> list:
+    base = results.get("torch", {}).get("median_s")
+    lines = ["| contender | params | median step s | / plain torch | peak RSS GiB | steps s |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, r in results.items():
+        if name.startswith("scale-"):
+            continue
+        if "error" in r:
+            lines.append(f"| {name} | | failed: {r['error'][:90]} | | | |")
+            continue
+        ratio = f"{r['median_s'] / base:.2f}" if base else "-"
+        lines.append(f"| {name} | {r['params'] / 1e6:.0f}M | {r['median_s']:.2f} | {ratio} | "
+                     f"{r['peak_rss_bytes'] / GiB:.2f} | {', '.join(map(str, r['times_s']))} |")
+    scale = {n: r for n, r in results.items() if n.startswith("scale-")}
+    if scale:
+        lines += ["", "| model | params | model states GiB | peak RSS GiB | peak / states | RSS after build GiB | "
+                      "estimator (nvme/nvme) host GiB | NVMe GiB | steps s |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for name, r in scale.items():
+            if "error" in r:
+                lines.append(f"| {name[6:]} | failed: {r['error'][:90]} | | | | | | | |")
+                continue
+            states = 16 * r["params"]
+            lines.append(f"| {name[6:]} | {r['params'] / 1e9:.2f}B | {states / GiB:.1f} | "
+                         f"{r['peak_rss_bytes'] / GiB:.2f} | {100 * r['peak_rss_bytes'] / states:.1f}% | "
+                         f"{r['built_rss_bytes'] / GiB:.2f} | {r['estimate_cpu_bytes'] / GiB:.2f} | "
+                         f"{r['estimate_nvme_bytes'] / GiB:.1f} | {', '.join(map(str, r['times_s']))} |")
+    return lines
+
+
+def chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {n: r for n, r in results.items() if "median_s" in r and not n.startswith("scale-")}
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.barh(list(ok), [r["median_s"] for r in ok.values()], color="tab:blue")
+    if "torch" in ok:
+        for goal, style in ((1.25, "--"), (1.1, ":")):
+            ax.axvline(goal * ok["torch"]["median_s"], color="tab:red", linestyle=style,
+                       label=f"{goal}x plain torch")
+        ax.legend(loc="lower right")
+    ax.set_xlabel("median step (s), 311M GPT, batch 2 x 128")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def markdown(results: dict, meta: dict, png: str | None) -> str:
+    rows = table(results)
+    body = [f"Latest run: {meta['started']}, `{meta['command']}`; load average {meta['load_start']} at start, "
+            f"{meta['load_end']} at end (2 CPUs shared with other engineers' work: absolute times are noisy, "
+            f"ratios within one run are the figures to read); {meta['elapsed_s']:.0f} s in all.", "",
+            __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "", *rows, ""]
+    if png:
+        body += [f"![step times]({os.path.basename(png)})", ""]
+    return "\n".join(body)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="*", default=["speed"], choices=["speed", "scale"])
+    parser.add_argument("--contenders", nargs="+", default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--scale-steps", type=int, default=3)
+    parser.add_argument("--nvme_path", default=None, help="directory for swap files (default: a temp dir)")
+    parser.add_argument("--ds-python", default="/opt/dsvenv/bin/python")
+    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--results-md", default=None)
+    parser.add_argument("--png", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)), flush=True)
+        return 0
+
+    names = args.contenders or ((SPEED if "speed" in args.parts else [])
+                                + ([f"scale-{m}" for m in SCALE_MODELS] if "scale" in args.parts else []))
+    names = [n for n in names if not n.startswith("ds-") or os.path.exists(args.ds_python)]
+    nvme_root = args.nvme_path or tempfile.mkdtemp(prefix="scale-", dir="/tmp")
+    need, free = disk_needed(names), shutil.disk_usage(nvme_root).free
+    print(f"swap space needed: {need / GiB:.1f} GiB; free under {nvme_root}: {free / GiB:.1f} GiB", flush=True)
+    if need > free:
+        print("not enough free disk space for the swap files; free some or pass --nvme_path", file=sys.stderr)
+        return 1
+    meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python3 bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    t0 = time.time()
+    results = {}
+    try:
+        for name in names:
+            results[name] = r = run_contender(name, args, nvme_root)
+            shown = (f"median {r['median_s']:.2f} s, peak RSS {r['peak_rss_bytes'] / GiB:.2f} GiB"
+                     if "median_s" in r else f"failed: {r['error']}")
+            print(f"{name}: {shown}", flush=True)
+    finally:
+        if not args.nvme_path:
+            shutil.rmtree(nvme_root, ignore_errors=True)
+    meta.update(load_end=" ".join(f"{x:.2f}" for x in os.getloadavg()), elapsed_s=time.time() - t0)
+    print("\n".join(table(results)))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    if args.png:
+        chart(results, args.png)
+    if args.results_md:
+        from pathlib import Path
+
+        from results_md import replace_section
+
+        replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
