@@ -165,7 +165,7 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens:
                              pad_token_id=0)
     gen = time.perf_counter() - t0
     gen_hwm, gen_anon = _vmhwm(), anon.stop()
-    swap_wait = engine.parts.param_store.swap_seconds if engine is not None else 0.0
+    swap_wait = engine.parts.param_store.read_wait_seconds if engine is not None else 0.0
     if engine is not None:
         engine.destroy()
     return {"load_s": load, "generate_s": gen, "s_per_token": gen / new_tokens, "tokens_per_s": new_tokens / gen,

@@ -238,7 +238,7 @@ class NvmeOptimizerStore(OptimizerStore):
         try:
             return self.swapper.stored_file(sub_group.index)
         finally:
-            self.io_seconds += time.perf_counter() - t0
+            self.read_wait_seconds += time.perf_counter() - t0
 
     def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
         if not sub_group.numel or not self.swapper.can_import:
