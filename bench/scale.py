@@ -149,14 +149,16 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
            "median_s": statistics.median(times[warmup:]), "times_s": [round(t, 2) for t in times],
            "peak_rss_bytes": _vm("VmHWM"), "losses": losses}
     if scale:
-        from zero import estimate_zero3
+        from zero.estimator import estimate_zero3
 
         total, largest = params, max(sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(False))
                                      for m in model.modules())
         est = estimate_zero3(total, largest, "nvme", "nvme", bytes_per_param=4, sub_group_size=int(2e7),
-                             optimizer_pipeline_slots=3, additional_buffer_factor=1.0,
-                             max_live_parameters=conf["zero_optimization"]["stage3_max_live_parameters"])
-        out.update(built_rss_bytes=built_rss, estimate_cpu_bytes=est.cpu_bytes, estimate_nvme_bytes=est.nvme_bytes)
+                             optimizer_pipeline_slots=3, additional_buffer_factor=1.0)
+        # No GPU here: the estimator's per-GPU bytes (the gathered largest layer) are host memory too.
+        out.update(built_rss_bytes=built_rss, estimate_cpu_bytes=est.cpu_bytes + est.gpu_bytes,
+                   estimate_nvme_bytes=est.nvme_bytes,
+                   max_live_parameters=conf["zero_optimization"]["stage3_max_live_parameters"])
     return out
 
 

@@ -49,10 +49,11 @@ def test_terms(param, opt):
     e = estimate_zero3(P, L, param, opt, True, R, N, additional_buffer_factor=1.0, sub_group_size=10 ** 8)
     gpu = 4 * L + (2 * shard if param == "none" else 0) + (16 * shard if opt == "none" else 0)
     cpu_rank = (2 * shard if param == "cpu" else 0) + (16 * shard if opt == "cpu" else 0)
-    cpu_rank += 4 * shard if opt == "nvme" else 0  # gradients stay in host memory
     cpu_rank += 5 * 2 * (L // W) if param == "nvme" else 0  # pinned parameter buffers
-    cpu_rank += 12 * 10 ** 8 if opt == "nvme" else 0  # one pinned optimizer sub-group
-    nvme_rank = (2 * shard if param == "nvme" else 0) + (12 * shard if opt == "nvme" else 0)
+    cpu_rank += 16 * 10 ** 8 if opt == "nvme" else 0  # one pinned optimizer sub-group with its gradient
+    cpu_rank += 2 * 4 * 10 ** 8 if opt == "nvme" else 0  # two sub-group gradients being filled
+    # gradients go to NVMe with the optimizer states, sub-group by sub-group
+    nvme_rank = (2 * shard if param == "nvme" else 0) + (16 * shard if opt == "nvme" else 0)
     assert e.gpu_bytes == pytest.approx(gpu)
     assert e.cpu_bytes == pytest.approx(cpu_rank * R)
     assert e.nvme_bytes == pytest.approx(nvme_rank * R)

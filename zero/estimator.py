@@ -7,12 +7,14 @@ leaves both out). Per rank, with ``P`` parameters, ``L`` in the largest layer
 
 - parameter shard ``b·P/W`` at ``offload_param`` (GPU, host or NVMe);
 - fp32 master, exp_avg, exp_avg_sq ``12·P/W`` at ``offload_optimizer``;
-- fp32 gradient partition ``4·P/W``: on the GPU without optimizer offload,
-  else in host memory (never on NVMe, so backward never waits for the disk);
+- fp32 gradient partition ``4·P/W``: on the GPU without optimizer offload, in
+  host memory with ``cpu``, on NVMe with ``nvme`` (written sub-group by
+  sub-group during backward; host memory holds the two sub-groups being
+  filled, ``2 × 4 × min(sub_group_size, P/W)``);
 - on the GPU, the gathered largest layer and its full gradient ``2·b·L``;
 - pinned buffers: ``buffer_count × b·⌈L/W⌉`` for NVMe parameters, one
-  sub-group (``12 × min(sub_group_size, P/W)``) per pipeline slot for NVMe
-  optimizer states;
+  sub-group with its gradient (``16 × min(sub_group_size, P/W)``) per pipeline
+  slot for NVMe optimizer states;
 - ``zero_init=0``: each process first builds the whole fp32 model in host
   memory (``4·P`` bytes per process).
 
@@ -63,12 +65,12 @@ def estimate_zero3(total_params: int, largest_layer_params: int, offload_param: 
     homes = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
     per = {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0}
     per[homes[offload_param]] += b * shard
-    per[homes[offload_optimizer]] += 12 * shard
-    per["gpu" if offload_optimizer == "none" else "cpu"] += 4 * shard
+    per[homes[offload_optimizer]] += 16 * shard  # fp32 master, exp_avg, exp_avg_sq, gradient
     if offload_param == "nvme":
         per["cpu"] += param_buffer_count * b * -(-largest_layer_params // world)
     if offload_optimizer == "nvme":
-        per["cpu"] += optimizer_pipeline_slots * 12 * min(sub_group_size, shard)
+        sub_group = min(sub_group_size, shard)
+        per["cpu"] += optimizer_pipeline_slots * 16 * sub_group + 2 * 4 * sub_group
     gpu += per["gpu"]
     cpu = per["cpu"] * num_gpus_per_node
     if not zero_init:
