@@ -19,7 +19,10 @@ Sections (each a function ``(Context) -> Section``, listed in SECTIONS):
 - leaks: fds, threads, VmLck and kernel AIO contexts around churn (200 handles,
   2,000 failing ops, locked tensors, engine failures): goal 0;
 - security: NUL paths, planted symlinks, read-only targets, killed writers,
-  lazy (conjugate/negative) views, out-of-range integers.
+  lazy (conjugate/negative) views, out-of-range integers;
+- engine, checkpoints (bench/reliability_engine.py): the ZeRO-3 engine under
+  injected swap-in/swap-out faults and damaged swap files; hostile checkpoints
+  and saves cut at their worst moment.
 
 To add a section (e.g. the engine under injected faults): write a function
 ``def my_section(ctx: Context) -> Section`` (in its own bench/reliability_*.py
@@ -870,8 +873,11 @@ def section_security(ctx: Context) -> Section:
     return s
 
 
+from reliability_engine import section_checkpoints, section_engine  # noqa: E402 (the engine's sections)
+
 SECTIONS: List[Callable[[Context], Section]] = [
     section_faults, section_model, section_config, section_stress, section_leaks, section_security,
+    section_engine, section_checkpoints,
 ]
 
 

@@ -133,3 +133,14 @@ def checksum_table(checksum) -> Optional[ChecksumTable]:
         return checksum
     algorithm = ChecksumAlgorithm.coerce(checksum)
     return None if algorithm is None else ChecksumTable(algorithm)
+
+
+def fastest_available() -> ChecksumAlgorithm:
+    """xxhash, else crc32c, else crc32 (the standard library's): the fastest this install has."""
+    for algorithm in (ChecksumAlgorithm.XXHASH, ChecksumAlgorithm.CRC32C):
+        try:
+            _digest_fn(algorithm)
+            return algorithm
+        except ImportError:
+            continue
+    return ChecksumAlgorithm.CRC32

@@ -438,7 +438,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
         view = g.buffer.bytes()[:length]
 
         def on_done(error: Optional[BaseException]) -> None:
-            if self._settle_read(g, error, path, view):
+            if self._settle_read(g, error, path, view, f"sub-group {g.sub_group_id}"):
                 g.state = SubGroupState.AVAILABLE
 
         self._reads.submit(IoKind.READ, view, path, 0, on_done)

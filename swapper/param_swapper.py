@@ -327,6 +327,18 @@ class PartitionedParamSwapper(SwapperBase):
                     )
                 self._evict(p)
 
+    def release_or_write(self, param_ids: Iterable[ParamId]) -> None:
+        """:meth:`release` the partitions whose swap file is current; write out (async) those
+        holding data that is not on NVMe yet (a write that failed keeps its data in the buffer:
+        this is its retry)."""
+        parts = self._lookup(param_ids)
+        if any(p.state is PartitionState.READING for p in parts):
+            self._reads.drain()
+        unsaved = [p.param_id for p in parts if p.state is PartitionState.AVAILABLE and not p.on_nvme]
+        self.release([p.param_id for p in parts if p.param_id not in set(unsaved)])
+        if unsaved:
+            self.swap_out(unsaved, async_op=True)
+
     # -- internals ---------------------------------------------------------------------------
     def _swapped_entries(self) -> List[_Partition]:
         return [p for p in self._parts.values() if p.cpu_tensor is None]
@@ -388,7 +400,7 @@ class PartitionedParamSwapper(SwapperBase):
         path, data = self.swap_dir.file(p.file_name), p.tensor()  # p holds its buffer from now to on_done
 
         def on_done(error: Optional[BaseException]) -> None:
-            if self._settle_read(p, error, path, data):
+            if self._settle_read(p, error, path, data, f"partition {p.param_id!r}"):
                 p.state, p.on_nvme = PartitionState.AVAILABLE, True
 
         return on_done

@@ -60,6 +60,17 @@ def _check_component(value: str, what: str) -> str:
     return value
 
 
+def _check_private_dir(path: str) -> None:
+    """``path`` must be a real directory of this user: a symlink or another user's directory planted
+    at the job's name in a shared nvme_path would let its owner read or swap our files."""
+    st = os.lstat(path)
+    if not os.path.isdir(path) or os.path.islink(path):
+        raise FileExistsError(f"swap directory {path} is not a directory (a symbolic link?); refusing to use it")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"swap directory {path} belongs to uid {st.st_uid}, not this user "
+                              f"(uid {os.geteuid()}); use another job_id or nvme_path")
+
+
 def _owner_marker() -> str:
     return f"{_OWNER_PREFIX}{socket.gethostname()}@{os.getpid()}"
 
@@ -142,6 +153,7 @@ class SwapDirectory:
         self._free_space_fn = free_space_fn or disk_free_bytes
         self._created: Set[str] = set()
         os.makedirs(self.job_dir, mode=0o700, exist_ok=True)
+        _check_private_dir(self.job_dir)
         with _LOCK:
             self._claim(remove_stale)
         self._finalizer = weakref.finalize(self, _release_claim, self.rank_dir, self.job_dir, self.name, self.path)
@@ -225,8 +237,10 @@ class SwapDirectory:
         if file_name in self._created:
             return path
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
+            if os.path.islink(path):
+                raise FileExistsError(f"swap file {path} is a symbolic link; refusing to write through it")
             os.chmod(path, 0o600)
         else:
             try:

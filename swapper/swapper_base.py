@@ -23,7 +23,7 @@ from nvmeio import AioSettings, new_handle
 
 from .buffer_pool import PinnedBufferPool, PoolBuffer
 from .checksum import checksum_table
-from .errors import PoolExhaustedError, SwapFileTruncatedError, SwapStateError, add_note
+from .errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
 from .io_queue import IoQueue
 from .swap_dir import SwapDirectory
 
@@ -183,13 +183,19 @@ class SwapperBase(abc.ABC):
                 path,
             )
 
-    def _settle_read(self, entry, error: Optional[BaseException], path: str, data: torch.Tensor) -> bool:
+    def _settle_read(self, entry, error: Optional[BaseException], path: str, data: torch.Tensor,
+                     holder: str = "") -> bool:
         """On completion of ``entry``'s read into ``data``: True if the data is good. A failed
-        read (False) or a checksum mismatch (raised) evicts the entry; the caller sets the
-        state of a good one."""
+        read (False) or a checksum mismatch (raised, naming ``holder``) evicts the entry; the
+        caller sets the state of a good one."""
         if error is None and self._checksums is not None:
             try:
                 self._checksums.verify(path, 0, data)
+            except SwapCorruptionError as exc:
+                self._evict(entry)
+                if holder:
+                    exc.message = f"{holder}: {exc.message}"
+                raise
             except BaseException:
                 self._evict(entry)
                 raise

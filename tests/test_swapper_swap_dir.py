@@ -178,3 +178,21 @@ def test_swap_file_names_cannot_leave_the_directory(tmp_path):
     with pytest.raises(ValueError):
         d.create("../escape.swp")
     d.cleanup()
+
+
+def test_a_symlink_planted_at_the_job_directory_or_a_swap_file_is_refused(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, tmp_path / "job")
+    with pytest.raises(FileExistsError, match="is not a directory \\(a symbolic link\\?\\)"):
+        SwapDirectory(tmp_path, "job", 0, "params")
+    assert os.listdir(elsewhere) == []
+    d = SwapDirectory(tmp_path, "job2", 0, "params")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.chmod(victim, 0o644)
+    os.symlink(victim, os.path.join(d.path, "param_1.swp"))
+    with pytest.raises(FileExistsError, match="is a symbolic link; refusing to write through it"):
+        d.create("param_1.swp")
+    assert victim.read_text() == "precious" and stat.S_IMODE(os.stat(victim).st_mode) == 0o644
+    d.cleanup()

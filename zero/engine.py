@@ -73,6 +73,7 @@ class ZeroEngine(nn.Module):
         self._waits_seen = (0.0, 0.0)
         self._closed = False
         self._unusable: Optional[str] = None
+        self._step_failure = ""
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
         # the callback holds the parts, never the engine.
         self._finalizer = weakref.finalize(self, _release_parts, self.parts)
@@ -133,12 +134,16 @@ class ZeroEngine(nn.Module):
 
     def mark_usable(self) -> None:
         self._unusable = None
+        if self.optimizer is not None:
+            self.optimizer.abandon_step()
 
     def check_usable(self) -> None:
         if self._closed:
             raise EngineStateError("this engine was destroyed")
         if self._unusable is not None:
             raise EngineStateError(self._unusable)
+        if self.optimizer is not None and self.optimizer.step_in_progress:
+            raise EngineStateError(self._step_failure)
 
     # -- forward, backward, step ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -182,14 +187,28 @@ class ZeroEngine(nn.Module):
     def step(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer")
-        self.check_usable()
-        if self.is_gradient_accumulation_boundary():
+        retry = self.optimizer.step_in_progress  # a step that failed half way: finish it
+        if not retry:
+            self.check_usable()
+        if retry or self.is_gradient_accumulation_boundary():
             self._take_step()
         self.micro_steps += 1
 
     def _take_step(self) -> None:
-        with self.timers.phase("optimizer"):
-            stepped = self.optimizer.step()
+        try:
+            with self.timers.phase("optimizer"):
+                stepped = self.optimizer.step()
+        except BaseException as error:
+            if self.optimizer.step_in_progress:
+                done, total = self.optimizer.step_progress()
+                self._step_failure = (
+                    f"optimizer step {self.global_steps + 1} failed ({type(error).__name__}: {error}) after "
+                    f"updating {done} of {total} sub-groups, so the model and optimizer are partly updated; "
+                    f"forward, backward and saves are refused until the step is finished. Call "
+                    f"engine.step() again to finish it with the same gradients once the cause is fixed, or "
+                    f"engine.load_checkpoint(...) to return to the last checkpoint")
+                error.add_note(self._step_failure)
+            raise
         if stepped:
             self.parts.coordinator.release_all()
             if self.lr_scheduler is not None:

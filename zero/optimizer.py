@@ -20,6 +20,20 @@ therefore bit-identical to plain PyTorch AdamW with ``fused=True``. On several
 ranks a parameter may be split between two ranks: each rank takes the norm of
 its pieces and the squares are summed across ranks.
 
+[Note: a step that fails half way is finished, never half applied]
+With NVMe offload a step does I/O between sub-groups (swap-ins, swap-outs,
+parameter write-backs), and any of it can fail. The swappers never lose data
+on a failure (a failed read leaves the file as it was, a failed write keeps
+the new values in their buffer and is retried by the next write), so what a
+failure leaves is a step applied to some sub-groups and not to others. The
+step therefore remembers its clip coefficient and the sub-groups it has
+updated (``_PendingStep``; a sub-group's Adam update does no I/O, so it is
+done or not), and the next call of :meth:`ZeroOptimizer.step` finishes it:
+updated sub-groups are only written back again, the others updated with the
+kept gradients. The engine refuses forward, backward and saves meanwhile
+(zero/engine.py), so no partly updated state is trained on or stored; a run
+that retries reaches the same bits as one that never failed.
+
 A script's own torch optimizer (``zero_allow_untested_optimizer``) is rebuilt
 over views of the master partition and stepped once for all sub-groups; it
 must be elementwise (SGD, Adagrad, RMSprop, ...), since it only ever sees
@@ -28,8 +42,8 @@ this rank's slices of each parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.optim import Optimizer
@@ -64,6 +78,14 @@ def merge_ranges(ranges: Sequence[Range]) -> List[Range]:
     return out
 
 
+@dataclass
+class _PendingStep:
+    """A step under way: its coefficient, and the sub-groups it has updated."""
+
+    coef: Optional[torch.Tensor]
+    stepped: Set[int] = field(default_factory=set)
+
+
 class ZeroOptimizer(Optimizer):
     """The optimizer :func:`zero.initialize` returns; ``param_groups`` drive LR schedulers.
 
@@ -88,6 +110,7 @@ class ZeroOptimizer(Optimizer):
         self.adam_step = 0
         self.skipped_steps = 0
         self.global_grad_norm: Optional[float] = None
+        self._pending: Optional[_PendingStep] = None
         self._group_ranges = group_ranges
         self._norm_ranges = sorted(r for ranges in group_ranges for r in ranges)
         # Per sub-group, per param group: the parameter pieces inside it (a piece never straddles
@@ -115,13 +138,49 @@ class ZeroOptimizer(Optimizer):
         """Gradients are consumed by each step; nothing to clear."""
 
     # -- the step ----------------------------------------------------------------------------------
+    @property
+    def step_in_progress(self) -> bool:
+        """A step raised half way (an I/O error): :meth:`step` finishes it (see the [Note] above)."""
+        return self._pending is not None
+
+    def step_progress(self) -> Tuple[int, int]:
+        """(sub-groups updated, sub-groups) of the step in progress."""
+        stepped = len(self._pending.stepped) if self._pending is not None else 0
+        return stepped, len(self.rank_layout.sub_groups)
+
+    def abandon_step(self) -> None:
+        """Forget a step in progress (load_checkpoint replaces the whole state)."""
+        self._pending = None
+
     @torch.no_grad()
     def step(self, closure=None) -> bool:
-        """One optimizer step; returns False when it was skipped for an fp16 overflow."""
+        """One optimizer step; returns False when it was skipped for an fp16 overflow.
+
+        After a step that raised half way, the next call finishes that step (same gradients,
+        same clip coefficient; sub-groups updated already are only written back again)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure; call engine.step()")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # copies in flight to and from pinned host memory are done
+        if self._pending is None:
+            coef = self._prepare()
+            if coef is False:
+                return False
+            self._pending = _PendingStep(coef)
+            if self.inner is None:
+                self.adam_step += 1
+        pending = self._pending
+        if self.inner is not None:
+            self._step_inner(pending)
+        else:
+            self.store.step(lambda sg, master, states, grad: self._step_sub_group(sg, master, states, grad, pending))
+        self._pending = None
+        self.reducer.clear()
+        self.scaler.update(False)
+        return True
+
+    def _prepare(self):
+        """The clip/unscale coefficient of this step (None: none), or False for an fp16 overflow."""
         self.reducer.zero_stale()
         scale = self.scaler.loss_scale
         norm = None
@@ -143,14 +202,7 @@ class ZeroOptimizer(Optimizer):
                 coef = coef / scale
         elif scale != 1.0:
             coef = torch.tensor(1.0 / scale)
-        if self.inner is not None:
-            self._step_inner(coef)
-        else:
-            self.adam_step += 1
-            self.store.step(lambda sg, master, states, grad: self._step_sub_group(sg, master, states, grad, coef))
-        self.reducer.clear()
-        self.scaler.update(False)
-        return True
+        return coef
 
     def _global_norm(self) -> torch.Tensor:
         norms = [self.reducer.norm(a, b) for a, b in self._norm_ranges]
@@ -163,9 +215,17 @@ class ZeroOptimizer(Optimizer):
         return total
 
     def _step_sub_group(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor],
-                        grad: torch.Tensor, coef: Optional[torch.Tensor]) -> None:
-        """Adam on one sub-group; ``grad`` (the store's flat view) is read through the reducer,
-        which may hold some parameters' gradients as separate tensors."""
+                        grad: torch.Tensor, pending: "_PendingStep") -> None:
+        """Adam on one sub-group (unless this step updated it already), then its parameter shards
+        written back; ``grad`` (the store's flat view) is read through the reducer, which may hold
+        some parameters' gradients as separate tensors."""
+        if sg.index not in pending.stepped:
+            self._adam(sg, master, states, pending.coef)
+            pending.stepped.add(sg.index)  # no I/O since the gradients were scaled: all or nothing
+        self._write_back(sg, master)
+
+    def _adam(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor],
+              coef: Optional[torch.Tensor]) -> None:
         step = torch.tensor(float(self.adam_step), device=master.device)
         kernel = torch._fused_adamw_ if self.adam.decoupled_weight_decay else torch._fused_adam_
         for group, ranges in zip(self.param_groups, self._sg_ranges[sg.index]):
@@ -185,7 +245,6 @@ class ZeroOptimizer(Optimizer):
                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                    weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                    amsgrad=self.adam.amsgrad, maximize=False)
-        self._write_back(sg, master)
 
     def _write_back(self, sg: SubGroup, master: torch.Tensor) -> None:
         for unit_index in sg.units:
@@ -209,15 +268,17 @@ class ZeroOptimizer(Optimizer):
         groups = [g for g in groups if g["params"]]
         return optimizer_type(groups, **defaults)
 
-    def _step_inner(self, coef: Optional[torch.Tensor]) -> None:
-        if coef is not None:
-            self.store.grads.mul_(coef.to(self.store.grads.device))
-        inner_groups = iter(self.inner.param_groups)
-        for group, ranges in zip(self.param_groups, self._group_ranges):
-            if ranges:
-                inner = next(inner_groups)
-                inner.update({k: v for k, v in group.items() if k != "params"})
-        self.inner.step()
+    def _step_inner(self, pending: "_PendingStep") -> None:
+        if not pending.stepped:
+            if pending.coef is not None:
+                self.store.grads.mul_(pending.coef.to(self.store.grads.device))
+            inner_groups = iter(self.inner.param_groups)
+            for group, ranges in zip(self.param_groups, self._group_ranges):
+                if ranges:
+                    inner = next(inner_groups)
+                    inner.update({k: v for k, v in group.items() if k != "params"})
+            self.inner.step()
+            pending.stepped.update(sg.index for sg in self.rank_layout.sub_groups)
         for sg in self.rank_layout.sub_groups:
             self._write_back(sg, self.store.master[sg.start:sg.stop])
 

@@ -17,6 +17,7 @@ views the function updates in place.
 from __future__ import annotations
 
 import abc
+import logging
 
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -156,11 +157,14 @@ class NvmeOptimizerStore(OptimizerStore):
                  rank: int):
         from swapper import PipelinedOptimizerSwapper
 
+        from .param_store import swap_checksum
+
         super().__init__(rank_layout, state_names)
         self.swapper = PipelinedOptimizerSwapper(
             offload.nvme_path, aio, None, torch.float32, state_names=self.state_names, job_id=job_id,
             rank=rank, name="optimizer", pin_memory=offload.pin_memory, remove_stale=True,
-            swap_gradients=True, pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
+            swap_gradients=True, checksum=swap_checksum(offload.checksum),
+            pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
         self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
         for sg in self._groups:
             self.swapper.register_sub_group(sg.index, sg.numel)
@@ -185,12 +189,21 @@ class NvmeOptimizerStore(OptimizerStore):
     def prefetch(self) -> None:
         if self._groups:
             t0 = time.perf_counter()
-            self.swapper.swap_in(self._groups[0].index, async_op=True)
-            self.write_wait_seconds += time.perf_counter() - t0  # a write still in flight
+            try:
+                self.swapper.swap_in(self._groups[0].index, async_op=True)
+            except OSError as error:
+                # A write of the last step failed; its values are still in their buffer and the
+                # step writes them again (and raises if that fails too). A prefetch is only a hint.
+                logging.getLogger("zero").warning("optimizer prefetch: %s; the step will retry", error)
+                return
+            finally:
+                self.write_wait_seconds += time.perf_counter() - t0  # a write still in flight
             self._prefetched = True
 
     def step(self, fn: StepFn) -> None:
         groups = self._groups
+        self._prefetched = False  # consumed below, or lost with an error
+        self._write_held(groups[1:])
         for k, sg in enumerate(groups):
             t0 = time.perf_counter()
             tensors = self.swapper.swap_in(sg.index)  # waits only for what is not read yet
@@ -201,7 +214,14 @@ class NvmeOptimizerStore(OptimizerStore):
             t0 = time.perf_counter()
             self.swapper.swap_out(sg.index, async_op=True)
             self.write_wait_seconds += time.perf_counter() - t0
-        self._prefetched = False
+
+    def _write_held(self, groups) -> None:
+        """Write out sub-groups a failed step left in host memory (their buffers are needed)."""
+        from swapper import SubGroupState
+
+        for sg in groups:
+            if self.swapper.state(sg.index) is SubGroupState.AVAILABLE:
+                self.swapper.swap_out(sg.index, async_op=True)
 
     def write_master(self, unit_index: int, values: torch.Tensor) -> None:
         sg = self.rank_layout.sub_group_of(unit_index)
@@ -232,7 +252,9 @@ class NvmeOptimizerStore(OptimizerStore):
         self.swapper.swap_out(sub_group.index)
 
     def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
-        if not sub_group.numel:
+        # With checksums on, a checkpoint reads the state through the swapper, which verifies it:
+        # a damaged swap file must fail the save, never be copied into the checkpoint unchecked.
+        if not sub_group.numel or not self.swapper.can_import:
             return None
         t0 = time.perf_counter()
         try:

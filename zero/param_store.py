@@ -26,6 +26,15 @@ from .config import ConfigError, Problem
 from .partition import RankLayout, UnitLayout
 
 
+def swap_checksum(setting: str):
+    """The swapper's ``checksum`` for an offload section's ``checksum`` key."""
+    from swapper.checksum import fastest_available
+
+    if setting == "none":
+        return None
+    return fastest_available() if setting == "auto" else setting
+
+
 def unit_id(layout: UnitLayout) -> str:
     """The stable swap id of a unit's shard (never ``id()``): its index and module name."""
     return f"unit{layout.index}.{layout.module_name or 'root'}"
@@ -130,7 +139,7 @@ class NvmeParamStore(ParamStore):
         self.swapper = PartitionedParamSwapper(
             offload.nvme_path, aio, buffer_count=offload.buffer_count, buffer_size=max(1, largest),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
-            pin_memory=offload.pin_memory, remove_stale=True)
+            pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
         for u in rank_layout.units:
             self.swapper.register(self._ids[u.index], u.shard_numel)
@@ -147,7 +156,7 @@ class NvmeParamStore(ParamStore):
         return tensor
 
     def fetched(self, layout: UnitLayout) -> None:
-        self.swapper.release([self._ids[layout.index]])
+        self.swapper.release_or_write([self._ids[layout.index]])  # retries a write that failed
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
         from swapper.param_swapper import PartitionState
@@ -169,7 +178,7 @@ class NvmeParamStore(ParamStore):
 
     def drop_prefetched(self) -> None:
         if self._prefetched:
-            self.swapper.release([self._ids[i] for i in sorted(self._prefetched)])
+            self.swapper.release_or_write([self._ids[i] for i in sorted(self._prefetched)])
             self._prefetched.clear()
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:

@@ -1,0 +1,191 @@
+"""What swap-file checksums cost: digest speeds, and the training step with each algorithm.
+
+    flock /tmp/bench.lock python3 bench/checksum_cost.py --results-md bench/RESULTS.md
+    python3 bench/checksum_cost.py --rounds 1 --steps 4          # a quick look
+
+Part 1: each algorithm of swapper.checksum digests a 256 MiB tensor (median of
+5). Part 2: one ZeRO-3 training step of a small GPT (4 layers, d_model 256,
+vocab 4096; bench/train_step.py's config otherwise) with parameters *and* optimizer states on NVMe (``max_in_cpu`` 0, so every
+parameter is swapped in each forward and backward: the most checksummed bytes
+per step), ``offload_param.checksum`` and ``offload_optimizer.checksum`` set to
+none / crc32 / crc32c / xxhash; each in a fresh process, 2 warm-up steps, the
+median of ``--steps``, round-robin ``--rounds`` times, median over rounds. The
+result decides the default of the ``checksum`` key ([Note: checksum default]
+in zero/config/offload.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from results_md import replace_section  # noqa: E402
+from train_step import BATCH, ds_config, load_average  # noqa: E402
+
+MODEL = dict(vocab=4096, d_model=256, heads=4, layers=4, seq=128, tie=False)  # ~4M parameters
+
+ALGORITHMS = ["none", "crc32", "crc32c", "xxhash"]
+SECTION = "## Swap-file checksums (bench/checksum_cost.py)"
+
+
+def digest_speeds(nbytes: int = 256 << 20) -> dict:
+    import torch
+
+    from swapper.checksum import ChecksumTable
+
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    speeds = {}
+    for name in ALGORITHMS[1:]:
+        table = ChecksumTable(name)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            table.digest(data)
+            times.append(time.perf_counter() - t0)
+        speeds[name] = nbytes / statistics.median(times) / 1e9
+    return speeds
+
+
+def run_child(checksum: str, steps: int, warmup: int, nvme_path: str) -> dict:
+    import torch
+
+    import zero
+    from zero.examples import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**MODEL)
+    model = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
+    y = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
+    config = ds_config("nvme", nvme_path)
+    zc = config["zero_optimization"]
+    zc["offload_param"].update(max_in_cpu=0, checksum=checksum)
+    zc["offload_optimizer"].update(checksum=checksum)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    swapped = engine.parts.param_store.swapper.nvme_bytes + engine.parts.optimizer_store.swapper.nvme_bytes
+    engine.destroy()
+    return {"checksum": checksum, "median_ms": 1000 * statistics.median(times[warmup:]),
+            "times_ms": [round(1000 * t, 1) for t in times[warmup:]], "nvme_bytes": swapped}
+
+
+def run_one(checksum: str, args, root: str) -> dict:
+    nvme_path = tempfile.mkdtemp(prefix=f"{checksum}-", dir=root)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", checksum, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--nvme_path", nvme_path]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    finally:
+        shutil.rmtree(nvme_path, ignore_errors=True)
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"checksum": checksum, "error": (out.stderr or out.stdout)[-2000:]}
+
+
+def chart(summary: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ALGORITHMS if "median_ms" in summary.get(n, {})]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(names, [summary[n]["median_ms"] for n in names], color=["#888", "#c66", "#6a6", "#66c"][:len(names)])
+    ax.set_ylabel("median step (ms)")
+    ax.set_title("ZeRO-3 step, params + optimizer on NVMe, by swap checksum")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--nvme_path", default=None)
+    parser.add_argument("--results-md", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)))
+        return 0
+
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    load_start, t0 = load_average(), time.time()
+    speeds = digest_speeds()
+    print("digest GB/s:", {k: round(v, 1) for k, v in speeds.items()}, flush=True)
+    root = args.nvme_path or tempfile.mkdtemp(prefix="checksum_cost-")
+    results = {n: [] for n in ALGORITHMS}
+    for r in range(args.rounds):
+        for name in ALGORITHMS:
+            res = run_one(name, args, root)
+            results[name].append(res)
+            print(f"round {r + 1}: {name}: {res.get('median_ms', 'failed')}", flush=True)
+    if not args.nvme_path:
+        shutil.rmtree(root, ignore_errors=True)
+    summary = {}
+    for name, rs in results.items():
+        ok = [x for x in rs if "median_ms" in x]
+        summary[name] = ({"median_ms": statistics.median(x["median_ms"] for x in ok),
+                          "round_medians_ms": [round(x["median_ms"], 1) for x in ok],
+                          "nvme_bytes": ok[0]["nvme_bytes"]} if ok else {"error": rs[-1].get("error", "")})
+    base = summary["none"].get("median_ms")
+    lines = ["| checksum | digest GB/s (256 MiB) | median step ms | / none | round medians ms |",
+             "|---|---:|---:|---:|---|"]
+    for name in ALGORITHMS:
+        s = summary[name]
+        if "median_ms" not in s:
+            lines.append(f"| {name} | | failed | | |")
+            continue
+        speed = f"{speeds[name]:.1f}" if name in speeds else "—"
+        ratio = f"{s['median_ms'] / base:.3f}" if base else "—"
+        lines.append(f"| {name} | {speed} | {s['median_ms']:.1f} | {ratio} | "
+                     f"{', '.join(map(str, s['round_medians_ms']))} |")
+    print("\n".join(lines))
+    load_end = load_average()
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    with open(os.path.join(HERE, "out", "checksum_cost.json"), "w") as f:
+        json.dump({"started": started, "speeds_gbps": speeds, "rounds": results, "summary": summary,
+                   "load_start": load_start, "load_end": load_end}, f, indent=1)
+    if args.results_md:
+        chart(summary, os.path.join(HERE, "checksum_cost.png"))
+        nbytes = summary["none"].get("nvme_bytes", 0)
+        body = "\n".join([
+            f"Latest run: {started}, `python3 bench/checksum_cost.py --rounds {args.rounds} --steps {args.steps}`; "
+            f"load average {load_start} at start, {load_end} at end (2 CPUs shared with other work).",
+            "",
+            f"GPT ({MODEL['layers']} layers, d_model {MODEL['d_model']}, vocab {MODEL['vocab']}), batch {BATCH}, "
+            f"fp32, parameters and optimizer states on NVMe (max_in_cpu 0: {nbytes / 2**20:.0f} MiB of swap "
+            "files, every parameter read in each forward and backward), one process per run.",
+            "",
+            *lines,
+            "",
+            "![checksum cost](checksum_cost.png)",
+        ])
+        replace_section(Path(args.results_md), SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""bench/reliability.py sections for the engine: the ZeRO-3 engine under injected faults, and
+hostile checkpoints.
+
+- engine: faults of nvmeio.faults in the swap-ins and swap-outs of parameters and optimizer
+  states during training, and swap files damaged between steps. A case passes when the error
+  is clear (an OSError naming the swap file, or a SwapCorruptionError naming file and unit),
+  nothing partly updated is trained on or saved, and the run then reaches exactly the losses
+  and weights of a run without faults (finishing the step, running the batch again, or
+  loading the last checkpoint).
+- checkpoints: pickles that would run code, tags and ``latest`` contents that leave the
+  directory, symlinks planted where a save writes, modes, saves cut at their worst moment,
+  loads of incomplete checkpoints. A case passes when nothing runs, nothing outside the
+  directory is read or written, and the engine's state is the one expected.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+
+import torch
+
+BATCHES_N = 4
+
+
+def _kit():
+    import reliability  # the report's model and helpers (imported late: reliability imports us)
+
+    return reliability
+
+
+def _engine(nvme: str, **zero_extra):
+    import zero
+    from helpers import base_config
+    from zero.examples import GPT, GPTConfig
+
+    os.makedirs(nvme, exist_ok=True)
+    torch.manual_seed(0)
+    config = base_config("nvme", "nvme", nvme, lr=1e-2, **zero_extra)
+    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    return engine
+
+
+def _batches():
+    from zero.examples import GPTConfig, make_batches
+
+    return make_batches(GPTConfig(), BATCHES_N, 4)
+
+
+def _weights(engine):
+    import zero
+
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _reference(d: str):
+    from helpers import train_engine
+
+    engine = _engine(os.path.join(d, "ref"))
+    try:
+        return train_engine(engine, _batches(), BATCHES_N), _weights(engine)
+    finally:
+        engine.destroy()
+
+
+def _lost_elements(engine, reference) -> int:
+    """Parameter elements that differ from the fault-free run (the report's 'bytes lost', x4)."""
+    mine = _weights(engine)
+    return sum(int((mine[k] != v).sum()) * v.element_size() for k, v in reference[1].items())
+
+
+def _swap_dir(engine, which: str) -> str:
+    return (engine.parts.optimizer_store if which == "optimizer" else engine.parts.param_store).swap_dir
+
+
+# -- engine cases: (d, row, reference) -> None; raise to fail ------------------------------------
+
+def _failed_write_step(which: str, error: str):
+    def case(d, row, reference):
+        import zero
+        from helpers import train_engine
+        from nvmeio import faults
+
+        k = _kit()
+        engine = _engine(os.path.join(d, "swap"))
+        batches = _batches()
+        losses = train_engine(engine, batches[:1], 1)
+        loss = engine(*batches[1])
+        losses.append(loss.item())
+        engine.backward(loss)
+        with faults.inject(fail_nth=1, fail_count=0, errno=error, path_contains=_swap_dir(engine, which),
+                           op="write"):
+            try:
+                engine.step()
+                raise k.Expectation("the step did not raise")
+            except OSError as e:
+                k.expect(e.errno == getattr(errno, error) and _swap_dir(engine, which) in str(e),
+                         f"unclear error: {e}")
+        try:
+            engine(*batches[2])
+            raise k.Expectation("a forward ran on a partly updated model")
+        except zero.EngineStateError:
+            pass
+        engine.step()
+        losses += train_engine(engine, batches[2:], 2)
+        k.expect(losses == reference[0], "losses differ from the run without faults")
+        row.bytes_lost += _lost_elements(engine, reference)
+        engine.destroy()
+    return case
+
+
+def _failed_read(which: str):
+    def case(d, row, reference):
+        from helpers import train_engine
+        from nvmeio import faults
+
+        k = _kit()
+        engine = _engine(os.path.join(d, "swap"))
+        batches = _batches()
+        losses = train_engine(engine, batches[:1], 1)
+        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=_swap_dir(engine, which),
+                           op="read"):
+            try:
+                train_engine(engine, batches[1:2], 1)
+                raise k.Expectation("no error raised")
+            except OSError as e:
+                k.expect(e.errno == errno.EIO and _swap_dir(engine, which) in str(e), f"unclear error: {e}")
+        if engine.optimizer.step_in_progress:
+            engine.step()
+            losses.append(reference[0][1])
+        else:
+            losses += train_engine(engine, batches[1:2], 1)
+        losses += train_engine(engine, batches[2:], 2)
+        k.expect(losses == reference[0], "losses differ from the run without faults")
+        row.bytes_lost += _lost_elements(engine, reference)
+        engine.destroy()
+    return case
+
+
+def _damaged_swap_file(which: str, how: str):
+    def case(d, row, reference):
+        import numpy as np
+
+        from helpers import train_engine
+        from swapper import SwapCorruptionError
+
+        k = _kit()
+        engine = _engine(os.path.join(d, "swap"))
+        batches = _batches()
+        losses = train_engine(engine, batches[:1], 1)
+        engine.save_checkpoint(os.path.join(d, "ckpt"))
+        directory = _swap_dir(engine, which)
+        path = os.path.join(directory, sorted(os.listdir(directory))[0])
+        n = min(os.path.getsize(path), 1 << 16)
+        data = {"zeros": bytes(n), "random": np.random.default_rng(1).integers(0, 256, n, np.uint8).tobytes(),
+                "nans": np.full(n // 4, np.nan, np.float32).tobytes()}[how]
+        with open(path, "r+b") as f:
+            f.write(data)
+        try:
+            train_engine(engine, batches[1:2], 1)
+            raise k.Expectation("the damage went unnoticed")
+        except SwapCorruptionError as e:
+            k.expect(path in str(e) and ("partition" in str(e) or "sub-group" in str(e)),
+                     f"the error does not name the file and unit: {e}")
+        engine.load_checkpoint(os.path.join(d, "ckpt"))
+        losses += train_engine(engine, batches[1:], 3)
+        k.expect(losses == reference[0], "losses differ from the run without faults after resuming")
+        row.bytes_lost += _lost_elements(engine, reference)
+        engine.destroy()
+    return case
+
+
+ENGINE_CASES = {
+    "optimizer swap-out fails (EROFS) for one step; step finished": _failed_write_step("optimizer", "EROFS"),
+    "optimizer swap-out fails (ENOSPC) for one step; step finished": _failed_write_step("optimizer", "ENOSPC"),
+    "parameter swap-out fails (EACCES) for one step; step finished": _failed_write_step("params", "EACCES"),
+    "parameter swap-in fails (EIO); batch run again": _failed_read("params"),
+    "optimizer swap-in fails (EIO); step finished": _failed_read("optimizer"),
+    **{f"{which} swap file {how} between steps; checkpoint loaded": _damaged_swap_file(which, how)
+       for which in ("params", "optimizer") for how in ("zeros", "random", "nans")},
+}
+
+
+def section_engine(ctx):
+    k = _kit()
+    s = k.Section("engine", "The ZeRO-3 engine under injected faults (zero)",
+                  "Faults injected (nvmeio.faults) into the swap-ins and swap-outs of a GPT trained with "
+                  "parameters and optimizer states on NVMe, and swap files damaged between steps. A case "
+                  "fails if the error does not name the file (and unit), a partly updated state is "
+                  "trained on, or the run does not then reach exactly the losses and weights of a run "
+                  "without faults ('bytes lost': parameter bytes that differ).")
+    reference = _reference(ctx.fresh_dir("engine-ref"))
+    for name, case in ENGINE_CASES.items():
+        d = ctx.fresh_dir("engine")
+        row = k.Row(name, cases=1)
+        before = k.settled_snapshot()
+        error = k.run_guarded(lambda: case(d, row, reference))
+        row.leaks = k.resources.grown(before, k.settled_snapshot())
+        row.failed = 1 if error else 0
+        row.detail = error or "clear error; no partly updated state used; same losses and weights"
+        s.rows.append(row)
+    return s
+
+
+# -- checkpoint cases: (d) -> None ------------------------------------------------------------------
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _saved(d):
+    from helpers import train_engine
+
+    engine = _engine(os.path.join(d, "swap"))
+    train_engine(engine, _batches()[:1], 1)
+    engine.save_checkpoint(os.path.join(d, "ckpt"), tag="good")
+    return engine, os.path.join(d, "ckpt")
+
+
+@contextlib.contextmanager
+def _engine_saved(d):
+    engine, ckpt = _saved(d)
+    try:
+        yield engine, ckpt
+    finally:
+        engine.destroy()
+
+
+def ck_malicious_pickle(d):
+    import zero
+
+    k = _kit()
+    with _engine_saved(d) as (engine, ckpt):
+        path = os.path.join(ckpt, "good", "rank00000", "engine.pt")
+        state = torch.load(path, weights_only=True)
+        state["client_state"] = {"x": _RunsCode(os.path.join(d, "pwned"))}
+        os.unlink(path)
+        torch.save(state, path)
+        steps = engine.global_steps
+        try:
+            engine.load_checkpoint(ckpt)
+            raise k.Expectation("loaded")
+        except zero.UnsafeCheckpointError as e:
+            k.expect(path in str(e), f"unclear: {e}")
+        k.expect(not os.path.exists(os.path.join(d, "pwned")), "the pickle ran code")
+        k.expect(engine.global_steps == steps, "counters changed")
+
+
+def ck_tag_escapes(d):
+    import zero
+
+    k = _kit()
+    with _engine_saved(d) as (engine, ckpt):
+        engine.save_checkpoint(d, tag="outside")
+        n = 0
+        for tag in ("../outside", os.path.join(d, "outside"), "a/b", "..", ".hidden", "latest"):
+            for fn in (lambda: engine.load_checkpoint(ckpt, tag=tag), lambda: engine.save_checkpoint(ckpt, tag=tag)):
+                n += 1
+                try:
+                    fn()
+                    raise k.Expectation(f"tag {tag!r} accepted")
+                except zero.CheckpointTagError as e:
+                    k.expect(repr(tag) in str(e), f"the error does not name {tag!r}: {e}")
+        for text in ("../outside", os.path.join(d, "outside")):
+            n += 1
+            with open(os.path.join(ckpt, "latest"), "w") as f:
+                f.write(text)
+            try:
+                engine.load_checkpoint(ckpt)
+                raise k.Expectation(f"latest {text!r} followed")
+            except zero.CheckpointTagError:
+                pass
+        for tag in (" t", "t\n", "t "):
+            n += 1
+            try:
+                engine.save_checkpoint(ckpt, tag=tag)
+                raise k.Expectation(f"tag {tag!r} saved")
+            except zero.CheckpointTagError:
+                pass
+    return n
+
+
+def ck_planted_symlinks(d):
+    k = _kit()
+    with _engine_saved(d) as (engine, ckpt):
+        victim = os.path.join(d, "victim")
+        with open(victim, "w") as f:
+            f.write("precious")
+        for name in (f"latest.tmp-{os.getpid()}", ".next.partial", "latest.tmp"):
+            os.symlink(victim, os.path.join(ckpt, name))
+        engine.save_checkpoint(ckpt, tag="next")
+        with open(victim) as f:
+            k.expect(f.read() == "precious", "a planted symlink was written through")
+
+
+def ck_modes(d):
+    k = _kit()
+    old = os.umask(0o022)
+    try:
+        with _engine_saved(d) as (_, ckpt):
+            for root, dirs, files in os.walk(ckpt):
+                for n in dirs:
+                    mode = stat.S_IMODE(os.lstat(os.path.join(root, n)).st_mode)
+                    k.expect(mode == 0o700, f"directory {n} is {mode:o}")
+                for n in files:
+                    mode = stat.S_IMODE(os.lstat(os.path.join(root, n)).st_mode)
+                    k.expect(mode == 0o600, f"file {n} is {mode:o}")
+    finally:
+        os.umask(old)
+
+
+def ck_resave_cut(d):
+    import zero.checkpoint as checkpoint_module
+
+    k = _kit()
+    with _engine_saved(d) as (engine, ckpt):
+        before = _weights(engine)
+        real = os.rename
+        calls = []
+
+        def dying(src, dst, *a, **kw):
+            calls.append(src)
+            if len(calls) == 2:
+                raise KeyboardInterrupt("cut between the renames")
+            return real(src, dst, *a, **kw)
+
+        checkpoint_module.exchange, saved_exchange = (lambda a, b: False), checkpoint_module.exchange
+        checkpoint_module.os.rename = dying
+        try:
+            engine.save_checkpoint(ckpt, tag="good")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            checkpoint_module.os.rename = real
+            checkpoint_module.exchange = saved_exchange
+        engine.load_checkpoint(ckpt)  # latest still leads to a complete copy
+        engine.save_checkpoint(ckpt, tag="other")
+        k.expect(os.path.isdir(os.path.join(ckpt, "good")), "the only complete copy was deleted")
+        mine = _weights(engine)
+        k.expect(all(torch.equal(mine[n], v) for n, v in before.items()), "wrong weights loaded")
+
+
+def ck_incomplete_load(d):
+    k = _kit()
+    with _engine_saved(d) as (engine, ckpt):
+        from helpers import train_engine
+
+        train_engine(engine, _batches()[1:2], 1)
+        before, steps = _weights(engine), engine.global_steps
+        os.unlink(os.path.join(ckpt, "good", "rank00000", "engine.pt"))
+        try:
+            engine.load_checkpoint(ckpt)
+            raise k.Expectation("an incomplete checkpoint loaded")
+        except FileNotFoundError:
+            pass
+        mine = _weights(engine)
+        k.expect(engine.global_steps == steps and all(torch.equal(mine[n], v) for n, v in before.items()),
+                 "a failed load changed the engine")
+
+
+CHECKPOINT_CASES = {
+    "engine.pt holding a pickle that runs a command": ck_malicious_pickle,
+    "tags and latest leaving the directory, whitespace tags": ck_tag_escapes,
+    "symlinks planted at temporary names": ck_planted_symlinks,
+    "files 0600, directories 0700 under umask 022": ck_modes,
+    "re-save cut between its renames (no exchange)": ck_resave_cut,
+    "load of a checkpoint missing a file": ck_incomplete_load,
+}
+
+
+def section_checkpoints(ctx):
+    k = _kit()
+    s = k.Section("checkpoints", "Security cases (engine checkpoints)",
+                  "Hostile checkpoints and saves cut at their worst moment. A case fails if code runs, "
+                  "anything outside the checkpoint directory is read or written, a refusal does not name "
+                  "what it refuses, or the engine's state is not the expected one.")
+    for name, fn in CHECKPOINT_CASES.items():
+        d = ctx.fresh_dir("checkpoints")
+        box = {}
+        before = k.settled_snapshot()
+        error = k.run_guarded(lambda: box.setdefault("n", fn(d)))
+        s.rows.append(k.Row(name, cases=box.get("n") or 1, failed=1 if error else 0,
+                            leaks=k.resources.grown(before, k.settled_snapshot()),
+                            detail=error or "refused or recovered, as expected"))
+    return s

@@ -1,0 +1,107 @@
+"""A training step that fails on I/O (faults injected in nvmeio's core: the optimizer or the
+parameter swap directory refusing writes, or failing reads, for one step) is never half applied
+silently: the engine refuses to go on until the step is finished or a checkpoint loaded, says
+so, and a run that finishes the step reaches exactly the losses and weights of a run that never
+failed; resuming from the last checkpoint works too."""
+import errno
+
+import pytest
+import torch
+
+import zero
+from nvmeio import faults
+from zero.examples import GPT, GPTConfig, make_batches
+from helpers import base_config, train_engine
+
+CFG = GPTConfig()
+BATCHES = make_batches(CFG, 4, 4)
+
+
+def make_engine(nvme):
+    nvme.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=base_config("nvme", "nvme", nvme, lr=1e-2))
+    return engine
+
+
+def weights(engine):
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    engine = make_engine(tmp_path_factory.mktemp("ref"))
+    losses = train_engine(engine, BATCHES, 4)
+    final = weights(engine)
+    engine.destroy()
+    return losses, final
+
+
+def swap_dir(engine, which):
+    return (engine.parts.optimizer_store if which == "optimizer" else engine.parts.param_store).swap_dir
+
+
+@pytest.mark.parametrize("which", ["optimizer", "params"])
+def test_a_step_whose_writes_fail_is_refused_until_finished_then_matches(tmp_path, reference, which):
+    engine = make_engine(tmp_path)
+    losses = train_engine(engine, BATCHES[:1], 1)
+    loss = engine(*BATCHES[1])
+    losses.append(loss.item())
+    engine.backward(loss)
+    with faults.inject(fail_nth=1, fail_count=0, errno="EROFS", path_contains=swap_dir(engine, which),
+                       op="write") as fired:
+        with pytest.raises(OSError) as info:
+            engine.step()
+        assert fired()["failed"] >= 1
+    assert info.value.errno == errno.EROFS and swap_dir(engine, which) in str(info.value)
+    assert engine.optimizer.step_in_progress
+    for use in (lambda: engine(*BATCHES[2]), lambda: engine.save_checkpoint(tmp_path / "ckpt")):
+        with pytest.raises(zero.EngineStateError, match=r"optimizer step 2 failed \(.*Read-only file system.*"
+                                                        r"partly updated.*Call engine.step\(\) again"):
+            use()
+    assert not (tmp_path / "ckpt").exists()
+
+    engine.step()  # the disk works again: the step is finished
+    assert not engine.optimizer.step_in_progress and engine.global_steps == 2
+    losses += train_engine(engine, BATCHES[2:], 2)
+    expected_losses, expected_weights = reference
+    assert losses == expected_losses
+    assert all(torch.equal(v, expected_weights[k]) for k, v in weights(engine).items())
+    engine.destroy()
+
+
+@pytest.mark.parametrize("which", ["optimizer", "params"])
+def test_failed_reads_leave_the_state_as_it_was(tmp_path, reference, which):
+    engine = make_engine(tmp_path)
+    losses = train_engine(engine, BATCHES[:1], 1)
+    with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=swap_dir(engine, which), op="read"):
+        with pytest.raises(OSError) as info:
+            train_engine(engine, BATCHES[1:2], 1)
+    assert info.value.errno == errno.EIO and swap_dir(engine, which) in str(info.value)
+    if engine.optimizer.step_in_progress:  # the step's first read failed: finish it
+        engine.step()
+        losses.append(reference[0][1])
+    else:  # the forward failed: run the batch again
+        losses += train_engine(engine, BATCHES[1:2], 1)
+    losses += train_engine(engine, BATCHES[2:], 2)
+    assert losses == reference[0]
+    assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
+    engine.destroy()
+
+
+def test_after_a_failed_step_the_last_checkpoint_can_be_loaded(tmp_path, reference):
+    engine = make_engine(tmp_path / "swap")
+    train_engine(engine, BATCHES[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    loss = engine(*BATCHES[1])
+    engine.backward(loss)
+    with faults.inject(fail_nth=1, fail_count=0, errno="ENOSPC", path_contains=swap_dir(engine, "optimizer"),
+                       op="write"):
+        with pytest.raises(OSError, match="No space left"):
+            engine.step()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert not engine.optimizer.step_in_progress and engine.global_steps == 1
+    assert train_engine(engine, BATCHES[1:], 3) == reference[0][1:]
+    assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
+    engine.destroy()
