@@ -80,6 +80,11 @@ class SwapperBase(abc.ABC):
 
     # -- shared API ---------------------------------------------------------------------------
     @property
+    def checksum(self):
+        """The :class:`ChecksumAlgorithm` verifying every swap-in, or None when off."""
+        return self._checksums.algorithm if self._checksums is not None else None
+
+    @property
     def pool(self) -> Optional[PinnedBufferPool]:
         """The buffer pool; ``None`` until first needed when it is sized from the entries."""
         return self._pool

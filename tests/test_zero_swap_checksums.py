@@ -77,10 +77,10 @@ def test_checksum_none_turns_them_off_and_the_default_is_on(tmp_path):
     (tmp_path / "b").mkdir()
     on = make_engine(tmp_path / "a")
     off = make_engine(tmp_path / "b", checksum="none")
-    assert on.parts.param_store.swapper._checksums.algorithm is fastest_available()
-    assert on.parts.optimizer_store.swapper._checksums.algorithm is fastest_available()
-    assert off.parts.param_store.swapper._checksums is None
-    assert off.parts.optimizer_store.swapper._checksums is None
+    assert on.parts.param_store.swapper.checksum is fastest_available()
+    assert on.parts.optimizer_store.swapper.checksum is fastest_available()
+    assert off.parts.param_store.swapper.checksum is None
+    assert off.parts.optimizer_store.swapper.checksum is None
     on.destroy()
     off.destroy()
     config = base_config("nvme", "nvme", tmp_path)

@@ -220,11 +220,11 @@ class ZeroOptimizer(Optimizer):
         written back; ``grad`` (the store's flat view) is read through the reducer, which may hold
         some parameters' gradients as separate tensors."""
         if sg.index not in pending.stepped:
-            self._adam(sg, master, states, pending.coef)
+            self._adam(sg, master, states, grad, pending.coef)
             pending.stepped.add(sg.index)  # no I/O since the gradients were scaled: all or nothing
         self._write_back(sg, master)
 
-    def _adam(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor],
+    def _adam(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor], grad: torch.Tensor,
               coef: Optional[torch.Tensor]) -> None:
         step = torch.tensor(float(self.adam_step), device=master.device)
         kernel = torch._fused_adamw_ if self.adam.decoupled_weight_decay else torch._fused_adam_

@@ -217,7 +217,7 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _write_held(self, groups) -> None:
         """Write out sub-groups a failed step left in host memory (their buffers are needed)."""
-        from swapper import SubGroupState
+        from swapper.sub_group import SubGroupState
 
         for sg in groups:
             if self.swapper.state(sg.index) is SubGroupState.AVAILABLE:
@@ -254,7 +254,7 @@ class NvmeOptimizerStore(OptimizerStore):
     def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         # With checksums on, a checkpoint reads the state through the swapper, which verifies it:
         # a damaged swap file must fail the save, never be copied into the checkpoint unchecked.
-        if not sub_group.numel or not self.swapper.can_import:
+        if not sub_group.numel or self.swapper.checksum is not None:
             return None
         t0 = time.perf_counter()
         try:
