@@ -46,11 +46,12 @@ from zero.stdlib_corpus import ByteBatches, stdlib_source_bytes
 MODEL = GPTConfig(vocab=256, d_model=128, heads=4, layers=4, seq=128)
 BATCH = 8
 LR = 2e-3
+LR_BIG = 3e-5  # Adam's first steps move every weight by about lr: 2e-3 blows up a 2048-wide, 40-layer model
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter + fp32 master + exp_avg + exp_avg_sq
 
 
 def ds_config(offload: str, nvme_dir: str, batch: int = BATCH, sub_group_size: int = 200_000,
-              buffer_size: int = 100_000_000) -> dict:
+              buffer_size: int = 100_000_000, lr: float = LR) -> dict:
     offload_param = {"device": offload, "pin_memory": True}
     offload_optimizer = {"device": offload, "pin_memory": True}
     if offload == "nvme":
@@ -61,7 +62,7 @@ def ds_config(offload: str, nvme_dir: str, batch: int = BATCH, sub_group_size: i
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
                                                   "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
@@ -207,7 +208,7 @@ def run_big(args, root: str) -> int:
     batches = [data.next_batch() for _ in range(args.steps)]
     with swap_folder(root) as nvme:
         print(f"swap files under {nvme} (removed at exit); {free / 2**30:.1f} GiB free there")
-        config = ds_config("nvme", nvme, batch=batch, sub_group_size=20_000_000, buffer_size=largest)
+        config = ds_config("nvme", nvme, batch=batch, sub_group_size=20_000_000, buffer_size=largest, lr=LR_BIG)
         t0 = time.perf_counter()
         torch.manual_seed(0)
         with zero.Init(config_dict_or_path=config):
