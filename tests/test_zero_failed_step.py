@@ -105,3 +105,24 @@ def test_after_a_failed_step_the_last_checkpoint_can_be_loaded(tmp_path, referen
     assert train_engine(engine, BATCHES[1:], 3) == reference[0][1:]
     assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
     engine.destroy()
+
+
+def test_a_gradient_write_failing_in_backward_retires_the_engine_and_a_new_one_resumes(tmp_path, reference):
+    engine = make_engine(tmp_path / "swap")
+    train_engine(engine, BATCHES[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    loss = engine(*BATCHES[1])
+    with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=swap_dir(engine, "optimizer"),
+                       op="write"):
+        with pytest.raises(OSError) as info:
+            engine.backward(loss)
+    assert info.value.errno == errno.EIO and swap_dir(engine, "optimizer") in str(info.value)
+    for use in (lambda: engine(*BATCHES[1]), engine.step, lambda: engine.load_checkpoint(tmp_path / "ckpt")):
+        with pytest.raises(zero.EngineStateError, match="backward failed while writing gradients to NVMe.*"
+                                                        "build a new engine with zero.initialize"):
+            use()
+    engine.destroy()
+    fresh = make_engine(tmp_path / "swap2")
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    assert train_engine(fresh, BATCHES[1:], 3) == reference[0][1:]
+    fresh.destroy()

@@ -73,6 +73,7 @@ class ZeroEngine(nn.Module):
         self._waits_seen = (0.0, 0.0)
         self._closed = False
         self._unusable: Optional[str] = None
+        self._broken: Optional[str] = None  # even a load cannot make it usable again
         self._step_failure = ""
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
         # the callback holds the parts, never the engine.
@@ -140,6 +141,8 @@ class ZeroEngine(nn.Module):
     def check_usable(self) -> None:
         if self._closed:
             raise EngineStateError("this engine was destroyed")
+        if self._broken is not None:
+            raise EngineStateError(self._broken)
         if self._unusable is not None:
             raise EngineStateError(self._unusable)
         if self.optimizer is not None and self.optimizer.step_in_progress:
@@ -178,11 +181,30 @@ class ZeroEngine(nn.Module):
             self.parts.reducer.stash.boundary = boundary
         if boundary and not store.stash_gradients:
             store.prefetch()
-        with self.timers.phase("backward"):
-            scaled.backward(retain_graph=retain_graph)
+        try:
+            with self.timers.phase("backward"):
+                scaled.backward(retain_graph=retain_graph)
+        except OSError as error:
+            if self.parts.reducer.stash is None:
+                raise
+            self._drop_window(error)
+            raise
         if boundary and store.stash_gradients:
             store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
         return loss
+
+    def _drop_window(self, error: OSError) -> None:
+        """Writing gradients to NVMe failed in backward. The master weights and optimizer states
+        are untouched, but a half-run backward leaves the gradient bookkeeping of the hooks in a
+        state a later backward does not recover from (measured: later steps then differ from a
+        run without the fault, even after a load), so this engine refuses all further use."""
+        self.parts.reducer.stash.abandon()
+        self.parts.coordinator.stack.clear()
+        self._broken = (f"backward failed while writing gradients to NVMe ({type(error).__name__}: {error}); "
+                        f"this engine cannot be used any more (the weights and optimizer states on disk are "
+                        f"untouched, but its gradient bookkeeping is not): destroy() it, build a new engine "
+                        f"with zero.initialize and load the last checkpoint")
+        error.add_note(self._broken)
 
     def step(self) -> None:
         if self.optimizer is None:
@@ -252,6 +274,8 @@ class ZeroEngine(nn.Module):
                         load_module_only: bool = False):
         from .checkpoint import load_checkpoint
 
+        if self._broken is not None:
+            raise EngineStateError(self._broken)
         return load_checkpoint(self, os.fspath(load_dir), tag, load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states and not load_module_only)
 

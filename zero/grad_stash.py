@@ -101,6 +101,12 @@ class GradStash:
         self._written.clear()
         self.norms.clear()
 
+    def abandon(self) -> None:
+        """A backward failed half way: drop every gradient of the window, open or written."""
+        self._open.clear()
+        self._done.clear()
+        self.clear(consumed=False)
+
     @staticmethod
     def step_grad(grad: Optional[torch.Tensor], sg: SubGroup) -> torch.Tensor:
         """The sub-group's gradient as read with its state; zeros when none was written."""
