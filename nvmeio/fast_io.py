@@ -41,8 +41,9 @@ class FastIOStats:
     files_read: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
-    bytes_copied: int = 0      # moved file to file in the kernel (copy_file_range)
+    bytes_copied: int = 0      # moved file to file (copy_from)
     copy_seconds: float = 0.0
+    bytes_linked: int = 0      # made part of a file by a hard link, not moved at all
 
     def summary(self) -> str:
         def size(n: int) -> str:
@@ -57,7 +58,7 @@ class FastIOStats:
                 f"({rate(self.bytes_written, self.write_seconds)}); read {self.files_read} files, "
                 f"{size(self.bytes_read)} ({rate(self.bytes_read, self.read_seconds)}); "
                 f"copied {size(self.bytes_copied)} file to file "
-                f"({rate(self.bytes_copied, self.copy_seconds)})")
+                f"({rate(self.bytes_copied, self.copy_seconds)}); linked {size(self.bytes_linked)}")
 
 
 class FastIO:

@@ -36,7 +36,7 @@ from .fast_reader import FastFileReader
 from .fast_writer import FastFileWriter
 
 __all__ = ["SafetensorsWriter", "SafetensorsReader", "SafetensorsError", "save_file", "load_file",
-           "TensorInfo"]
+           "TensorInfo", "encode_header"]
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors package's own limit
 
@@ -89,6 +89,43 @@ def _as_bytes(tensor):
 # -- writing -------------------------------------------------------------------------------
 
 
+def encode_header(tensors: Mapping[str, Tuple[object, Sequence[int]]], metadata: Optional[Mapping[str, str]] = None,
+                  data_alignment: int = 8) -> Tuple[bytes, List[TensorInfo]]:
+    """The bytes before the data of a file holding ``tensors`` back to back in this order
+    (``{name: (dtype, shape)}``): the 8-byte length and the JSON header, padded with
+    spaces so that the data starts at a multiple of ``data_alignment``; and each
+    tensor's entry."""
+    table = _dtype_table()
+    codes = {v: k for k, v in table.items()}
+    infos: List[TensorInfo] = []
+    offset = 0
+    header: Dict[str, object] = {}
+    if metadata is not None:
+        if not isinstance(metadata, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise SafetensorsError("metadata must map str to str (safetensors stores strings only), "
+                                   f"got {metadata!r}")
+        header["__metadata__"] = dict(metadata)
+    for name, (dtype, shape) in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__":
+            raise SafetensorsError(f"tensor name must be a str other than '__metadata__', got {name!r}")
+        code = dtype if isinstance(dtype, str) else codes.get(dtype)
+        if code not in table:
+            raise SafetensorsError(f"tensor {name!r}: dtype {dtype} has no safetensors code "
+                                   f"(supported: {', '.join(table)})")
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise SafetensorsError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        nbytes = _numel(shape) * table[code].itemsize
+        info = TensorInfo(name, code, table[code], shape, offset, offset + nbytes)
+        infos.append(info)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [info.begin, info.end]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % max(8, data_alignment))  # JSON allows trailing spaces
+    return struct.pack("<Q", len(raw)) + raw, infos
+
+
 class SafetensorsWriter:
     """Writes a safetensors file whose tensors are declared up front (see [Note: sizes declared up front]).
 
@@ -113,41 +150,19 @@ class SafetensorsWriter:
                  metadata: Optional[Mapping[str, str]] = None, *, io: Optional[FastIO] = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True, file=None,
                  data_alignment: int = 8):
-        table = _dtype_table()
-        codes = {v: k for k, v in table.items()}
-        self._infos: List[TensorInfo] = []
-        offset = 0
-        header: Dict[str, object] = {}
-        if metadata is not None:
-            if not isinstance(metadata, Mapping) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-                raise SafetensorsError("metadata must map str to str (safetensors stores strings only), "
-                                       f"got {metadata!r}")
-            header["__metadata__"] = dict(metadata)
-        for name, (dtype, shape) in tensors.items():
-            if not isinstance(name, str) or name == "__metadata__":
-                raise SafetensorsError(f"tensor name must be a str other than '__metadata__', got {name!r}")
-            code = dtype if isinstance(dtype, str) else codes.get(dtype)
-            if code not in table:
-                raise SafetensorsError(f"tensor {name!r}: dtype {dtype} has no safetensors code "
-                                       f"(supported: {', '.join(table)})")
-            shape = tuple(int(d) for d in shape)
-            if any(d < 0 for d in shape):
-                raise SafetensorsError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
-            nbytes = _numel(shape) * table[code].itemsize
-            info = TensorInfo(name, code, table[code], shape, offset, offset + nbytes)
-            self._infos.append(info)
-            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [info.begin, info.end]}
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-(8 + len(raw)) % max(8, data_alignment))  # JSON allows trailing spaces
-        self.data_start = 8 + len(raw)
-        self.data_bytes = offset
+        try:
+            raw, self._infos = encode_header(tensors, metadata, data_alignment)
+        except BaseException:
+            if file is not None:
+                file.abort()
+            raise
+        self.data_start = len(raw)
+        self.data_bytes = self._infos[-1].end if self._infos else 0
         self._next = 0
         self._file = file if file is not None else FastFileWriter(
             path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
         self.name = self._file.name
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._file.write(raw)
 
     def infos(self) -> List[TensorInfo]:
         return list(self._infos)

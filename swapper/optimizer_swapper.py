@@ -15,6 +15,7 @@ Buffers are sized from the registered sub-groups at first use.
 """
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .errors import BufferTooSmallError, SwapStateError
 from .io_queue import IoKind, IoQueue
 from .sub_group import (
     ADAM_STATES,
+    HEADER_BYTES,
     SubGroupEntry,
     SubGroupLayout,
     SubGroupState,
@@ -285,6 +287,61 @@ class PartitionedOptimizerSwapper(SwapperBase):
             self._wait(self._writes, None)
         return self.swap_dir.file(g.file_name), self._offsets(g.layout)
 
+    def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
+        """Makes the sub-group's swap file also ``dest`` (a hard link: no byte is copied),
+        after writing ``header`` into its header page (see [Note: the header page]); the
+        next swap-out writes a new file, so ``dest`` keeps this state. False, changing
+        nothing, where that cannot be done (another file system, a gradient region in
+        the file, a header of another size): the caller copies instead."""
+        g = self._group(sub_group_id)
+        if len(header) != HEADER_BYTES or g.layout.with_grad:
+            return False
+        path, _ = self.stored_file(sub_group_id)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            if os.pwrite(fd, header, 0) != HEADER_BYTES:
+                raise OSError(f"short write of the header page of {path}")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(path, dest)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return False
+            raise
+        g.linked = True
+        return True
+
+    def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int]) -> bool:
+        """Makes the file ``path`` (a checkpoint shard in this very layout: ``offsets`` of
+        "master" and every state equal this swapper's) the sub-group's swap file, by a hard
+        link: no byte is copied, and the next swap-out writes a new file, so ``path`` is
+        never changed. False, changing nothing, where that cannot be done (another file
+        system or layout, checksums on: the bytes would have no recorded checksum)."""
+        g = self._group(sub_group_id)
+        if (self._checksums is not None or g.layout.with_grad or dict(offsets) != self._offsets(g.layout)
+                or os.path.getsize(path) < g.layout.written_bytes):
+            return False
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        target = self.swap_dir.file(g.file_name)
+        tmp = f"{target}.adopt-{os.getpid()}"
+        try:
+            os.link(path, tmp)
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return False
+            raise
+        os.replace(tmp, target)
+        self.swap_dir.create(g.file_name)  # tracked for cleanup (the name, not the checkpoint's)
+        if g.state is SubGroupState.AVAILABLE:
+            self._evict(g)
+        g.state, g.linked = SubGroupState.ON_NVME, True
+        g.grad_ranges.clear()
+        g.grad_tickets.clear()
+        return True
+
     @property
     def can_import(self) -> bool:
         """Whether :meth:`import_state` may be used (always: the state is written through
@@ -328,7 +385,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
 
     @staticmethod
     def _offsets(layout: SubGroupLayout) -> Dict[str, int]:
-        return {"master": 0, **{n: layout.offset(1 + i) for i, n in enumerate(layout.state_names)}}
+        return {"master": layout.offset(0), **{n: layout.offset(1 + i) for i, n in enumerate(layout.state_names)}}
 
     def step(self, step_fn: StepFn, sub_group_ids: Optional[Sequence[int]] = None) -> StepStats:
         """For each sub-group in order: swap in, ``step_fn(sub_group_id, tensors)``, swap out.
@@ -416,7 +473,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
             raise SwapStateError(f"sub-group {g.sub_group_id} is {g.state.value}, not in host memory")
         states = {n: buf.view(lay.numel, lay.dtype, lay.offset(1 + i)) for i, n in enumerate(lay.state_names)}
         grad = buf.view(lay.numel, lay.dtype, lay.grad_offset) if with_grad else None
-        return SubGroupTensors(g.sub_group_id, buf.view(lay.numel, lay.dtype, 0), states, grad)
+        return SubGroupTensors(g.sub_group_id, buf.view(lay.numel, lay.dtype, lay.offset(0)), states, grad)
 
     def _begin_read(self, g: SubGroupEntry) -> None:
         """Take a buffer for ``g`` and submit its read (state, and gradient if one was written)."""
@@ -435,22 +492,28 @@ class PartitionedOptimizerSwapper(SwapperBase):
         path = self.swap_dir.file(g.file_name)
         g.buffer = self._acquire(g)
         g.state, g.read_grad = SubGroupState.READING, with_grad
-        view = g.buffer.bytes()[:length]
+        view = g.buffer.bytes()[HEADER_BYTES:length]  # the header page is not swap data
 
         def on_done(error: Optional[BaseException]) -> None:
-            if self._settle_read(g, error, path, view, f"sub-group {g.sub_group_id}"):
+            if self._settle_read(g, error, path, view, f"sub-group {g.sub_group_id}", HEADER_BYTES):
                 g.state = SubGroupState.AVAILABLE
 
-        self._reads.submit(IoKind.READ, view, path, 0, on_done)
+        self._reads.submit(IoKind.READ, view, path, HEADER_BYTES, on_done)
 
     def _begin_write(self, g: SubGroupEntry) -> None:
         """Submit the write of master and states; the buffer is released when it completes."""
+        if g.linked:  # the file is a checkpoint's too: leave it to it, write a new one
+            self.swap_dir.remove(g.file_name)
+            g.linked = False
         self._check_space()
         path = self.swap_dir.create(g.file_name)
         lay = g.layout
+        raw = g.buffer.bytes()
+        for i in range(1 + len(lay.state_names)):  # filler after each region: zeros, not a stale buffer's bytes
+            raw[lay.offset(i) + lay.tensor_bytes:lay.offset(i + 1)].zero_()
         if self._checksums is not None:
             tensors = self._tensors(g, with_grad=False)
-            self._checksums.record(path, 0, tensors.master)
+            self._checksums.record(path, lay.offset(0), tensors.master)
             for i, t in enumerate(tensors.states.values()):
                 self._checksums.record(path, lay.offset(1 + i), t)
         g.state = SubGroupState.WRITING
@@ -464,7 +527,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
             g.grad_ranges.clear()  # consumed by the step that preceded this write
             g.grad_tickets.clear()
 
-        self._writes.submit(IoKind.WRITE, g.buffer.bytes()[: lay.written_bytes], path, 0, on_done)
+        self._writes.submit(IoKind.WRITE, g.buffer.bytes()[HEADER_BYTES:lay.written_bytes], path, HEADER_BYTES,
+                            on_done)
 
     def _run_step(self, step_fn: StepFn, g: SubGroupEntry, stats: StepStats) -> None:
         t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """What one optimizer sub-group is: its states, its byte layout, its tensors in a buffer.
 
 A sub-group's fp32 master partition, optimizer states and optional gradient
-are laid out back to back, each region starting on a 4096-byte boundary, in
-its swap file and in its pool buffer alike (see optimizer_swapper.py).
+are laid out back to back after a header page, each region starting on a
+4096-byte boundary, in its swap file and in its pool buffer alike (see
+optimizer_swapper.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ from .async_swapper import SwapOutTicket
 from .buffer_pool import PoolBuffer, align_up
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+HEADER_BYTES = 4096
+"""[Note: the header page]
+The first 4096 bytes of a sub-group's swap file (and of its buffer) are never
+written by swapping: a checkpoint writes a safetensors header there, which
+describes the regions behind it, and takes the file into the checkpoint with a
+hard link instead of copying its bytes (``link_state``); the swapper's next
+swap-out of that sub-group goes to a new file, so the checkpoint's copy is
+never changed. The same layout lets a checkpoint shard become a swap file by
+a link on load (``adopt_file``)."""
 
 
 class SubGroupState(enum.Enum):
@@ -55,13 +66,14 @@ class SubGroupLayout:
         return align_up(self.tensor_bytes)
 
     def offset(self, index: int) -> int:
-        """Byte offset of region ``index``: 0 master, 1.. states, then the gradient."""
-        return index * self.region_bytes
+        """Byte offset of region ``index``: 0 master, 1.. states, then the gradient
+        (after the header page, see [Note: the header page])."""
+        return HEADER_BYTES + index * self.region_bytes
 
     @property
     def written_bytes(self) -> int:
-        """What a swap-out writes: master and states, padding included."""
-        return (1 + len(self.state_names)) * self.region_bytes
+        """The end of what a swap-out writes: master and states, padding included."""
+        return HEADER_BYTES + (1 + len(self.state_names)) * self.region_bytes
 
     @property
     def grad_offset(self) -> int:
@@ -102,6 +114,7 @@ class SubGroupEntry:
     grad_ranges: List[Tuple[int, int]] = field(default_factory=list)  # element ranges written
     grad_tickets: List[SwapOutTicket] = field(default_factory=list)
     read_grad: bool = False  # the buffer holds a gradient read with the state
+    linked: bool = False  # the swap file is also a checkpoint's: write a new file next time
 
     @property
     def nbytes(self) -> int:

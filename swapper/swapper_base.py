@@ -189,13 +189,13 @@ class SwapperBase(abc.ABC):
             )
 
     def _settle_read(self, entry, error: Optional[BaseException], path: str, data: torch.Tensor,
-                     holder: str = "") -> bool:
+                     holder: str = "", offset: int = 0) -> bool:
         """On completion of ``entry``'s read into ``data``: True if the data is good. A failed
         read (False) or a checksum mismatch (raised, naming ``holder``) evicts the entry; the
-        caller sets the state of a good one."""
+        caller sets the state of a good one. ``offset``: where in the file ``data`` was read from."""
         if error is None and self._checksums is not None:
             try:
-                self._checksums.verify(path, 0, data)
+                self._checksums.verify(path, offset, data)
             except SwapCorruptionError as exc:
                 self._evict(entry)
                 if holder:

@@ -43,11 +43,12 @@ def test_states_start_at_zero_and_the_file_holds_aligned_regions(make):
     layout = s.register_sub_group(0, 1001)
     s.initialize(0, torch.ones(1001))
     path = s.swap_dir.file("subgroup0.swp")
-    assert os.path.getsize(path) == layout.written_bytes == 3 * 4096
+    assert os.path.getsize(path) == layout.written_bytes == 4096 + 3 * 4096  # a header page, 3 regions
     with open(path, "rb") as f:
         raw = f.read()
-    assert raw[:4004] == torch.ones(1001).numpy().tobytes()
-    assert raw[4096 : 4096 + 4004] == bytes(4004) and raw[8192 : 8192 + 4004] == bytes(4004)
+    assert raw[:4096] == bytes(4096)  # left for a checkpoint's header
+    assert raw[4096:4096 + 4004] == torch.ones(1001).numpy().tobytes()
+    assert raw[8192:8192 + 4004] == bytes(4004) and raw[12288:12288 + 4004] == bytes(4004)
 
 
 def test_step_runs_the_function_on_every_sub_group_in_order_and_persists(make):

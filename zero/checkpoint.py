@@ -171,7 +171,8 @@ def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
         path = sub_group_file(partial, comm.rank, sg.index)
         stored = store.stored_file(sg) if store is not None else None
         if stored is not None:
-            cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored)
+            cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored,
+                           link=lambda dest, header, sg=sg: store.link_state(sg, dest, header))
         else:
             master, states = _master_of(engine, sg)
             cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
@@ -288,8 +289,11 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
                 raise ValueError(f"checkpoint shard {path}: {k!r} holds {numel} elements, sub-group "
                                  f"{sg.index} has {sg.numel}")
         master = None
-        if load_states:  # the whole state, read straight into the store's swap buffer
-            master = store.import_state(sg, {k: (path, shard.data_start + shard.info(k).begin) for k in keys})
+        offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
+        if load_states and store.adopt_file(sg, path, offsets):  # the shard becomes the swap file
+            master = shard.get_tensor("master")
+        elif load_states:  # the whole state, read straight into the store's swap buffer
+            master = store.import_state(sg, {k: (path, offset) for k, offset in offsets.items()})
         if master is None:
             master = shard.get_tensor("master")
             if store is not None:

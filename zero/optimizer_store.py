@@ -90,6 +90,16 @@ class OptimizerStore(abc.ABC):
         :meth:`load`)."""
         return None
 
+    def link_state(self, sub_group: SubGroup, dest: str, header: bytes) -> bool:
+        """Make the sub-group's swap file also ``dest`` (a hard link, after writing ``header``
+        into its header page); False where this store cannot (the caller copies)."""
+        return False
+
+    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int]) -> bool:
+        """Make ``path`` (a shard in the swap layout) the sub-group's swap file by a hard link;
+        False where this store cannot (the caller imports or loads)."""
+        return False
+
     def close(self) -> None:
         pass
 
@@ -269,6 +279,18 @@ class NvmeOptimizerStore(OptimizerStore):
         master = tensors.master.clone()  # a memory copy: cheaper than reading the file again
         self.swapper.swap_out(sub_group.index, async_op=True)
         return master
+
+    def link_state(self, sub_group: SubGroup, dest: str, header: bytes) -> bool:
+        if not sub_group.numel:
+            return False
+        t0 = time.perf_counter()
+        try:
+            return self.swapper.link_state(sub_group.index, dest, header)
+        finally:
+            self.io_seconds += time.perf_counter() - t0
+
+    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int]) -> bool:
+        return bool(sub_group.numel) and self.swapper.adopt_file(sub_group.index, path, offsets)
 
     @property
     def swap_dir(self) -> str:
