@@ -81,6 +81,8 @@ def test_writer_config_accepts_deepspeeds_keys():
 
 @pytest.mark.parametrize("offload", ["nvme", "cpu"])
 def test_fast_and_python_writers_write_the_same_checkpoint(tmp_path, offload, caplog):
+    """The same bytes either way; NVMe-resident state is moved file to file (its swap files
+    hold the gradient region too, so they are copied, not linked: see test_swapper_optimizer)."""
     trees = {}
     for kind in ("fast", "python"):
         # Swap checksums off: with them on, a save reads the state through the swapper, which
@@ -211,4 +213,19 @@ def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
         engine.load_checkpoint(ckpt)  # whatever latest names is complete
         expected = step1 if tag == "global_step1" else step2
         assert all(torch.equal(expected[n], v) for n, v in gathered(model).items()), tag
+    engine.destroy()
+
+
+def test_shards_never_change_after_the_save_or_the_load(tmp_path):
+    """Training after a save, or after a load, leaves the checkpoint's files as they were."""
+    batches = make_batches(CFG, 4, 4)
+    engine, _ = make_engine(tmp_path / "a", "nvme")
+    train_engine(engine, batches[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    saved = checkpoint_files(tmp_path / "ckpt")
+    train_engine(engine, batches[1:3], 2)
+    assert checkpoint_files(tmp_path / "ckpt") == saved
+    engine.load_checkpoint(tmp_path / "ckpt")
+    train_engine(engine, batches[3:], 1)
+    assert checkpoint_files(tmp_path / "ckpt") == saved
     engine.destroy()

@@ -192,3 +192,39 @@ def test_stored_file_and_import_state_move_bytes_file_to_file(make, tmp_path):
     with pytest.raises(ValueError, match="exactly"):
         s.import_state(0, {"master": (str(source), 0)})
     source.unlink()
+
+
+def test_link_state_and_adopt_file_share_the_file_and_never_change_it(make, tmp_path):
+    s = make()
+    n = 1001
+    s.register_sub_group(0, n)
+    master = _randn(n, 1)
+    s.initialize(0, master)
+    header = b"H" * 4096
+    dest = tmp_path / "shard.bin"
+    assert s.link_state(0, str(dest), header)  # no byte copied: the swap file is also `dest`
+    path = s.swap_dir.file("subgroup0.swp")
+    assert os.path.samefile(path, dest) and dest.read_bytes()[:4096] == header
+    kept = dest.read_bytes()
+    t = s.swap_in(0)
+    t.master.add_(1.0)
+    s.swap_out(0)  # goes to a new file
+    assert not os.path.samefile(path, dest) and dest.read_bytes() == kept
+    assert not s.link_state(0, str(tmp_path / "x"), b"short")  # a header must fill the page
+
+    assert s.adopt_file(0, str(dest), s.stored_file(0)[1])  # back: the shard becomes the swap file
+    assert os.path.samefile(path, dest)
+    t = s.swap_in(0)
+    assert torch.equal(t.master, master)
+    t.master.add_(2.0)
+    s.swap_out(0)
+    assert dest.read_bytes() == kept  # the adopted file is left alone too
+    dest.unlink()
+
+
+def test_link_state_refuses_a_file_with_a_gradient_region(tmp_path, swappers):
+    s = swappers(PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, swap_gradients=True))
+    s.register_sub_group(0, 100)
+    s.initialize(0, torch.zeros(100))
+    assert not s.link_state(0, str(tmp_path / "shard.bin"), b"H" * 4096)
+    assert not (tmp_path / "shard.bin").exists()

@@ -9,14 +9,16 @@ atomically; ``type: python`` writes with plain buffered file I/O.
 A sub-group's shard holds its fp32 ``master`` and optimizer states as one
 safetensors file laid out exactly as a swap file of the optimizer swapper: a
 4096-byte header page, then each tensor followed by filler (``__pad__.<name>``,
-uint8) up to a 4096-byte boundary. So when the state lives in NVMe swap files
-(``offload_optimizer.device: nvme``) the swap file itself becomes the shard:
+uint8) up to a 4096-byte boundary. So a swap file can itself become the shard:
 the header goes into its header page and a hard link puts it in the
 checkpoint; no byte moves, and the swapper writes its next swap-out to a new
 file, leaving the checkpoint's untouched (swapper.sub_group [Note: the header
-page]). A load on the same layout links the shard back as the swap file the
-same way and reads only the masters (for the parameters). Where a link cannot
-be made (another file system, checksums on), the bytes are copied: read
+page]); a load on the same layout links the shard back as the swap file and
+reads only the masters (for the parameters). The swapper refuses the link
+while its files also hold the gradient region written during backward (the
+engine's NVMe store does, grad_stash.py: the next backward would write into
+the checkpoint's file), and on another file system or with checksums on. Then
+the bytes are copied: read
 O_DIRECT into the writer's locked buffers and written O_DIRECT (``type:
 fast``; measured 2-3x faster on ext4 than ``copy_file_range``, which copies
 through the page cache and must then be fsynced) or by ``copy_file_range``

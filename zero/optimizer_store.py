@@ -287,7 +287,7 @@ class NvmeOptimizerStore(OptimizerStore):
         try:
             return self.swapper.link_state(sub_group.index, dest, header)
         finally:
-            self.io_seconds += time.perf_counter() - t0
+            self.write_wait_seconds += time.perf_counter() - t0
 
     def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int]) -> bool:
         return bool(sub_group.numel) and self.swapper.adopt_file(sub_group.index, path, offsets)
