@@ -268,8 +268,33 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--results-md", default=None)
     parser.add_argument("--png", default=None)
+    parser.add_argument("--from-json", nargs="+", default=None,
+                        help="only write --results-md / --png from saved --json files (merged)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.from_json:
+        results, metas = {}, []
+        for path in args.from_json:
+            with open(path) as f:
+                saved = json.load(f)
+            results.update(saved["results"])
+            metas.append(saved["meta"])
+        meta = {"started": " and ".join(m["started"] for m in metas),
+                "command": " ; ".join(m["command"] for m in metas),
+                "load_start": " / ".join(m["load_start"] for m in metas),
+                "load_end": " / ".join(m["load_end"] for m in metas),
+                "elapsed_s": sum(m["elapsed_s"] for m in metas)}
+        if args.png:
+            chart(results, args.png)
+        if args.results_md:
+            from pathlib import Path
+
+            from results_md import replace_section
+
+            replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png))
+        print("\n".join(table(results)))
+        return 0
 
     if args.child:
         print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)), flush=True)
