@@ -257,7 +257,7 @@ def markdown(results: dict, meta: dict, png: str | None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("parts", nargs="*", default=["speed"], choices=["speed", "scale"])
+    parser.add_argument("parts", nargs="*", help="speed, scale or both (default: speed)")
     parser.add_argument("--contenders", nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -300,6 +300,10 @@ def main(argv=None) -> int:
         print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)), flush=True)
         return 0
 
+    args.parts = args.parts or ["speed"]
+    unknown = set(args.parts) - {"speed", "scale"}
+    if unknown:
+        parser.error(f"unknown part {sorted(unknown)}: choose speed and/or scale")
     names = args.contenders or ((SPEED if "speed" in args.parts else [])
                                 + ([f"scale-{m}" for m in SCALE_MODELS] if "scale" in args.parts else []))
     names = [n for n in names if not n.startswith("ds-") or os.path.exists(args.ds_python)]
