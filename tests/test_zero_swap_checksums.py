@@ -104,3 +104,21 @@ def test_a_save_reads_and_verifies_the_swap_files_and_a_damaged_one_fails_it(tmp
     engine.load_checkpoint(tmp_path / "ckpt")
     engine.save_checkpoint(tmp_path / "ckpt", tag="again")
     engine.destroy()
+
+
+def test_auto_without_a_fast_package_turns_checksums_off_and_says_so(tmp_path, monkeypatch, caplog):
+    import swapper.checksum as checksum_module
+    import zero.param_store as param_store
+
+    monkeypatch.setattr(checksum_module, "fastest_available", lambda: checksum_module.ChecksumAlgorithm.CRC32)
+    monkeypatch.setattr(param_store, "_WARNED_NO_FAST_CHECKSUM", False)
+    (tmp_path / "a").mkdir()
+    engine = make_engine(tmp_path / "a")
+    assert engine.parts.param_store.swapper.checksum is None
+    assert engine.parts.optimizer_store.swapper.checksum is None
+    assert "swap-file checksums are off: neither xxhash nor crc32c is installed" in caplog.text
+    engine.destroy()
+    (tmp_path / "b").mkdir()
+    explicit = make_engine(tmp_path / "b", checksum="crc32")
+    assert explicit.parts.param_store.swapper.checksum is checksum_module.ChecksumAlgorithm.CRC32
+    explicit.destroy()

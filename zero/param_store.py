@@ -16,6 +16,7 @@ gathering a unit is pointing its parameters at a view (see unit.py).
 from __future__ import annotations
 
 import abc
+import logging
 
 import time
 from typing import Iterable, Optional, Set
@@ -27,12 +28,29 @@ from .partition import RankLayout, UnitLayout
 
 
 def swap_checksum(setting: str):
-    """The swapper's ``checksum`` for an offload section's ``checksum`` key."""
-    from swapper.checksum import fastest_available
+    """The swapper's ``checksum`` for an offload section's ``checksum`` key ("auto": xxhash or
+    crc32c when installed, else off with a warning; see [Note: checksum default] in
+    zero/config/offload.py)."""
+    from swapper.checksum import ChecksumAlgorithm, fastest_available
 
     if setting == "none":
         return None
-    return fastest_available() if setting == "auto" else setting
+    if setting != "auto":
+        return setting
+    best = fastest_available()
+    if best is ChecksumAlgorithm.CRC32:
+        global _WARNED_NO_FAST_CHECKSUM
+        if not _WARNED_NO_FAST_CHECKSUM:
+            _WARNED_NO_FAST_CHECKSUM = True
+            logging.getLogger("zero").warning(
+                "swap-file checksums are off: neither xxhash nor crc32c is installed (pip install "
+                "'nvmeio[checksum]'); set offload_param/offload_optimizer checksum to 'crc32' to use the "
+                "standard library's, at a measured cost of up to half a fast step")
+        return None
+    return best
+
+
+_WARNED_NO_FAST_CHECKSUM = False
 
 
 def unit_id(layout: UnitLayout) -> str:
