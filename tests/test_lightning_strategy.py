@@ -43,6 +43,9 @@ class GPTModule(pl.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.gpt(*batch))
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01, fused=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -80,10 +83,12 @@ def assert_same_weights(expected: dict, got: dict, exact: bool = False):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_three_steps_match_lightning_without_zero_with_nvme_offload(tmp_path, accumulate):
     plain = GPTModule()
-    trainer("auto", tmp_path, accumulate_grad_batches=accumulate).fit(plain, loader())
+    plain_trainer = trainer("auto", tmp_path, accumulate_grad_batches=accumulate)
+    plain_trainer.fit(plain, loader())
     ours = GPTModule()
     strategy = nvme_strategy(tmp_path)
-    trainer(strategy, tmp_path, accumulate_grad_batches=accumulate).fit(ours, loader())
+    our_trainer = trainer(strategy, tmp_path, accumulate_grad_batches=accumulate)
+    our_trainer.fit(ours, loader())
     assert len(ours.losses) == 3 * accumulate
     torch.testing.assert_close(ours.losses, plain.losses, rtol=1e-6, atol=0)
     assert_same_weights(plain.state_dict(), full_state_dict(ours))
@@ -91,6 +96,9 @@ def test_three_steps_match_lightning_without_zero_with_nvme_offload(tmp_path, ac
     assert zc.offload_param.device == zc.offload_optimizer.device == "nvme"
     assert strategy.engine.config.gradient_clipping == 1.0
     assert strategy.engine.config.gradient_accumulation_steps == accumulate
+    # validation runs through the engine too
+    assert our_trainer.validate(ours, loader(2), verbose=False) == \
+        plain_trainer.validate(plain, loader(2), verbose=False)
 
 
 def test_configure_model_builds_under_zero_init_straight_to_nvme(tmp_path):

@@ -67,6 +67,8 @@ OPTIONS: Dict[str, Any] = {
     "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
     "load_full_weights": False, "exclude_frozen_parameters": False,
 }
+ZERO_KEYS = ("sub_group_size", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
+             "allgather_bucket_size", "reduce_bucket_size")
 UNSUPPORTED = {
     "partition_activations": "activation checkpointing is the module's own (torch.utils.checkpoint)",
     "cpu_checkpointing": "activation checkpointing is the module's own (torch.utils.checkpoint)",
@@ -80,11 +82,10 @@ UNSUPPORTED = {
 
 def _config_from_options(o: Dict[str, Any]) -> dict:
     """The DeepSpeed config DeepSpeedStrategy builds from its arguments."""
-    zero_section: Dict[str, Any] = {
-        "stage": o["stage"], "sub_group_size": o["sub_group_size"],
-        "contiguous_gradients": o["contiguous_gradients"], "overlap_comm": o["overlap_comm"],
-        "allgather_partitions": o["allgather_partitions"], "reduce_scatter": o["reduce_scatter"],
-        "allgather_bucket_size": o["allgather_bucket_size"], "reduce_bucket_size": o["reduce_bucket_size"]}
+    # Only the ZeRO keys the user gave: DeepSpeedStrategy's defaults are not the engine's (its
+    # sub_group_size of 1e12 would step the whole model's optimizer state at once, in memory).
+    zero_section: Dict[str, Any] = {"stage": o["stage"]}
+    zero_section.update({key: o[key] for key in ZERO_KEYS if o[key] != OPTIONS[key]})
     if o["offload_optimizer"]:
         zero_section["offload_optimizer"] = {
             "device": o["offload_optimizer_device"], "nvme_path": o["nvme_path"],
