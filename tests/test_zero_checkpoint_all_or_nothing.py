@@ -182,3 +182,41 @@ def test_a_load_that_fails_while_writing_the_state_says_to_load_again(tmp_path, 
     assert same(weights(model), expected)
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.destroy()
+
+
+def scenario_one_rank_missing_a_file(rank, world_size, scratch):
+    import torch.distributed as dist
+
+    import zero
+
+    torch.manual_seed(0)
+    config = base_config("none", "none", None, lr=1e-2, world_size=world_size, micro=4 * world_size)
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    batches = make_batches(CFG, 2, 4 * world_size)
+    train_engine(engine, batches[:1], 1, rank=rank, shards=world_size)
+    engine.save_checkpoint(f"{scratch}/ckpt", tag="t")
+    train_engine(engine, batches[1:], 1, rank=rank, shards=world_size)
+    before = {n: v.sum().item() for n, v in weights(engine.module).items()}
+    if rank == 1:
+        os.unlink(f"{scratch}/ckpt/t/rank00001/engine.pt")
+    dist.barrier()
+    try:
+        engine.load_checkpoint(f"{scratch}/ckpt")
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    after = {n: v.sum().item() for n, v in weights(engine.module).items()}
+    steps = engine.global_steps
+    engine.destroy()
+    return {"error": error, "unchanged": after == before, "steps": steps}
+
+
+def test_a_file_missing_on_one_rank_makes_every_rank_refuse_the_load(tmp_path):
+    from helpers import run_ranks
+
+    got = run_ranks(2, [("missing", scenario_one_rank_missing_a_file, {})], tmp_path)
+    rank0, rank1 = got[0]["missing"], got[1]["missing"]
+    assert rank1["error"].startswith("FileNotFoundError") and "rank00001/engine.pt is missing" in rank1["error"]
+    assert rank0["error"] == (f"RuntimeError: load_checkpoint({tmp_path}/missing/ckpt/t) failed on another "
+                              f"rank; nothing was loaded")
+    assert rank0["unchanged"] and rank1["unchanged"] and rank0["steps"] == rank1["steps"] == 2
