@@ -159,7 +159,7 @@ def writer_alone(directory: str, repeats: int) -> dict:
 
 # -- the engine ---------------------------------------------------------------------------
 
-def engine_and_torch(directory: str, repeats: int, layers: int) -> dict:
+def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, with_torch: bool) -> dict:
     import zero
     from nvmeio.safetensors_file import load_file
     from zero.examples import GPT, GPTConfig, make_batches
@@ -170,8 +170,9 @@ def engine_and_torch(directory: str, repeats: int, layers: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0},
-                              "offload_optimizer": {"device": "nvme", "nvme_path": swap}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0,
+                                                            "checksum": checksum},
+                              "offload_optimizer": {"device": "nvme", "nvme_path": swap, "checksum": checksum}},
         "aio": {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 4},
         "checkpoint": {"writer": {"type": "fast", "show_statistics": False}},
         "steps_per_print": 1000,
@@ -201,6 +202,11 @@ def engine_and_torch(directory: str, repeats: int, layers: int) -> dict:
               if f.endswith(".safetensors")]
     engine.destroy()
     shutil.rmtree(swap, ignore_errors=True)
+    out = {"params": numel, "setup_s": round(setup_s, 1), "checkpoint_bytes": ck_bytes, "checksum": checksum,
+           "copied_bytes": copied, "save_s": saves, "load_s": loads}
+    if not with_torch:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        return out
 
     # torch.save / torch.load of the same state: every sub-group's master and states (read back
     # from the checkpoint once the engine is gone: the state is then in memory once)
@@ -222,16 +228,16 @@ def engine_and_torch(directory: str, repeats: int, layers: int) -> dict:
     pt_bytes = os.path.getsize(pt)
     os.unlink(pt)
     shutil.rmtree(ckpt, ignore_errors=True)
-    return {"params": numel, "setup_s": round(setup_s, 1), "checkpoint_bytes": ck_bytes,
-            "copied_bytes": copied, "save_s": saves, "load_s": loads,
-            "torch_bytes": pt_bytes, "torch_save_s": tsaves, "torch_load_s": tloads}
+    return {**out, "torch_bytes": pt_bytes, "torch_save_s": tsaves, "torch_load_s": tloads}
 
 
 # -- report -------------------------------------------------------------------------------
 
 def report(r: dict) -> tuple[str, dict]:
-    fio, alone, eng = r["fio"], r["alone"], r["engine"]
+    fio, alone, eng, ec = r["fio"], r["alone"], r["engine"], r["engine_checksums"]
     fw, fr = fio.get("write"), fio.get("read")
+    ec_save = ec["checkpoint_bytes"] / statistics.median(ec["save_s"]) / GIB
+    ec_load = ec["checkpoint_bytes"] / statistics.median(ec["load_s"]) / GIB
     save_s, load_s = statistics.median(eng["save_s"]), statistics.median(eng["load_s"])
     tsave_s, tload_s = statistics.median(eng["torch_save_s"]), statistics.median(eng["torch_load_s"])
     ck = eng["checkpoint_bytes"]
@@ -271,16 +277,19 @@ def report(r: dict) -> tuple[str, dict]:
         f"{f(alone['torch.save via FastFileWriter (crc32 off)'])} | — | "
         f"{f(ratios['torch_save_via_writer_crc_off_vs_fio_write'])}× fio write |",
         f"| engine save_checkpoint / load_checkpoint ({eng['params'] / 1e6:.0f}M GPT, params + optimizer on "
-        f"NVMe) | {ck / GIB:.2f} GiB | {f(save_gibs)} | {f(load_gibs)} | save ≥ 10× torch.save: "
+        f"NVMe, swap checksums off: file to file) | {ck / GIB:.2f} GiB | {f(save_gibs)} | {f(load_gibs)} | save ≥ 10× torch.save: "
         f"**{f(ratios['save_vs_torch_save'], 1)}×**; save ≥ 0.7× disk limit: **{f(ratios['save_vs_disk_limit'])}×**; "
         f"load ≥ 0.7× fio read: **{f(ratios['load_vs_fio_read'])}×** |",
+        f"| the same with swap checksums on (the default: the state is read and verified through the swapper, "
+        f"then written) | {ec['checkpoint_bytes'] / GIB:.2f} GiB | {f(ec_save)} | {f(ec_load)} | "
+        f"{f(ec_save / tsave_gibs, 1)}× torch.save; load {f(ec_load / fr if fr else None)}× fio read |",
         f"| torch.save / torch.load of the same state (buffered, fsync) | {eng['torch_bytes'] / GIB:.2f} GiB | "
         f"{f(tsave_gibs)} | {f(tload_gibs)} | |",
         "",
         f"- engine save {save_s:.2f} s, load {load_s:.2f} s (runs: save {', '.join(f'{x:.2f}' for x in eng['save_s'])};"
         f" load {', '.join(f'{x:.2f}' for x in eng['load_s'])}); torch.save {tsave_s:.2f} s, torch.load {tload_s:.2f} s",
         f"- of the checkpoint's {ck / GIB:.2f} GiB, {eng['copied_bytes'] / GIB:.2f} GiB (fp32 master + Adam states) "
-        f"were copied file to file from the NVMe swap files (copy_file_range); the disk limit for the save is "
+        f"were copied file to file from the NVMe swap files (through locked buffers, O_DIRECT); the disk limit for the save is "
         f"{f(limit_s)} s = bytes from memory / fio write + copied bytes / fio read",
         f"- load vs torch.load of the same state: {f(ratios['load_vs_torch_load'])}×",
         f"- fio grid (best of {r['repeats']} each): " + "; ".join(
@@ -341,8 +350,10 @@ def main(argv=None) -> int:
     print("fio", json.dumps(r["fio"]), flush=True)
     r["alone"] = writer_alone(args.dir, args.repeats)
     print("alone", json.dumps(r["alone"]), flush=True)
-    r["engine"] = engine_and_torch(args.dir, args.repeats, args.layers)
+    r["engine"] = engine_and_torch(args.dir, args.repeats, args.layers, "none", True)
     print("engine", json.dumps(r["engine"]), flush=True)
+    r["engine_checksums"] = engine_and_torch(args.dir, args.repeats, args.layers, "auto", False)
+    print("engine_checksums", json.dumps(r["engine_checksums"]), flush=True)
     r["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     body, ratios = report(r)
     r["ratios"] = ratios
