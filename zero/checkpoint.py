@@ -33,6 +33,7 @@ bytes of a save or load).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -148,11 +149,15 @@ def _check_loadable(client_state: dict) -> None:
             lines[0] if lines else "not tensors and plain containers")
 
 
-def _master_of(engine, sg):
-    """(master, states) of one sub-group; from the parameter shards when there is no optimizer."""
+@contextlib.contextmanager
+def _state_of(engine, sg):
+    """(master, states) of one sub-group while the block runs: views of the store's memory
+    (no copy) where it has them; from the parameter shards when there is no optimizer."""
     store = engine.parts.optimizer_store
     if store is not None:
-        return store.read(sg)
+        with store.viewed(sg) as state:
+            yield state
+        return
     layout = engine.parts.rank_layout
     master = torch.empty(sg.numel, dtype=torch.float32)
     for index in sg.units:
@@ -160,7 +165,7 @@ def _master_of(engine, sg):
         start, stop = layout.unit_range(index)
         master[start - sg.start:stop - sg.start].copy_(engine.parts.param_store.fetch(unit))
         engine.parts.param_store.fetched(unit)
-    return master, {}
+    yield master, {}
 
 
 def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
@@ -174,9 +179,8 @@ def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
             cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored,
                            link=lambda dest, header, sg=sg: store.link_state(sg, dest, header))
         else:
-            master, states = _master_of(engine, sg)
-            cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
-            del master, states
+            with _state_of(engine, sg) as (master, states):
+                cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
 
 
 def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> None:

@@ -17,10 +17,11 @@ views the function updates in place.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 
 import time
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -79,6 +80,12 @@ class OptimizerStore(abc.ABC):
         """Replace one sub-group's master and, unless ``states`` is None, its states."""
         ...
 
+    @contextlib.contextmanager
+    def viewed(self, sub_group: SubGroup) -> Iterator[Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
+        """(master, states) of one sub-group to read while the block runs (for a checkpoint):
+        views where the store can give them, else copies. Nothing may change them meanwhile."""
+        yield self.read(sub_group)
+
     def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         """(swap file, byte offset of "master" and each state) when the sub-group's
         state lives in a file that a checkpoint can copy file to file; else None."""
@@ -133,6 +140,11 @@ class FlatOptimizerStore(OptimizerStore):
     def read(self, sub_group: SubGroup):
         master, states, _ = self._views(sub_group)
         return master.detach().cpu().clone(), {k: v.detach().cpu().clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def viewed(self, sub_group: SubGroup) -> Iterator[Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
+        master, states, _ = self._views(sub_group)
+        yield master.detach(), {k: v.detach() for k, v in states.items()}
 
     def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
         m, s, _ = self._views(sub_group)
@@ -250,6 +262,19 @@ class NvmeOptimizerStore(OptimizerStore):
         finally:
             self.swapper.release(sub_group.index)
             self.read_wait_seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def viewed(self, sub_group: SubGroup) -> Iterator[Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
+        if not sub_group.numel:
+            yield self.read(sub_group)
+            return
+        t0 = time.perf_counter()
+        tensors = self.swapper.swap_in(sub_group.index)  # verified against its checksums, if on
+        self.read_wait_seconds += time.perf_counter() - t0
+        try:
+            yield tensors.master, dict(tensors.states)
+        finally:
+            self.swapper.release(sub_group.index)
 
     def load(self, sub_group: SubGroup, master: torch.Tensor, states: Optional[Dict[str, torch.Tensor]]) -> None:
         if not sub_group.numel:
