@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-from results_md import replace_section  # noqa: E402
+sys.path.insert(0, str(REPO))
+from tools.results_md import replace_section  # noqa: E402
 
 GIB = 1 << 30
 

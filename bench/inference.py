@@ -310,8 +310,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
     if args.results_md:
-        sys.path.insert(0, HERE)
-        from results_md import replace_section
+        sys.path.insert(0, os.path.dirname(HERE))
+        from tools.results_md import replace_section
         from pathlib import Path
 
         png = os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "inference.png")

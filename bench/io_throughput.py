@@ -1,31 +1,29 @@
-"""I/O throughput: nvmeio.aio_handle against fio, torch.save/load and numpy tofile/fromfile.
+"""I/O throughput: nvmeio.aio_handle against fio at its best, and the usual ways to save a tensor.
 
-A plain script, run on purpose on an idle machine (not in CI):
+A plain script, run on purpose (under ``flock /tmp/bench.lock``), not in CI:
 
-    python3 bench/io_throughput.py                          # 1 GiB, best of 3, in /tmp
-    python3 bench/io_throughput.py --dir /local_nvme --size 256M --repeats 5
+    python3 bench/io_throughput.py                          # 1 GiB in /tmp, 7 headline rounds
+    python3 bench/io_throughput.py --dir /local_nvme --size 256M --rounds 9
     python3 bench/io_throughput.py --results-md bench/RESULTS.md   # also refresh that section
     python3 bench/io_throughput.py --gpu                    # + CUDA rows (exit 2 without CUDA)
 
-Every contender writes one buffer of --size bytes to a new file and reads it
-back. Rows are printed as a markdown table and written, with machine info and
-every sample, to --json. The goal on our dev machine: the best aio_handle read
-and write each at least 0.9x fio's (libaio) of the same run.
+[Note: what is compared]
+The headline compares the best aio_handle configuration with fio's best
+configuration (see [Note: fio's best configuration] in tools/fio.py), each
+chosen by a sweep in the same run: fio's block size (1M, 4M), memory
+(``malloc``: 4 KiB pages; ``mmaphuge``: huge pages, reserved for the run) and
+engine (libaio, io_uring); aio_handle's block_size, intra_op_parallelism and
+queue_depth. Every timing of the sweep and the headline reads or rewrites one
+existing, fully allocated file of --size bytes with O_DIRECT, after ``sync``
+and a page-cache drop. The headline then runs the two winners in alternating
+order for --rounds rounds and reports medians (and the spread), with the load
+average of each round: on a shared machine a single best-of run says more
+about the neighbours than about the code.
 
-[Note: what a timing measures]
-Each write goes to a file that does not exist yet (unlinked first), as
-``torch.save`` or a fresh swap file would. O_DIRECT writes (aio_handle, fio)
-are timed until the last request completes; the buffered ones (torch.save,
-numpy.tofile) include a final ``os.fsync`` so that they, too, count bytes that
-reached the disk, not bytes copied into the page cache. Before every write and
-every read, untimed: ``sync`` and a page-cache drop (root; otherwise
-``posix_fadvise(DONTNEED)`` on the file), so no read is served from memory.
-fio's ``bw_bytes`` is its own measurement, without process start-up. Note that
-fio by default ``fallocate``s its file before timing; the "no prealloc" fio row
-writes like everyone else here, into a growing file, which on ext4 is much
-slower for O_DIRECT. Rounds go round-robin (a different first contender each
-repeat) so that drift of a noisy disk hits all contenders alike; a row shows
-the best of --repeats.
+A second table times the usual ways of saving a tensor to a *new* file
+(torch.save / torch.load, numpy tofile / fromfile, aio_handle, and fio's
+default job: 1 MiB blocks in 4 KiB-page memory), medians of --rounds; the
+buffered writes include a final ``os.fsync``.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import os
 import platform
 import re
 import resource
-import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,18 +50,19 @@ import torch
 
 import nvmeio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_md import replace_section  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tools import fio  # noqa: E402
+from tools.results_md import bar_chart, chart_link, replace_section  # noqa: E402
 
 GIB = 1 << 30
-REPO = Path(__file__).resolve().parent.parent
 SECTION = "## I/O throughput (bench/io_throughput.py)"
-# (intra_op_parallelism, queue_depth) of the aio_handle rows
-GRID = [(intra, qd) for intra in (1, 4, 8) for qd in (32, 128)]
-BEST_SETTING = (8, 32)  # where every backend gets a row
+# aio_handle's sweep: block_size x (intra_op_parallelism, queue_depth), default backend
+AIO_BLOCKS = (1 << 20, 4 << 20, 8 << 20)
+AIO_THREADS = ((1, 32), (4, 32), (8, 32), (8, 128))
 
 
-# -- sizes, cache, machine -----------------------------------------------------------
+# -- sizes, machine, disturbance -------------------------------------------------------
 
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", text, re.IGNORECASE)
@@ -78,38 +77,6 @@ def parse_size(text: str) -> int:
 
 def fmt_size(n: int) -> str:
     return f"{n / GIB:g} GiB" if n % GIB == 0 else f"{n >> 20} MiB"
-
-
-class PageCache:
-    """Flushes dirty pages and evicts the file's clean ones before a timing."""
-
-    def __init__(self) -> None:
-        self.can_drop = False
-        try:
-            os.sync()
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-            self.can_drop = True
-        except OSError:
-            pass
-
-    def settle(self, path: str | None = None) -> None:
-        os.sync()
-        if self.can_drop:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3")
-        elif path and os.path.exists(path):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-    def describe(self) -> str:
-        if self.can_drop:
-            return "page cache dropped (sync; echo 3 > drop_caches) before every write and read"
-        return ("page cache NOT dropped (not root): sync + posix_fadvise(DONTNEED) on the file "
-                "instead, which evicts only its clean pages")
 
 
 def run_text(cmd: list[str]) -> str:
@@ -129,7 +96,7 @@ def machine_info(bench_dir: str) -> dict:
         "hostname": platform.node(), "nproc": os.cpu_count(), "kernel": platform.release(),
         "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
         "nvmeio": nvmeio.__version__, "commit": commit + ("+dirty" if dirty else ""),
-        "fio": run_text(["fio", "--version"]) if shutil.which("fio") else None,
+        "fio": fio.version(),
         "dir": bench_dir, "disk": source, "fstype": fstype, "df": "\n".join(df),
         "root": os.geteuid() == 0,
         "memlock_soft_bytes": resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
@@ -215,20 +182,23 @@ class DiskStats:
 
 @dataclass
 class Contender:
+    """A way to write and read ``path``; each returns bytes/s (timing only the I/O)."""
+
     name: str
     settings: str
-    write: Callable[[str], float]       # path -> bytes/s
-    read: Callable[[str], float]        # path -> bytes/s
-    kind: str = "baseline"              # "aio_handle" rows get ratios vs fio
-    in_goal: bool = False               # counts for "best aio_handle vs fio" (same work as fio)
+    write: Callable[[str], float]
+    read: Callable[[str], float]
+    kind: str = "baseline"               # "fio", "aio_handle" or "baseline"
     status: str = "ok"
-    writes: list[float] = field(default_factory=list)
-    reads: list[float] = field(default_factory=list)
-    write_req_kib: list[float] = field(default_factory=list)  # average request at the disk
-    read_req_kib: list[float] = field(default_factory=list)
+    writes: list = field(default_factory=list)
+    reads: list = field(default_factory=list)
+    loads: list = field(default_factory=list)          # 1-min load average after each round
+    write_req_kib: list = field(default_factory=list)  # average request at the disk
+    read_req_kib: list = field(default_factory=list)
 
-    def best(self, samples: list[float]) -> float | None:
-        return max(samples) / GIB if samples else None
+    @staticmethod
+    def median(samples: list) -> float | None:
+        return statistics.median(samples) / GIB if samples else None
 
 
 class Unsupported(Exception):
@@ -255,51 +225,32 @@ def check_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: the bytes read back differ from those written")
 
 
-def fio_contender(engine: str, size: int, prealloc: bool = True) -> Contender:
-    def job(path: str, rw: str) -> float:
-        cmd = ["fio", "--name=nvmeio-bench", f"--filename={path}", f"--rw={rw}",
-               f"--ioengine={engine}", "--direct=1", "--bs=1M", "--iodepth=32", f"--size={size}",
-               "--numjobs=1", "--output-format=json"]
-        if not prealloc:
-            cmd.append("--fallocate=none")
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        out = p.stdout[p.stdout.find("{"):] if "{" in p.stdout else ""
+def fio_contender(job_write: fio.FioJob, job_read: fio.FioJob, name: str = "fio") -> Contender:
+    def run(job: fio.FioJob, path: str) -> float:
         try:
-            result = json.loads(out)["jobs"][0]
-        except (ValueError, KeyError, IndexError):
-            raise Unsupported(f"fio {engine} failed (rc {p.returncode}): "
-                              f"{(p.stderr or p.stdout).strip()[-300:]}") from None
-        if result.get("error"):
-            raise Unsupported(f"fio {engine} job error {result['error']}: "
-                              f"{p.stderr.strip()[-300:]}")
-        return float(result[rw]["bw_bytes"])
+            return fio.run(job, path)
+        except fio.FioError as e:
+            raise Unsupported(str(e)) from None
 
-    settings = "direct, bs 1M, iodepth 32" + ("" if prealloc else ", fallocate=none")
-    name = f"fio {engine}" + ("" if prealloc else " (no prealloc)")
-    return Contender(name, settings, lambda p: job(p, "write"), lambda p: job(p, "read"), "fio")
+    settings = job_write.label() + ("" if job_write.fallocate else ", fallocate=none")
+    return Contender(name, settings, lambda p: run(job_write, p), lambda p: run(job_read, p), "fio")
 
 
-def aio_contender(src: torch.Tensor, dst: torch.Tensor, backend: str, intra: int, qd: int,
-                  overwrite: bool = False) -> Contender:
-    handle = nvmeio.aio_handle(block_size=1 << 20, queue_depth=qd, intra_op_parallelism=intra,
+def aio_contender(src: torch.Tensor, dst: torch.Tensor, backend: str, block: int, intra: int,
+                  qd: int) -> Contender:
+    handle = nvmeio.aio_handle(block_size=block, queue_depth=qd, intra_op_parallelism=intra,
                                backend=backend)
     nbytes = src.numel() * src.element_size()
-
-    def write(path: str) -> float:
-        if overwrite:  # untimed first pass, so the timed one rewrites allocated blocks
-            handle.sync_pwrite(src, path)
-            os.sync()
-        return timed(nbytes, lambda: handle.sync_pwrite(src, path))
 
     def read(path: str) -> float:
         dst.zero_()
         bps = timed(nbytes, lambda: handle.sync_pread(dst, path))
-        check_equal(dst, src, f"aio_handle {backend} intra {intra} qd {qd}")
+        check_equal(dst, src, f"aio_handle {backend} bs {block} intra {intra} qd {qd}")
         return bps
 
-    name = f"aio_handle {backend}" + (" (overwrite)" if overwrite else "")
-    settings = f"intra {intra}, qd {qd}" + (", existing file" if overwrite else "")
-    return Contender(name, settings, write, read, "aio_handle", in_goal=not overwrite)
+    return Contender(f"aio_handle {backend}", f"bs {block >> 20}M, intra {intra}, qd {qd}",
+                     lambda p: timed(nbytes, lambda: handle.sync_pwrite(src, p)), read,
+                     "aio_handle")
 
 
 def torch_contender(src: torch.Tensor) -> Contender:
@@ -374,123 +325,103 @@ def gpu_contenders(src: torch.Tensor, backend: str, intra: int, qd: int,
 
 # -- the run -----------------------------------------------------------------------------
 
-def run_round(contenders: list[Contender], order: list[int], bench_dir: str, cache: PageCache,
-              disk: DiskStats, verbose: bool) -> None:
-    for i in order:
-        c = contenders[i]
-        if c.status != "ok":
-            continue
-        path = os.path.join(bench_dir, f"c{i}.bin")
-        try:
-            cache.settle()
-            s0 = disk.sample()
-            w = c.write(path)
-            s1 = disk.sample()
-            cache.settle(path)
-            s2 = disk.sample()
-            r = c.read(path)
-            s3 = disk.sample()
-        except Unsupported as e:
-            c.status = str(e)
-            print(f"  {c.name} [{c.settings}]: {e}", file=sys.stderr)
-            continue
-        except AssertionError as e:
-            c.status = f"WRONG DATA: {e}"
-            print(f"  {c.name} [{c.settings}]: {c.status}", file=sys.stderr)
-            continue
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
-        c.writes.append(w)
-        c.reads.append(r)
-        for samples, kib in ((c.write_req_kib, DiskStats.avg_kib(s0, s1, True)),
-                             (c.read_req_kib, DiskStats.avg_kib(s2, s3, False))):
-            if kib is not None:
-                samples.append(kib)
+def one(c: Contender, path: str, disk: DiskStats, which: str, new_file: bool) -> None:
+    """Times one write or read of ``c`` on ``path`` (page cache dropped first)."""
+    if c.status != "ok":
+        return
+    try:
+        if which == "write" and new_file and os.path.exists(path):
+            os.unlink(path)
+        fio.drop_page_cache(path)
+        s0 = disk.sample()
+        bps = c.write(path) if which == "write" else c.read(path)
+        s1 = disk.sample()
+    except Unsupported as e:
+        c.status = str(e)
+        print(f"  {c.name} [{c.settings}]: {e}", file=sys.stderr)
+        return
+    except AssertionError as e:
+        c.status = f"WRONG DATA: {e}"
+        print(f"  {c.name} [{c.settings}]: {c.status}", file=sys.stderr)
+        return
+    (c.writes if which == "write" else c.reads).append(bps)
+    kib = DiskStats.avg_kib(s0, s1, which == "write")
+    if kib is not None:
+        (c.write_req_kib if which == "write" else c.read_req_kib).append(kib)
+
+
+def alternate(contenders: list, rounds: int, path: str, disk: DiskStats, which: str,
+              new_file: bool, verbose: bool, label: str) -> None:
+    """``rounds`` rounds, each contender once per round, the order rotating."""
+    for r in range(rounds):
+        n = len(contenders)
+        for k in range(n):
+            c = contenders[(r + k) % n]
+            if new_file:  # each contender writes its own file and reads it back
+                own = f"{path}.{id(c)}"
+                one(c, own, disk, "write", True)
+                one(c, own, disk, "read", False)
+                if os.path.exists(own):
+                    os.unlink(own)
+            else:
+                one(c, path, disk, which, False)
+            c.loads.append(os.getloadavg()[0])
         if verbose:
-            print(f"  {c.name:<36} {c.settings:<42} "
-                  f"write {w / GIB:6.2f}  read {r / GIB:6.2f} GiB/s", flush=True)
+            print(f"  {label} round {r + 1}/{rounds} done (load {os.getloadavg()[0]:.2f})",
+                  flush=True)
 
 
-def ratios(contenders: list[Contender]) -> dict:
-    by_name = {c.name: c for c in contenders}
-    fio, fio_np = by_name.get("fio libaio"), by_name.get("fio libaio (no prealloc)")
-    out: dict = {}
-    fresh = [c for c in contenders if c.in_goal and c.writes]
-    for key, samples in (("write", "writes"), ("read", "reads")):
-        best = max(fresh, key=lambda c: max(getattr(c, samples)), default=None)
-        ref = fio.best(getattr(fio, samples)) if fio else None
-        ref_np = fio_np.best(getattr(fio_np, samples)) if fio_np else None
-        if best is None:
-            continue
-        gibs = best.best(getattr(best, samples))
-        out[key] = {"aio_gibs": gibs, "aio_row": f"{best.name}, {best.settings}", "fio_gibs": ref,
-                    "ratio": gibs / ref if ref else None,
-                    "ratio_vs_no_prealloc": gibs / ref_np if ref_np else None}
-    return out
+def best(contenders: list, samples: str):
+    ok = [c for c in contenders if getattr(c, samples)]
+    return max(ok, key=lambda c: statistics.median(getattr(c, samples)), default=None)
 
 
-def row_ratio(c: Contender, fio: Contender | None, samples: str) -> str:
-    if c.kind != "aio_handle" or fio is None:
-        return "—"
-    if not getattr(c, samples) or not getattr(fio, samples):
-        return "—"
-    return f"{max(getattr(c, samples)) / max(getattr(fio, samples)):.2f}"
+def fmt(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
 
 
-def table(contenders: list[Contender]) -> str:
-    fio = next((c for c in contenders if c.name == "fio libaio"), None)
-    lines = ["| contender | settings | write GiB/s | read GiB/s | write / fio | read / fio "
-             "| disk request KiB (w / r) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for c in contenders:
-        w, r = c.best(c.writes), c.best(c.reads)
-        if w is None:
-            lines.append(f"| {c.name} | {c.settings} | {c.status} | | | | |")
-            continue
-        lines.append(f"| {c.name} | {c.settings} | {w:.2f} | {r:.2f} | "
-                     f"{row_ratio(c, fio, 'writes')} | {row_ratio(c, fio, 'reads')} | "
-                     f"{mean_kib(c.write_req_kib)} / {mean_kib(c.read_req_kib)} |")
-    return "\n".join(lines)
+def spread(samples: list) -> str:
+    return f"{min(samples) / GIB:.2f}–{max(samples) / GIB:.2f}" if samples else "—"
 
 
-def mean_kib(samples: list[float]) -> str:
+def mean_kib(samples: list) -> str:
     return f"{sum(samples) / len(samples):.0f}" if samples else "?"
 
 
-def ratio_lines(r: dict, fio_missing: bool) -> list[str]:
-    if fio_missing:
-        return ["- ratios vs fio: n/a (fio is not installed)"]
-    lines = []
-    for key in ("write", "read"):
-        x = r.get(key)
-        if not x or x["ratio"] is None:
-            lines.append(f"- best aio_handle {key} / fio libaio {key}: n/a")
+def sweep_table(contenders: list, rounds: int) -> str:
+    lines = [f"| contender | settings | write GiB/s (median of {rounds}) | read GiB/s (median of "
+             f"{rounds}) | disk request KiB (w / r) |", "|---|---|---:|---:|---:|"]
+    for c in contenders:
+        if c.status != "ok" and not c.writes and not c.reads:
+            lines.append(f"| {c.name} | {c.settings} | {c.status[:120]} | | |")
             continue
-        verdict = "meets" if x["ratio"] >= 0.9 else "MISSES"
-        extra = (f"; vs fio without prealloc {x['ratio_vs_no_prealloc']:.2f}"
-                 if x["ratio_vs_no_prealloc"] else "")
-        lines.append(f"- best aio_handle {key} / fio libaio {key}: **{x['ratio']:.2f}** "
-                     f"({x['aio_gibs']:.2f} / {x['fio_gibs']:.2f} GiB/s, {x['aio_row']}; "
-                     f"{verdict} the 0.9 goal{extra})")
-    return lines
+        lines.append(f"| {c.name} | {c.settings} | {fmt(c.median(c.writes))} | "
+                     f"{fmt(c.median(c.reads))} | {mean_kib(c.write_req_kib)} / "
+                     f"{mean_kib(c.read_req_kib)} |")
+    return "\n".join(lines)
 
 
-def header_lines(args: argparse.Namespace, info: dict, cache: PageCache, locked: bool) -> list[str]:
-    return [
-        f"{fmt_size(args.size)} per file, best of {args.repeats}, round-robin order; "
-        "GiB/s = 1024³ bytes per second.",
-        f"{cache.describe()}. torch.save and numpy.tofile timings include a final os.fsync; "
-        "O_DIRECT writes (aio_handle, fio) are timed to the last completion. Every write makes "
-        "a new file (but the overwrite row); fio preallocates it (fallocate) unless marked "
-        "no prealloc.",
-        "Buffer: " + ("page-locked" if locked else "page-aligned but NOT locked (memlock limit)") +
-        f" tensor from new_cpu_locked_tensor. Machine: {info['nproc']} CPUs, kernel "
-        f"{info['kernel']}, --dir on {info['disk']} ({info['fstype']}), nvmeio {info['commit']}.",
-        "Ratios are against fio libaio of this run. Disk request KiB: the average request size "
-        "that reached the device after the block layer merged or split ours (whole-disk "
-        "counters, so other processes' I/O mixes in).",
-    ]
+def headline(pairs: dict, rounds: int) -> tuple:
+    """(table, lines, numbers) for the best fio vs the best aio_handle, per direction."""
+    table = ["| direction | fio at its best | GiB/s median (range) | aio_handle at its best | "
+             "GiB/s median (range) | aio_handle / fio (medians) | load average during rounds |",
+             "|---|---|---:|---|---:|---:|---|"]
+    numbers, lines = {}, []
+    for which, (f, a) in pairs.items():
+        fs, as_ = getattr(f, which + "s"), getattr(a, which + "s")
+        if not fs or not as_:
+            table.append(f"| {which} | {f.settings} | {f.status} | {a.settings} | {a.status} | — | |")
+            continue
+        fm, am = statistics.median(fs) / GIB, statistics.median(as_) / GIB
+        loads = f.loads[-rounds:] + a.loads[-rounds:]
+        table.append(f"| {which} | {f.name}: {f.settings} | {fm:.2f} ({spread(fs)}) | "
+                     f"{a.settings} | {am:.2f} ({spread(as_)}) | **{am / fm:.2f}** | "
+                     f"{min(loads):.1f}–{max(loads):.1f} |")
+        numbers[which] = {"fio_gibs": fm, "aio_gibs": am, "ratio": am / fm,
+                          "fio": f.settings, "aio": a.settings,
+                          "fio_samples": [x / GIB for x in fs], "aio_samples": [x / GIB for x in as_],
+                          "load_min": min(loads), "load_max": max(loads)}
+    return "\n".join(table), lines, numbers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,33 +431,47 @@ def main(argv: list[str] | None = None) -> int:
                     "default: /tmp)")
     ap.add_argument("--size", type=parse_size, default=GIB,
                     help="bytes per file: 1G, 256M (default 1G)")
-    ap.add_argument("--repeats", type=int, default=3, help="best of N rounds (default 3)")
+    ap.add_argument("--sweep-rounds", type=int, default=2,
+                    help="rounds of the configuration sweep (default 2)")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="alternating rounds of the headline and of the new-file table (default 7)")
     ap.add_argument("--json", default=str(REPO / "bench" / "out" / "io_throughput.json"),
                     help="where to write all results (default bench/out/io_throughput.json)")
     ap.add_argument("--results-md", help="also replace the I/O throughput section of this file "
-                    "(e.g. bench/RESULTS.md) with this run's table")
+                    "(e.g. bench/RESULTS.md) with this run's tables and chart")
     ap.add_argument("--gpu", action="store_true", help="add CUDA-tensor rows (needs CUDA)")
     ap.add_argument("--quiet", action="store_true", help="no per-round lines")
     args = ap.parse_args(argv)
-    if args.repeats < 1:
-        ap.error("--repeats must be at least 1")
+    if args.rounds < 1 or args.sweep_rounds < 1:
+        ap.error("--rounds and --sweep-rounds must be at least 1")
     if args.gpu and not torch.cuda.is_available():
         print(f"--gpu: torch.cuda.is_available() is False (torch {torch.__version__}); there is no "
               "CUDA device to time here. Run without --gpu for the CPU rows.", file=sys.stderr)
         return 2
-
+    if not fio.available():
+        print("fio is not installed (apt-get install -y fio): there is nothing to compare with.",
+              file=sys.stderr)
+        return 2
     bench_dir = tempfile.mkdtemp(prefix="nvmeio-io-throughput-", dir=args.dir or "/tmp")
+    huge = None
     try:
-        return run(args, bench_dir)
+        try:
+            huge = fio.reserve_huge_pages(fio.buffer_bytes())
+        except (OSError, RuntimeError) as e:
+            print(f"note: no huge pages for fio --mem=mmaphuge ({e}); those rows will say so",
+                  file=sys.stderr)
+        return run(args, bench_dir, huge is not None)
     finally:
-        shutil.rmtree(bench_dir, ignore_errors=True)
+        if huge is not None:
+            fio.restore_huge_pages(huge)
+        for f in os.listdir(bench_dir):
+            os.unlink(os.path.join(bench_dir, f))
+        os.rmdir(bench_dir)
 
 
-def run(args: argparse.Namespace, bench_dir: str) -> int:
+def run(args: argparse.Namespace, bench_dir: str, huge: bool) -> int:
     info = machine_info(bench_dir)
-    cache = PageCache()
-    backends = nvmeio.available_backends()
-    default_backend = backends[0]
+    backend = nvmeio.available_backends()[0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         alloc = nvmeio.aio_handle()
@@ -537,79 +482,122 @@ def run(args: argparse.Namespace, bench_dir: str) -> int:
         print(f"note: {w.message}", file=sys.stderr)
     src.random_(0, 256)  # incompressible, and every block differs
     dst.zero_()          # touch the pages now, not inside a timing
-
-    fio_ok = shutil.which("fio") is not None
-    contenders: list[Contender] = []
-    if fio_ok:
-        contenders += [fio_contender("libaio", args.size),
-                       fio_contender("libaio", args.size, prealloc=False),
-                       fio_contender("io_uring", args.size)]
-    contenders += [aio_contender(src, dst, default_backend, i, q) for i, q in GRID]
-    contenders += [aio_contender(src, dst, b, *BEST_SETTING)
-                   for b in backends if b != default_backend]  # the default one is in GRID
-    contenders.append(aio_contender(src, dst, default_backend, *BEST_SETTING, overwrite=True))
-    contenders += [torch_contender(src), numpy_contender(src)]
-    if args.gpu:
-        contenders += gpu_contenders(src, default_backend, *BEST_SETTING)
-
-    head = header_lines(args, info, cache, locked)
-    print("\n".join(head))
-    if not fio_ok:
-        print("fio is not installed: no fio rows and no ratios.")
-    load1 = os.getloadavg()[0]
-    if load1 > 0.5:
-        print(f"warning: load average {load1:.2f} before the run; the machine is not idle.")
-
     disk = DiskStats(info["disk"])
     disturb = Disturbance()
-    for rep in range(args.repeats):
-        n = len(contenders)
-        order = [(rep + k) % n for k in range(n)]
-        if not args.quiet:
-            print(f"round {rep + 1}/{args.repeats}", flush=True)
-        run_round(contenders, order, bench_dir, cache, disk, not args.quiet)
+    verbose = not args.quiet
+
+    # 1. the sweep, on one existing file
+    existing = os.path.join(bench_dir, "existing.bin")
+    alloc.sync_pwrite(src, existing)
+    fio_rows = [fio_contender(fio.FioJob("write", args.size, bs, mem, engine),
+                              fio.FioJob("read", args.size, bs, mem, engine))
+                for engine in fio.ENGINES for mem in fio.MEM_TYPES for bs in fio.BLOCK_SIZES]
+    aio_rows = [aio_contender(src, dst, backend, bs, intra, qd)
+                for bs in AIO_BLOCKS for intra, qd in AIO_THREADS]
+    sweep = fio_rows + aio_rows
+    for which in ("write", "read"):
+        alternate(sweep, args.sweep_rounds, existing, disk, which, False, verbose, f"sweep {which}")
+
+    # 2. the headline: the winners, alternating
+    pairs = {}
+    for which in ("write", "read"):
+        f, a = best(fio_rows, which + "s"), best(aio_rows, which + "s")
+        if f is None or a is None:
+            print(f"no {which} result for fio or aio_handle; see the sweep", file=sys.stderr)
+            return 1
+        pair = [dataclass_copy(f), dataclass_copy(a)]
+        alternate(pair, args.rounds, existing, disk, which, False, verbose, f"headline {which}")
+        pairs[which] = tuple(pair)
+    head_table, _, numbers = headline(pairs, args.rounds)
+
+    # 3. new files: the usual ways to save a tensor
+    others = [fio_contender(fio.FioJob("write", args.size), fio.FioJob("read", args.size),
+                            "fio default job"),
+              aio_contender(src, dst, backend, _best_block(pairs),
+                            *_best_threads(pairs)),
+              torch_contender(src), numpy_contender(src)]
+    if args.gpu:
+        others += gpu_contenders(src, backend, 8, 32)
+    alternate(others, args.rounds, os.path.join(bench_dir, "new"), disk, "write", True, verbose,
+              "new files")
     disturbance = disturb.finish()
 
-    r = ratios(contenders)
-    tbl = table(contenders)
     d = disturbance
-    quiet_line = (f"Load average {d['load_avg_start'][0]:.2f} at start, "
-                  f"{d['load_avg_end'][0]:.2f} at end (our own I/O wait counts); other processes "
-                  f"used {d['other_cpu_s']} CPU-s (avg {d['other_cores_avg']} cores) over "
-                  f"{d['wall_s']} s; steal {d['steal_pct']}%.")
-    if d["other_cores_avg"] > 0.2 or d["load_avg_start"][0] > 0.5:
-        quiet_line += " **Disturbed run: the machine was not idle; compare rows only within it.**"
-    rlines = ratio_lines(r, not fio_ok)
+    conditions = (
+        f"{fmt_size(args.size)} per op; GiB/s = 1024³ bytes/s. Page cache dropped (sync; echo 3 > "
+        "drop_caches) before every timing. Buffers: "
+        + ("page-locked" if locked else "page-aligned, NOT locked (memlock limit)")
+        + " tensors from new_cpu_locked_tensor for aio_handle; fio allocates its own "
+        + ("(huge pages reserved for --mem=mmaphuge)." if huge else "(no huge pages could be "
+                                                                    "reserved).")
+        + f" Machine: {info['nproc']} CPUs, kernel {info['kernel']}, {info['disk']} "
+        f"({info['fstype']}), nvmeio {info['commit']}, {info['fio']}. Load average "
+        f"{d['load_avg_start'][0]:.2f} at the start, {d['load_avg_end'][0]:.2f} at the end; "
+        f"other processes used {d['other_cores_avg']} cores on average over {d['wall_s']} s "
+        "(the machine is shared: compare within this run only).")
+    lines = [
+        "**Headline** — aio_handle against fio, each in its best configuration found by the "
+        f"sweep below, on the same existing {fmt_size(args.size)} file, {args.rounds} "
+        "alternating rounds, medians:", "", head_table, "",
+        conditions, "",
+        f"**Sweep** (existing file, {args.sweep_rounds} alternating rounds, medians; fio's "
+        "block size x memory x engine, aio_handle's block_size x threads x queue depth, backend "
+        f"{backend}):", "", sweep_table(sweep, args.sweep_rounds), "",
+        f"**New files** — writing a tensor to a new file and reading it back ({args.rounds} "
+        "rounds, medians; buffered writes include os.fsync; fio's default job is 1 MiB blocks "
+        "in 4 KiB-page memory, into a file it preallocates):", "",
+        sweep_table(others, args.rounds),
+    ]
+    text = "\n".join(lines)
     print()
-    print(tbl)
-    print()
-    print("\n".join(rlines))
-    print(quiet_line)
+    print(text)
 
-    result = {
-        "machine": info, "disturbance": disturbance,
-        "config": {"size": args.size, "repeats": args.repeats, "block_size": 1 << 20,
-                   "page_cache_dropped": cache.can_drop, "buffer_locked": locked,
-                   "backends": backends, "gpu": args.gpu},
-        "rows": [{"name": c.name, "settings": c.settings, "kind": c.kind, "in_goal": c.in_goal,
-                  "status": c.status, "write_gibs": c.best(c.writes), "read_gibs": c.best(c.reads),
-                  "write_samples_gibs": [x / GIB for x in c.writes],
-                  "read_samples_gibs": [x / GIB for x in c.reads],
-                  "write_request_kib": c.write_req_kib, "read_request_kib": c.read_req_kib}
-                 for c in contenders],
-        "ratios": r,
-    }
+    result = {"machine": info, "disturbance": disturbance, "huge_pages": huge,
+              "config": {"size": args.size, "rounds": args.rounds,
+                         "sweep_rounds": args.sweep_rounds, "backend": backend,
+                         "buffer_locked": locked, "gpu": args.gpu},
+              "headline": numbers,
+              "rows": [{"name": c.name, "settings": c.settings, "kind": c.kind,
+                        "status": c.status, "table": table_name,
+                        "write_samples_gibs": [x / GIB for x in c.writes],
+                        "read_samples_gibs": [x / GIB for x in c.reads], "loads": c.loads,
+                        "write_request_kib": c.write_req_kib, "read_request_kib": c.read_req_kib}
+                       for table_name, rows in (("sweep", sweep), ("new files", others))
+                       for c in rows]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.json}")
 
     if args.results_md:
-        cmd = " ".join(["python3 bench/io_throughput.py"] + (sys.argv[1:] if sys.argv[1:] else []))
-        body = "\n".join([f"Latest run: {info['date']} on {info['hostname']}, `{cmd}`.", "",
-                          "\n\n".join(head), "", tbl, "", *rlines, "", quiet_line])
-        replace_section(Path(args.results_md), SECTION, body)
+        md = Path(args.results_md)
+        png = bar_chart(md.parent / "io_throughput.png",
+                        f"{fmt_size(args.size)}, existing file, medians of {args.rounds} rounds",
+                        ["write", "read"],
+                        {"fio at its best": [numbers[k]["fio_gibs"] for k in ("write", "read")],
+                         "aio_handle at its best": [numbers[k]["aio_gibs"]
+                                                    for k in ("write", "read")]})
+        cmd = " ".join(["python3 bench/io_throughput.py"] + sys.argv[1:])
+        body = "\n".join([f"Latest run: {info['date']} on {info['hostname']}, "
+                          f"`flock /tmp/bench.lock {cmd}`.", "", text, "",
+                          chart_link(png, md, "aio_handle vs fio at their best")])
+        replace_section(md, SECTION, body)
         print(f"updated the section in {args.results_md}")
-    return 1 if any(c.status.startswith("WRONG DATA") for c in contenders) else 0
+    bad = [c for c in sweep + others if c.status.startswith("WRONG DATA")]
+    return 1 if bad else 0
+
+
+def dataclass_copy(c: Contender) -> Contender:
+    """The same contender with fresh sample lists (the headline's own)."""
+    return Contender(c.name, c.settings, c.write, c.read, c.kind)
+
+
+def _best_threads(pairs: dict) -> tuple:
+    m = re.search(r"intra (\d+), qd (\d+)", pairs["write"][1].settings)
+    return int(m.group(1)), int(m.group(2))
+
+
+def _best_block(pairs: dict) -> int:
+    return int(re.search(r"bs (\d+)M", pairs["write"][1].settings).group(1)) << 20
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper  # noqa: E402
 from swapper.optimizer_swapper import StepStats  # noqa: E402
+from tools.results_md import replace_section  # noqa: E402
 from torch.optim.adamw import adamw  # noqa: E402
 
 SECTION = "## Swapper pipeline"
@@ -263,23 +265,7 @@ def main() -> None:
     if not identical:
         sys.exit("plain and pipelined states differ")
     if args.results_md:
-        write_section(args.results_md, section)
-
-
-def write_section(path: str, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (or append it), leaving the others alone."""
-    text = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    start = text.find(SECTION + "\n")
-    if start < 0:
-        text = (text.rstrip("\n") + "\n\n" if text else "# nvmeio benchmark results\n\n") + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
-    with open(path, "w") as f:
-        f.write(text)
+        replace_section(Path(args.results_md), SECTION, section.split("\n", 1)[1])
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -253,15 +254,10 @@ def write_markdown(path: str, summary: dict, args, started: str, load_start: str
         f"{elapsed:.0f} s",
         "",
     ]
-    text = open(path).read() if os.path.exists(path) else "# nvmeio benchmark results\n\n"
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + "\n".join(body)
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + "\n".join(body) + (text[end + 1:] if end >= 0 else "")
-    with open(path, "w") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
+    sys.path.insert(0, ROOT)
+    from tools.results_md import replace_section
+
+    replace_section(Path(path), SECTION, "\n".join(body[1:]))
 
 
 def main(argv=None) -> int:

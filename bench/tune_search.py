@@ -41,6 +41,7 @@ from nvmeio.tune.dirs import check_dir  # noqa: E402
 from nvmeio.tune.measure import Workload  # noqa: E402
 from nvmeio.tune.search import grid_search, smart_search  # noqa: E402
 from nvmeio.tune.space import build_space, format_size, parse_size  # noqa: E402
+from tools.results_md import replace_section  # noqa: E402
 
 SECTION = "## nvme_tune search (bench/tune_search.py)"
 TIME_GOAL, QUALITY_GOAL = 0.25, 0.95
@@ -152,22 +153,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def update_results_md(path: Path, section_text: str) -> None:
-    """Replaces our section (up to the next '## ' heading) or appends it."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, l in enumerate(lines) if l.strip() == SECTION), None)
-    if start is None:
-        if not text.endswith("\n"):
-            text += "\n"
-        path.write_text(text + "\n" + section_text)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-               len(lines))
-    tail = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + section_text + ("\n" + tail if tail else ""))
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme_dir", default=tempfile.gettempdir())
@@ -226,7 +211,7 @@ def main() -> int:
     md = markdown(report)
     print(md)
     if args.results_md:
-        update_results_md(Path(args.results_md), md)
+        replace_section(Path(args.results_md), SECTION, md.split("\n", 1)[1])
     return 0 if report["verdict"]["met"] else 1
 
 

@@ -30,9 +30,9 @@ import torch
 
 import nvmeio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from io_throughput import Unsupported, fio_contender, machine_info  # noqa: E402
-from results_md import replace_section  # noqa: E402
+from tools.results_md import replace_section  # noqa: E402
 
 GIB = 1 << 30
 SMALL, NSMALL = 64 << 10, 10_000

@@ -1,0 +1,61 @@
+"""tools/ (repository tooling, not installed): the RESULTS.md section writer, the README's
+commands that CI runs, and fio's job lines."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tools import fio, readme_commands  # noqa: E402
+from tools.results_md import bar_chart, chart_link, replace_section  # noqa: E402
+
+
+def test_replace_section_replaces_only_its_own(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n\n## A\n\nold a\n\n## B\n\nold b\n")
+    replace_section(md, "## A", "new a\nline 2")
+    assert md.read_text() == "# results\n\n## A\n\nnew a\nline 2\n\n## B\n\nold b\n"
+    replace_section(md, "## B", "new b")
+    replace_section(md, "## C", "c")
+    assert md.read_text() == "# results\n\n## A\n\nnew a\nline 2\n\n## B\n\nnew b\n\n## C\n\nc\n"
+
+
+def test_bar_chart_writes_a_png_linked_relative_to_the_results(tmp_path):
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib")
+    png = bar_chart(tmp_path / "charts" / "x.png", "t", ["write", "read"],
+                    {"fio": [7.4, 3.4], "aio_handle": [7.3, 3.5]})
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert chart_link(png, tmp_path / "RESULTS.md", "x") == "![x](charts/x.png)"
+    assert chart_link(None, tmp_path / "RESULTS.md") == ""
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    cmds = readme_commands.commands(readme)
+    assert f"```bash\n{cmds['test']}\n```" in readme.split("Tests:", 1)[1]
+    assert cmds["test"].endswith("pytest -q tests") and "pip install" in cmds["setup"]
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "readme_commands.py"), "test"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == cmds["test"]
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        assert "tools/readme_commands.py test" in f.read()
+
+
+def test_readme_without_a_test_block_is_an_error():
+    with pytest.raises(ValueError, match="after a line 'Tests:'"):
+        readme_commands.commands("```bash\npip install .\n```\n")
+
+
+def test_fio_job_line_and_huge_page_need():
+    job = fio.FioJob("read", 1 << 30, bs=4 << 20, mem="mmaphuge", engine="io_uring")
+    argv = job.argv("/d/f.bin")
+    for arg in ("--rw=read", "--bs=4194304", "--mem=mmaphuge", "--ioengine=io_uring", "--direct=1",
+                "--size=1073741824", "--filename=/d/f.bin"):
+        assert arg in argv
+    assert "--fallocate=none" not in argv
+    assert fio.buffer_bytes((1 << 20, 4 << 20), iodepth=32) == 128 << 20
