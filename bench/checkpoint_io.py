@@ -23,6 +23,7 @@ alone >= 0.8x fio's best write. Medians of ``--repeats`` runs; GiB = 1024^3.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tools import fio  # noqa: E402
 from tools.results_md import replace_section  # noqa: E402
 
 GIB = 1 << 30
@@ -63,50 +65,37 @@ def timed(fn) -> float:
 
 # -- fio ---------------------------------------------------------------------------------
 
-def reserve_huge_pages(n: int):
-    path = "/proc/sys/vm/nr_hugepages"
-    try:
-        old = int(open(path).read())
-        with open(path, "w") as f:
-            f.write(str(max(old, n)))
-        return old, int(open(path).read())
-    except OSError:
-        return None, 0
-
-
 def fio_best(directory: str, size: str, repeats: int) -> dict:
-    """fio's best write and read GiB/s over a small grid (bs 4M, direct, huge-page buffers)."""
-    if not shutil.which("fio"):
+    """fio's best write and read GiB/s over a small grid (bs 4M, direct, huge-page buffers;
+    tools/fio.py), each job's best of ``repeats``, writes to a new file."""
+    if not fio.available():
         return {"error": "fio not installed"}
-    old, now = reserve_huge_pages(512)  # 1 GiB: iodepth x bs x numjobs of the largest job below
-    mem = "mmaphuge" if now >= 256 else "malloc"
+    depths = ((8, 1), (32, 1), (16, 4))
+    jobs = {rw: fio.sweep_jobs(rw, size, block_sizes=(4 << 20,), mems=("mmaphuge",),
+                               engines=("libaio",), depths=depths) for rw in ("write", "read")}
+    try:
+        huge = fio.reserve_huge_pages(fio.buffer_bytes(jobs["write"]))
+        mem = "mmaphuge"
+    except (OSError, RuntimeError):
+        huge, mem = None, "malloc"
+        jobs = {rw: [dataclasses.replace(j, mem=mem) for j in js] for rw, js in jobs.items()}
+    path = os.path.join(directory, "fio.dat")
     rows = []
     try:
-        for iodepth, numjobs in ((8, 1), (32, 1), (16, 4)):
-            for rw in ("write", "read"):
-                best = 0.0
-                for _ in range(repeats):
-                    path = os.path.join(directory, "fio.dat")
-                    if rw == "write" and os.path.exists(path):
-                        os.unlink(path)
-                    drop_caches()
-                    cmd = ["fio", "--name=ckbench", f"--filename={path}", f"--rw={rw}", "--bs=4M",
-                           f"--size={size}", "--direct=1", "--ioengine=libaio", f"--iodepth={iodepth}",
-                           f"--numjobs={numjobs}", "--group_reporting", f"--mem={mem}",
-                           "--output-format=json"]
-                    p = subprocess.run(cmd, capture_output=True, text=True)
-                    if p.returncode != 0:
-                        rows.append({"iodepth": iodepth, "numjobs": numjobs, "rw": rw,
-                                     "error": p.stderr.strip()[-300:]})
-                        break
-                    job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
-                    best = max(best, job[rw]["bw_bytes"] / GIB)
-                rows.append({"iodepth": iodepth, "numjobs": numjobs, "rw": rw, "gibs": round(best, 3)})
-        os.unlink(os.path.join(directory, "fio.dat"))
+        for rw in ("write", "read"):
+            sweep = fio.best_fio(path, jobs[rw], repeats, new_file=True)
+            for job in jobs[rw]:
+                row = {"iodepth": job.iodepth, "numjobs": job.numjobs, "rw": rw}
+                if job in sweep.samples:
+                    row["gibs"] = round(max(sweep.samples[job]) / GIB, 3)
+                else:
+                    row["error"] = sweep.errors[job][-300:]
+                rows.append(row)
+        if os.path.exists(path):
+            os.unlink(path)
     finally:
-        if old is not None:
-            with open("/proc/sys/vm/nr_hugepages", "w") as f:
-                f.write(str(old))
+        if huge is not None:
+            fio.restore_huge_pages(huge)
     ok = [r for r in rows if "gibs" in r]
     return {"mem": mem, "rows": rows,
             "write": max((r["gibs"] for r in ok if r["rw"] == "write"), default=None),

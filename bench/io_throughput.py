@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     huge = None
     try:
         try:
-            huge = fio.reserve_huge_pages(fio.buffer_bytes())
+            huge = fio.reserve_huge_pages(fio.buffer_bytes(fio.sweep_jobs("read", args.size)))
         except (OSError, RuntimeError) as e:
             print(f"note: no huge pages for fio --mem=mmaphuge ({e}); those rows will say so",
                   file=sys.stderr)
@@ -489,9 +489,8 @@ def run(args: argparse.Namespace, bench_dir: str, huge: bool) -> int:
     # 1. the sweep, on one existing file
     existing = os.path.join(bench_dir, "existing.bin")
     alloc.sync_pwrite(src, existing)
-    fio_rows = [fio_contender(fio.FioJob("write", args.size, bs, mem, engine),
-                              fio.FioJob("read", args.size, bs, mem, engine))
-                for engine in fio.ENGINES for mem in fio.MEM_TYPES for bs in fio.BLOCK_SIZES]
+    fio_rows = [fio_contender(w, r) for w, r in zip(fio.sweep_jobs("write", args.size),
+                                                     fio.sweep_jobs("read", args.size))]
     aio_rows = [aio_contender(src, dst, backend, bs, intra, qd)
                 for bs in AIO_BLOCKS for intra, qd in AIO_THREADS]
     sweep = fio_rows + aio_rows

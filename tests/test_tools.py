@@ -58,4 +58,7 @@ def test_fio_job_line_and_huge_page_need():
                 "--size=1073741824", "--filename=/d/f.bin"):
         assert arg in argv
     assert "--fallocate=none" not in argv
-    assert fio.buffer_bytes((1 << 20, 4 << 20), iodepth=32) == 128 << 20
+    jobs = fio.sweep_jobs("write", 1 << 30, depths=((32, 1), (16, 4)))
+    assert len(jobs) == len(fio.ENGINES) * len(fio.MEM_TYPES) * len(fio.BLOCK_SIZES) * 2
+    assert {(j.bs, j.mem) for j in jobs} == {(b, m) for b in fio.BLOCK_SIZES for m in fio.MEM_TYPES}
+    assert fio.buffer_bytes(jobs) == max(fio.BLOCK_SIZES) * 64

@@ -10,6 +10,7 @@ against fio's default is a claim against a handicapped fio, so benchmarks
 sweep fio's block size, memory type and engine (:func:`best_fio`) and
 compare with the best, measured in the same conditions: page cache dropped
 before each run, an existing (already allocated) file, the same size.
+:func:`sweep_jobs` lists the jobs, :func:`best_fio` runs them.
 
 Huge pages: :func:`reserve_huge_pages` raises ``vm.nr_hugepages`` (root
 only) for the run and :func:`restore_huge_pages` gives them back. fio's
@@ -26,7 +27,8 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-__all__ = ["FioError", "FioJob", "available", "version", "run", "best_fio", "reserve_huge_pages",
+__all__ = ["FioError", "FioJob", "available", "version", "run", "sweep_jobs", "best_fio", "Sweep",
+           "reserve_huge_pages",
            "restore_huge_pages", "huge_page_bytes", "buffer_bytes", "drop_page_cache"]
 
 MEM_TYPES = ("malloc", "mmaphuge")
@@ -59,16 +61,18 @@ class FioJob:
     mem: str = "malloc"
     engine: str = "libaio"
     iodepth: int = 32
+    numjobs: int = 1
     fallocate: bool = True  # fio's default: the file is preallocated before timing
 
     def label(self) -> str:
-        return f"{self.engine}, bs {self.bs >> 20}M, mem {self.mem}, iodepth {self.iodepth}"
+        jobs = f", numjobs {self.numjobs}" if self.numjobs > 1 else ""
+        return f"{self.engine}, bs {self.bs >> 20}M, mem {self.mem}, iodepth {self.iodepth}{jobs}"
 
     def argv(self, path: str) -> list:
         cmd = ["fio", "--name=nvmeio-bench", f"--filename={path}", f"--rw={self.rw}",
                f"--ioengine={self.engine}", "--direct=1", f"--bs={self.bs}",
                f"--iodepth={self.iodepth}", f"--size={self.size}", f"--mem={self.mem}",
-               "--numjobs=1", "--output-format=json"]
+               f"--numjobs={self.numjobs}", "--group_reporting", "--output-format=json"]
         if not self.fallocate:
             cmd.append("--fallocate=none")
         return cmd
@@ -125,21 +129,28 @@ class Sweep:
         return max(self.samples, key=self.median, default=None)
 
 
-def best_fio(path: str, size: int, rw: str, rounds: int = 1,
-             block_sizes: Iterable[int] = BLOCK_SIZES, mems: Iterable[str] = MEM_TYPES,
-             engines: Iterable[str] = ENGINES, iodepth: int = 32) -> Sweep:
-    """fio's best configuration for ``rw`` on ``path`` (see the note): every block
-    size x memory type x engine, ``rounds`` times in alternating order, page cache
-    dropped before each job. ``path`` must exist with ``size`` bytes for a read;
-    a write rewrites it in place. mmaphuge without reserved huge pages is recorded
-    in ``errors``, not raised."""
-    jobs = [FioJob(rw, size, bs, mem, engine, iodepth)
-            for engine in engines for mem in mems for bs in block_sizes]
-    sweep = Sweep(rw)
+def sweep_jobs(rw: str, size: int, block_sizes: Iterable[int] = BLOCK_SIZES,
+               mems: Iterable[str] = MEM_TYPES, engines: Iterable[str] = ENGINES,
+               depths: Iterable[tuple] = ((32, 1),)) -> list:
+    """The jobs of fio's best-configuration sweep: every engine x memory x block size x
+    (iodepth, numjobs)."""
+    return [FioJob(rw, size, bs, mem, engine, iodepth, numjobs)
+            for engine in engines for mem in mems for bs in block_sizes
+            for iodepth, numjobs in depths]
+
+
+def best_fio(path: str, jobs: list, rounds: int = 1, new_file: bool = False) -> Sweep:
+    """Runs ``jobs`` ``rounds`` times in alternating order, page cache dropped before each
+    (``new_file``: a write first removes ``path``; otherwise ``path`` is read or rewritten
+    in place). A job fio refuses (mmaphuge without huge pages, an engine this kernel
+    lacks) is recorded in ``errors``, not raised. The best is by median."""
+    sweep = Sweep(jobs[0].rw if jobs else "")
     for r in range(rounds):
         for job in (jobs if r % 2 == 0 else jobs[::-1]):
             if job in sweep.errors:
                 continue
+            if new_file and job.rw == "write" and os.path.exists(path):
+                os.unlink(path)
             drop_page_cache(path)
             try:
                 sweep.samples.setdefault(job, []).append(run(job, path))
@@ -149,9 +160,9 @@ def best_fio(path: str, size: int, rw: str, rounds: int = 1,
     return sweep
 
 
-def buffer_bytes(block_sizes: Iterable[int] = BLOCK_SIZES, iodepth: int = 32) -> int:
-    """The memory fio allocates for its largest job of this sweep (bs x iodepth)."""
-    return max(block_sizes) * iodepth
+def buffer_bytes(jobs: Iterable[FioJob]) -> int:
+    """The memory fio allocates for the largest of ``jobs`` (bs x iodepth x numjobs)."""
+    return max((j.bs * j.iodepth * j.numjobs for j in jobs), default=0)
 
 
 def huge_page_bytes() -> int:
