@@ -33,7 +33,8 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from results_md import replace_section  # noqa: E402
+sys.path.insert(0, ROOT)
+from tools.results_md import replace_section  # noqa: E402
 from train_step import BATCH, ds_config, load_average  # noqa: E402
 
 MODEL = dict(vocab=4096, d_model=256, heads=4, layers=4, seq=128, tie=False)  # ~4M parameters
