@@ -290,7 +290,8 @@ def main(argv=None) -> int:
         if args.results_md:
             from pathlib import Path
 
-            from results_md import replace_section
+            sys.path.insert(0, os.path.dirname(HERE))
+            from tools.results_md import replace_section
 
             replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png))
         print("\n".join(table(results)))
