@@ -495,6 +495,8 @@ def run(args: argparse.Namespace, bench_dir: str, huge: bool) -> int:
                 for bs in AIO_BLOCKS for intra, qd in AIO_THREADS]
     sweep = fio_rows + aio_rows
     for which in ("write", "read"):
+        if which == "read":
+            alloc.sync_pwrite(src, existing)  # fio's writes left fio's bytes; ours are checked
         alternate(sweep, args.sweep_rounds, existing, disk, which, False, verbose, f"sweep {which}")
 
     # 2. the headline: the winners, alternating
@@ -505,6 +507,8 @@ def run(args: argparse.Namespace, bench_dir: str, huge: bool) -> int:
             print(f"no {which} result for fio or aio_handle; see the sweep", file=sys.stderr)
             return 1
         pair = [dataclass_copy(f), dataclass_copy(a)]
+        if which == "read":
+            alloc.sync_pwrite(src, existing)
         alternate(pair, args.rounds, existing, disk, which, False, verbose, f"headline {which}")
         pairs[which] = tuple(pair)
     head_table, _, numbers = headline(pairs, args.rounds)
