@@ -5,8 +5,8 @@ Used by tests/test_aio_model.py (a few hundred cases) and by
 bench/reliability.py (many more, counted in bench/RELIABILITY.md).
 
 A sequence mixes sync and async pwrite/pread at any offset and size, whole-file
-write(), truncation from outside, and wait(). Async ops never overlap a
-pending write (that would be a data race, undefined on any API); a read that
+write(), truncation from outside, and wait(). A write never overlaps a
+pending read or write (a data race, undefined on any API); a read that
 needs a pending write's bytes or the file's size waits first. A read past the
 end must raise ShortReadError and touch nothing.
 """
@@ -99,7 +99,9 @@ def run_sequence(settings: dict, seq: List[Step], path: str) -> Outcome:
         pending.writes.clear()
 
     def overlaps_pending(start: int, end: int) -> bool:
-        return any(s < end and start < e for s, e in pending.writes)
+        # A write racing a pending read or write of the same bytes is undefined.
+        ranges = pending.writes + [(o, o + len(b)) for b, o, _ in pending.reads]
+        return any(s < end and start < e for s, e in ranges)
 
     try:
         for step in seq:
