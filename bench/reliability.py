@@ -965,8 +965,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"
-    if subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                      capture_output=True, text=True).stdout.strip():
+    if subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no", "--",
+                       ".", ":!bench/RELIABILITY.md"], capture_output=True, text=True).stdout.strip():
         commit += " + local changes"
     with open("/proc/loadavg") as f:
         loadavg = f"{load_start} at the start, {' '.join(f.read().split()[:3])} at the end"
