@@ -517,6 +517,10 @@ class PartitionedOptimizerSwapper(SwapperBase):
             for i, t in enumerate(tensors.states.values()):
                 self._checksums.record(path, lay.offset(1 + i), t)
         g.state = SubGroupState.WRITING
+        # A step read the gradient with the state: this write consumes exactly the gradient
+        # pieces written before it. A gradient written while this write is in flight (the next
+        # backward) belongs to the next step and is kept.
+        consumed = (len(g.grad_ranges), len(g.grad_tickets)) if g.read_grad else None
 
         def on_done(error: Optional[BaseException]) -> None:
             if error is not None:  # the state is still in the buffer: keep it for a retry
@@ -524,8 +528,12 @@ class PartitionedOptimizerSwapper(SwapperBase):
                 return
             self._drop_buffer(g)
             g.state = SubGroupState.ON_NVME
-            g.grad_ranges.clear()  # consumed by the step that preceded this write
-            g.grad_tickets.clear()
+            if consumed is None:
+                g.grad_ranges.clear()
+                g.grad_tickets.clear()
+            else:
+                del g.grad_ranges[:consumed[0]]
+                del g.grad_tickets[:consumed[1]]
 
         self._writes.submit(IoKind.WRITE, g.buffer.bytes()[HEADER_BYTES:lay.written_bytes], path, HEADER_BYTES,
                             on_done)

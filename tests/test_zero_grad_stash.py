@@ -6,12 +6,13 @@ the way out, accumulation adds to the partial sum read back from NVMe, and a
 skipped fp16 step drops the stashed gradients; results stay those of a
 resident partition (test_zero_equivalence.py covers exactness to torch).
 """
+import copy
 import math
 
 import torch
 
 import zero
-from zero.examples import GPT, GPTConfig, make_batches
+from zero.examples import GPT, GPTConfig, make_batches, train_reference
 from helpers import base_config, train_engine
 
 CFG = GPTConfig(layers=4)
@@ -72,3 +73,21 @@ def test_skipped_fp16_step_drops_the_stashed_gradients(tmp_path):
     assert runs["nvme"][0] == runs["cpu"][0]
     for a, b in zip(runs["nvme"][1], runs["cpu"][1]):
         assert torch.equal(a, b)
+
+
+def test_gradient_written_while_the_last_state_write_is_in_flight_is_kept(tmp_path):
+    # One sub-group: the step's write of its state is still in flight when the next backward
+    # writes the new gradient into the same file; that write's completion must not drop it.
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    batches = make_batches(CFG, 5, 4)
+    config = base_config("cpu", "nvme", tmp_path, lr=1e-2, sub_group_size=10**9, clip=1.0)
+    config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    try:
+        assert len(engine.parts.rank_layout.sub_groups) == 1
+        losses = train_engine(engine, batches, 5)
+    finally:
+        engine.destroy()
+    assert losses == train_reference(reference, batches, 5, lr=1e-2, clip=1.0)
