@@ -89,7 +89,16 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
     """Measure one contender in this process."""
     import torch
 
-    from zero.examples import GPT, GPTConfig
+    if name.startswith("ds-"):  # DeepSpeed's venv has no nvmeio: load the model file alone
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("gpt_examples", os.path.join(ROOT, "zero", "examples.py"))
+        examples = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = examples  # dataclasses look their module up there
+        spec.loader.exec_module(examples)
+        GPT, GPTConfig = examples.GPT, examples.GPTConfig
+    else:
+        from zero.examples import GPT, GPTConfig
 
     scale = name.startswith("scale-")
     cfg = GPTConfig(**(SCALE_MODELS[name[6:]] if scale else SPEED_MODEL))
@@ -165,7 +174,8 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
 def run_contender(name: str, args, nvme_root: str) -> dict:
     python = args.ds_python if name.startswith("ds-") else sys.executable
     nvme_path = tempfile.mkdtemp(prefix=f"{name}-", dir=nvme_root)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    path = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPATH=path if name.startswith("ds-") else ROOT + os.pathsep + path)
     steps, warmup = (args.scale_steps, 0) if name.startswith("scale-") else (args.steps, args.warmup)
     cmd = [python, os.path.abspath(__file__), "--child", name, "--steps", str(steps), "--warmup", str(warmup),
            "--nvme_path", nvme_path]
@@ -244,8 +254,26 @@ def chart(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def markdown(results: dict, meta: dict, png: str | None) -> str:
-    rows = table(results)
+def verdicts(results: dict) -> list:
+    base = results.get("torch", {}).get("median_s")
+    out = []
+    for name, goal in (("zero-nvme", 1.25), ("zero-cpu", 1.1)):
+        r = results.get(name, {})
+        if base and "median_s" in r:
+            ratio = r["median_s"] / base
+            out.append(f"- {name}: {ratio:.2f}x plain torch ({'meets' if ratio <= goal else 'misses'} the "
+                       f"{goal}x goal)")
+    for name, r in results.items():
+        if name.startswith("scale-") and "median_s" in r:
+            share = r["peak_rss_bytes"] / (16 * r["params"])
+            goal = 0.15 if r["params"] > 2.5e9 else 0.20
+            out.append(f"- {name[6:]}: peak RSS {100 * share:.1f}% of the model-state bytes "
+                       f"({'meets' if share <= goal else 'misses'} the {100 * goal:.0f}% goal)")
+    return out
+
+
+def markdown(results: dict, meta: dict, png: str | None, notes=()) -> str:
+    rows = table(results) + [""] + verdicts(results) + [f"- {n}" for n in notes]
     body = [f"Latest run: {meta['started']}, `{meta['command']}`; load average {meta['load_start']} at start, "
             f"{meta['load_end']} at end (2 CPUs shared with other engineers' work: absolute times are noisy, "
             f"ratios within one run are the figures to read); {meta['elapsed_s']:.0f} s in all.", "",
@@ -268,6 +296,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--results-md", default=None)
     parser.add_argument("--png", default=None)
+    parser.add_argument("--note", action="append", default=[], help="a line for RESULTS.md (repeatable)")
     parser.add_argument("--from-json", nargs="+", default=None,
                         help="only write --results-md / --png from saved --json files (merged)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -293,7 +322,7 @@ def main(argv=None) -> int:
             sys.path.insert(0, os.path.dirname(HERE))
             from tools.results_md import replace_section
 
-            replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png))
+            replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png, args.note))
         print("\n".join(table(results)))
         return 0
 
@@ -345,7 +374,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, os.path.dirname(HERE))
         from tools.results_md import replace_section
 
-        replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png))
+        replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png, args.note))
     return 0
 
 
