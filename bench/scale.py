@@ -136,6 +136,9 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
         numel_guess = 12 * cfg.layers * cfg.d_model ** 2
         conf = config("zero-nvme" if scale else name, nvme_path,
                       live=max(int(2e7), numel_guess // 40) if scale else 10 ** 9)
+        if scale:  # each partition fits one buffer: the largest layer (fc) at d 2816 is 31.7M elements
+            largest = max(4 * cfg.d_model ** 2 + 4 * cfg.d_model, cfg.vocab * cfg.d_model)
+            conf["zero_optimization"]["offload_param"]["buffer_size"] = max(int(2e7), largest)
         with zero.Init(config_dict_or_path=conf):
             model = GPT(cfg)
         built_rss = _vm("VmRSS")
