@@ -56,8 +56,9 @@ def ds_config(offload: str, nvme_dir: str, batch: int = BATCH, sub_group_size: i
     offload_optimizer = {"device": offload, "pin_memory": True}
     if offload == "nvme":
         offload_param.update(nvme_path=nvme_dir, buffer_count=5, buffer_size=buffer_size, max_in_cpu=0)
-        # pipeline_read/write stay off: with them the steps drift from plain torch (found 2026-11-23: 1%
-        # after 3 steps with one sub-group, 6e-6 with nine); reported, to turn back on once fixed.
+        # pipeline_read/write off: on 2 cores the pipelined I/O threads compete with the Adam math and the
+        # step is slower (bench/scale.py). (The drift they once showed was a lost gradient, fixed in
+        # swapper/optimizer_swapper.py and pinned by tests/test_zero_grad_stash.py.)
         offload_optimizer.update(nvme_path=nvme_dir, pipeline_read=False, pipeline_write=False)
     return {
         "train_batch_size": batch,
