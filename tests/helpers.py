@@ -6,7 +6,9 @@ tests folder on ``sys.path`` (rootdir-relative, no package).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 from typing import List, Sequence
 
 import numpy as np
@@ -36,6 +38,17 @@ def unaligned_view(n: int, shift: int = 1) -> np.ndarray:
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes):
+    """RLIMIT_FSIZE for this process while the block runs (Python ignores SIGXFSZ)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def train_engine(engine, batches: Sequence, steps: int, accumulation: int = 1, rank: int = 0,

@@ -2,10 +2,8 @@
 before any I/O) that names the path, never a hang, never a half-written new
 file, and the handle stays usable."""
 
-import contextlib
 import errno
 import os
-import resource
 import subprocess
 
 import numpy as np
@@ -13,23 +11,12 @@ import pytest
 import torch
 
 import nvmeio
-from helpers import file_bytes, is_root, random_bytes
+from helpers import file_bytes, file_size_limit, is_root, random_bytes
 
 
 @pytest.fixture
 def h():
     return nvmeio.aio_handle(queue_depth=8, intra_op_parallelism=2)
-
-
-@contextlib.contextmanager
-def file_size_limit(nbytes):
-    """RLIMIT_FSIZE for this process while the block runs (Python ignores SIGXFSZ)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def check_error(exc_info, path, offset, length):

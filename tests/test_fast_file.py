@@ -1,9 +1,7 @@
 """FastFileWriter / FastFileReader: torch.save / torch.load through them, raw bytes
 at odd sizes and chunkings, atomic replacement, and what a failed write leaves."""
-import contextlib
 import io
 import os
-import resource
 import stat
 import subprocess
 import warnings
@@ -13,20 +11,9 @@ import pytest
 import torch
 
 import nvmeio
-from helpers import all_dtypes, file_bytes, random_bytes, random_tensor, same_bits
+from helpers import all_dtypes, file_bytes, file_size_limit, random_bytes, random_tensor, same_bits
 
 SMALL = dict(buffer_size=8192)  # many buffer boundaries in small objects
-
-
-@contextlib.contextmanager
-def file_size_limit(nbytes):
-    """RLIMIT_FSIZE for this process while the block runs (Python ignores SIGXFSZ)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def objects():
