@@ -1,13 +1,16 @@
 """PartitionedOptimizerSwapper: optimizer state of each sub-group in, step, out.
 
-[Note: one file and one buffer per sub-group]
-A sub-group's fp32 master partition, its optimizer states (``exp_avg``,
-``exp_avg_sq`` for Adam) and, optionally, its gradient are laid out back to
-back in one swap file, ``subgroup<k>.swp``, each region starting on a 4096-byte
-boundary. The same layout in one pool buffer means a swap-in is one read and a
-swap-out one write (the gradient region is read, never written back: the step
-consumes it), so the I/O engine gets the largest requests it can split over its
-threads, and a sub-group needs exactly one buffer. ``buffer_count`` therefore
+[Note: one state file and one buffer per sub-group]
+A sub-group's fp32 master partition and its optimizer states (``exp_avg``,
+``exp_avg_sq`` for Adam) are laid out back to back in one swap file,
+``subgroup<k>.swp``, each region starting on a 4096-byte boundary; the same
+layout in one pool buffer means a swap-in is one read and a swap-out one write,
+so the I/O engine gets the largest requests it can split over its threads, and
+a sub-group needs exactly one buffer. The optional gradient (written during
+backward, read with the state, never written back: the step consumes it) lives
+in a file of its own, ``subgroup<k>.grad``, and after the states in the buffer:
+the state file is then written only by swap-outs, as a whole, which is what
+lets a checkpoint take it by a hard link (see [Note: the header page]). ``buffer_count`` therefore
 counts sub-groups in host memory at once, not tensors as in DeepSpeed: 1 for
 this swapper, up to 3 for the pipelined one; ``None`` (the default) takes what
 the schedule needs and a smaller number is refused when the swapper is made.
@@ -59,7 +62,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
     """Per sub-group: master partition, optimizer states (and gradient) in, step, out.
 
     Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``state_names``
-    defaults to Adam's; ``swap_gradients`` adds a gradient region written with
+    defaults to Adam's; ``swap_gradients`` adds a gradient (its own file) written with
     :meth:`swap_out_gradients` (during backward) and read with the state.
     Not thread-safe: one thread drives a swapper.
     """
@@ -132,7 +135,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
                 f"sub-group {sub_group_id} needs {layout.file_bytes} bytes per buffer, but the pool was "
                 f"sized at first use for {self._pool.buffer_nbytes}; register every sub-group first"
             )
-        self._groups[sub_group_id] = SubGroupEntry(sub_group_id, layout, f"subgroup{sub_group_id}.swp")
+        self._groups[sub_group_id] = SubGroupEntry(sub_group_id, layout, f"subgroup{sub_group_id}.swp",
+                                                   f"subgroup{sub_group_id}.grad")
         return layout
 
     @property
@@ -195,11 +199,11 @@ class PartitionedOptimizerSwapper(SwapperBase):
                 f"{sub_group_id} of {g.layout.numel} elements"
             )
         self._check_space()
-        self.swap_dir.create(g.file_name)
+        self.swap_dir.create(g.grad_file_name)
         tickets = self._gradients().swap_out(
             [grad.to(self.dtype) if grad.dtype != self.dtype else grad],
-            [g.file_name],
-            [g.layout.grad_offset + offset * g.layout.itemsize],
+            [g.grad_file_name],
+            [offset * g.layout.itemsize],
         )
         g.grad_ranges.append((offset, offset + grad.numel()))
         g.grad_tickets.extend(tickets)
@@ -217,7 +221,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
             )
         if any(not t.done for t in g.grad_tickets):
             self._writes.drain()
-        self._gradients().swap_in([out.reshape(-1)], [g.file_name], [g.layout.grad_offset])
+        self._gradients().swap_in([out.reshape(-1)], [g.grad_file_name], [0])
 
     def drop_gradients(self, sub_group_id: int) -> None:
         """Forget the gradient written since the last swap-out (a skipped step): the next
@@ -291,15 +295,19 @@ class PartitionedOptimizerSwapper(SwapperBase):
         """Makes the sub-group's swap file also ``dest`` (a hard link: no byte is copied),
         after writing ``header`` into its header page (see [Note: the header page]); the
         next swap-out writes a new file, so ``dest`` keeps this state. False, changing
-        nothing, where that cannot be done (another file system, a gradient region in
-        the file, a header of another size): the caller copies instead."""
+        nothing, where that cannot be done (another file system, a header of another
+        size, a file linked already whose header page holds another header): the caller
+        copies instead."""
         g = self._group(sub_group_id)
-        if len(header) != HEADER_BYTES or g.layout.with_grad:
+        if len(header) != HEADER_BYTES:
             return False
         path, _ = self.stored_file(sub_group_id)
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            if os.pwrite(fd, header, 0) != HEADER_BYTES:
+            if g.linked:  # a checkpoint's file already: never written again, only linked once more
+                if os.pread(fd, HEADER_BYTES, 0) != header:
+                    return False
+            elif os.pwrite(fd, header, 0) != HEADER_BYTES:
                 raise OSError(f"short write of the header page of {path}")
             os.fsync(fd)
         finally:
@@ -320,7 +328,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
         never changed. False, changing nothing, where that cannot be done (another file
         system or layout, checksums on: the bytes would have no recorded checksum)."""
         g = self._group(sub_group_id)
-        if (self._checksums is not None or g.layout.with_grad or dict(offsets) != self._offsets(g.layout)
+        if (self._checksums is not None or dict(offsets) != self._offsets(g.layout)
                 or os.path.getsize(path) < g.layout.written_bytes):
             return False
         if g.state in (SubGroupState.READING, SubGroupState.WRITING):
@@ -487,18 +495,36 @@ class PartitionedOptimizerSwapper(SwapperBase):
                 )
             if any(not t.done for t in g.grad_tickets):
                 self._writes.drain()
-        length = lay.grad_offset + lay.tensor_bytes if with_grad else lay.written_bytes
-        self._check_file_size(g.file_name, f"sub-group {g.sub_group_id}", length, at_least=True)
-        path = self.swap_dir.file(g.file_name)
+        holder = f"sub-group {g.sub_group_id}"
+        self._check_file_size(g.file_name, holder, lay.written_bytes, at_least=True)
+        if with_grad:
+            self._check_file_size(g.grad_file_name, f"the gradient of {holder}", lay.tensor_bytes, at_least=True)
+        path, grad_path = self.swap_dir.file(g.file_name), self.swap_dir.file(g.grad_file_name)
         g.buffer = self._acquire(g)
         g.state, g.read_grad = SubGroupState.READING, with_grad
-        view = g.buffer.bytes()[HEADER_BYTES:length]  # the header page is not swap data
+        view = g.buffer.bytes()[HEADER_BYTES:lay.written_bytes]  # the header page is not swap data
+        grad_view = g.buffer.bytes()[lay.grad_offset:lay.grad_offset + lay.tensor_bytes]
 
         def on_done(error: Optional[BaseException]) -> None:
-            if self._settle_read(g, error, path, view, f"sub-group {g.sub_group_id}", HEADER_BYTES):
-                g.state = SubGroupState.AVAILABLE
+            # Both reads of a sub-group complete in one batch (io_queue [Note]): settled together.
+            if not self._settle_read(g, error, path, view, holder, HEADER_BYTES):
+                return
+            if with_grad and not self._settle_read(g, error, grad_path, grad_view, holder, 0):
+                return
+            g.state = SubGroupState.AVAILABLE
 
-        self._reads.submit(IoKind.READ, view, path, HEADER_BYTES, on_done)
+        if not with_grad:
+            self._reads.submit(IoKind.READ, view, path, HEADER_BYTES, on_done)
+            return
+        self._reads.submit(IoKind.READ, view, path, HEADER_BYTES, lambda error: None)
+        try:
+            self._reads.submit(IoKind.READ, grad_view, grad_path, 0, on_done)
+        except BaseException:
+            try:  # the state read must land before its buffer (released by on_done) is reused
+                self._reads.drain()
+            except BaseException:  # noqa: BLE001 - the submit's error is the one to raise
+                pass
+            raise
 
     def _begin_write(self, g: SubGroupEntry) -> None:
         """Submit the write of master and states; the buffer is released when it completes."""

@@ -1,9 +1,9 @@
 """What one optimizer sub-group is: its states, its byte layout, its tensors in a buffer.
 
-A sub-group's fp32 master partition, optimizer states and optional gradient
-are laid out back to back after a header page, each region starting on a
-4096-byte boundary, in its swap file and in its pool buffer alike (see
-optimizer_swapper.py).
+A sub-group's fp32 master partition and optimizer states are laid out back to
+back after a header page, each region starting on a 4096-byte boundary, in its
+swap file and in its pool buffer alike; its optional gradient has a file of
+its own and follows the states in the buffer (see optimizer_swapper.py).
 """
 from __future__ import annotations
 
@@ -77,10 +77,12 @@ class SubGroupLayout:
 
     @property
     def grad_offset(self) -> int:
+        """Where the gradient sits in the pool buffer (in its own file it starts at 0)."""
         return self.written_bytes
 
     @property
     def file_bytes(self) -> int:
+        """Bytes on disk (the state file, plus the gradient file) and in a pool buffer."""
         return self.written_bytes + (self.tensor_bytes if self.with_grad else 0)
 
 
@@ -109,6 +111,7 @@ class SubGroupEntry:
     sub_group_id: int
     layout: SubGroupLayout
     file_name: str
+    grad_file_name: str
     state: SubGroupState = SubGroupState.UNWRITTEN
     buffer: Optional[PoolBuffer] = None
     grad_ranges: List[Tuple[int, int]] = field(default_factory=list)  # element ranges written
@@ -118,8 +121,12 @@ class SubGroupEntry:
 
     @property
     def nbytes(self) -> int:
-        """The size of its swap file."""
+        """The size of its swap files (state and gradient)."""
         return self.layout.file_bytes
+
+    @property
+    def file_names(self) -> Tuple[str, ...]:
+        return (self.file_name, self.grad_file_name) if self.layout.with_grad else (self.file_name,)
 
 
 def covered_elements(ranges: List[Tuple[int, int]]) -> int:

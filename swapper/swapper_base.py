@@ -174,7 +174,8 @@ class SwapperBase(abc.ABC):
         if total <= self._space_checked:
             return
         entries = list(self._swapped_entries())
-        on_disk = sum(self.swap_dir.size(e.file_name) for e in entries)
+        names = [n for e in entries for n in getattr(e, "file_names", (e.file_name,))]
+        on_disk = sum(self.swap_dir.size(n) for n in names)
         self.swap_dir.check_free_space(total - on_disk, f"{len(entries)} {self._entry_noun}")
         self._space_checked = total
 

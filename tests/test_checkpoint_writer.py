@@ -81,8 +81,8 @@ def test_writer_config_accepts_deepspeeds_keys():
 
 @pytest.mark.parametrize("offload", ["nvme", "cpu"])
 def test_fast_and_python_writers_write_the_same_checkpoint(tmp_path, offload, caplog):
-    """The same bytes either way; NVMe-resident state is moved file to file (its swap files
-    hold the gradient region too, so they are copied, not linked: see test_swapper_optimizer)."""
+    """The same bytes either way; NVMe-resident state enters the checkpoint by a hard link of
+    its swap file (no byte moved: see test_swapper_optimizer)."""
     trees = {}
     for kind in ("fast", "python"):
         # Swap checksums off: with them on, a save reads the state through the swapper, which
@@ -96,8 +96,8 @@ def test_fast_and_python_writers_write_the_same_checkpoint(tmp_path, offload, ca
         trees[kind] = checkpoint_files(tmp_path / kind / "ckpt")
         stats = [r.getMessage() for r in caplog.records if "checkpoint.writer" in r.getMessage()]
         assert stats and f"saved (checkpoint.writer {kind})" in stats[-1]
-        if offload == "nvme":  # optimizer state moved from its swap file inside the kernel
-            assert "copied 0 bytes" not in stats[-1] and "copied" in stats[-1]
+        if offload == "nvme":  # optimizer state linked from its swap files, nothing copied
+            assert "linked 0 bytes" not in stats[-1] and "copied 0 bytes" in stats[-1]
         caplog.clear()
     assert trees["fast"].keys() == trees["python"].keys()
     for name in trees["fast"]:
@@ -217,12 +217,17 @@ def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
     engine.destroy()
 
 
-def test_shards_never_change_after_the_save_or_the_load(tmp_path):
-    """Training after a save, or after a load, leaves the checkpoint's files as they were."""
+@pytest.mark.parametrize("checksum", ["none", None])
+def test_shards_never_change_after_the_save_or_the_load(tmp_path, checksum):
+    """Training after a save, or after a load, leaves the checkpoint's files as they were,
+    also where they are the swap files themselves (hard links)."""
     batches = make_batches(CFG, 4, 4)
-    engine, _ = make_engine(tmp_path / "a", "nvme")
+    engine, _ = make_engine(tmp_path / "a", "nvme", checksum=checksum)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
+    shards = list((tmp_path / "ckpt").glob("*/rank00000/subgroup*.safetensors"))
+    if checksum == "none":
+        assert shards and all(os.stat(p).st_nlink == 2 for p in shards)  # linked, not copied
     saved = checkpoint_files(tmp_path / "ckpt")
     train_engine(engine, batches[1:3], 2)
     assert checkpoint_files(tmp_path / "ckpt") == saved

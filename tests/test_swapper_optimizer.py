@@ -222,9 +222,35 @@ def test_link_state_and_adopt_file_share_the_file_and_never_change_it(make, tmp_
     dest.unlink()
 
 
-def test_link_state_refuses_a_file_with_a_gradient_region(tmp_path, swappers):
-    s = swappers(PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, swap_gradients=True))
-    s.register_sub_group(0, 100)
-    s.initialize(0, torch.zeros(100))
-    assert not s.link_state(0, str(tmp_path / "shard.bin"), b"H" * 4096)
-    assert not (tmp_path / "shard.bin").exists()
+@pytest.mark.parametrize("checksum", [None, "crc32"])
+def test_a_linked_state_file_never_changes_while_gradients_come_and_go(tmp_path, swappers, checksum):
+    """The gradient has a file of its own: writing it, reading it with the state, stepping and
+    swapping out leave a linked (checkpointed) state file byte-identical."""
+    s = swappers(PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, swap_gradients=True,
+                                             checksum=checksum))
+    n = 1000
+    s.register_sub_group(0, n)
+    master = _randn(n, 1)
+    s.initialize(0, master)
+    dest = tmp_path / "shard.bin"
+    assert s.link_state(0, str(dest), b"H" * 4096)
+    kept = dest.read_bytes()
+    grad = _randn(n, 2)
+    s.swap_out_gradients(0, grad[:400])
+    s.swap_out_gradients(0, grad[400:], offset=400)
+    assert os.path.getsize(s.swap_dir.file("subgroup0.grad")) == n * 4
+    assert dest.read_bytes() == kept  # the gradient went to its own file
+    assert s.link_state(0, str(tmp_path / "again.bin"), b"H" * 4096)  # linked twice: not rewritten
+    assert not s.link_state(0, str(tmp_path / "other.bin"), b"X" * 4096)  # another header: refused
+    assert not (tmp_path / "other.bin").exists() and dest.read_bytes() == kept
+    back = torch.empty(n)
+    s.swap_in_gradients(0, back)
+    assert torch.equal(back, grad)
+    s.step(lambda sg, t: t.master.sub_(t.grad))
+    assert dest.read_bytes() == kept and (tmp_path / "again.bin").read_bytes() == kept
+    t = s.swap_in(0)
+    assert torch.equal(t.master, master - grad) and t.grad is None
+    s.release(0)
+    assert torch.equal(torch.frombuffer(bytearray(kept[4096:4096 + n * 4]), dtype=torch.float32), master)
+    dest.unlink()
+    (tmp_path / "again.bin").unlink()

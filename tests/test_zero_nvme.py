@@ -46,10 +46,10 @@ def test_swap_files_hold_exactly_the_partitions_in_fp32(tmp_path):
         assert actual == expected
         assert sum(actual.values()) == layout.numel * 4 == sum(p.ds_numel for p in model.parameters()) * 4
 
-        # a header page, master, exp_avg, exp_avg_sq (each 4096-aligned), then the gradient written
-        # during backward
-        opt_expected = {f"subgroup{sg.index}.swp": 4096 + 3 * _align(sg.numel * 4) + sg.numel * 4
-                        for sg in layout.sub_groups}
+        # a header page, master, exp_avg, exp_avg_sq (each 4096-aligned); the gradient written during
+        # backward in a file of its own
+        opt_expected = {f"subgroup{sg.index}.swp": 4096 + 3 * _align(sg.numel * 4) for sg in layout.sub_groups}
+        opt_expected.update({f"subgroup{sg.index}.grad": sg.numel * 4 for sg in layout.sub_groups})
         opt_actual = {f: os.path.getsize(os.path.join(opt_dir, f)) for f in os.listdir(opt_dir)}
         assert opt_actual == opt_expected and len(opt_expected) > 1
 

@@ -14,12 +14,11 @@ the header goes into its header page and a hard link puts it in the
 checkpoint; no byte moves, and the swapper writes its next swap-out to a new
 file, leaving the checkpoint's untouched (swapper.sub_group [Note: the header
 page]); a load on the same layout links the shard back as the swap file and
-reads only the masters (for the parameters). The swapper refuses the link
-while its files also hold the gradient region written during backward (the
-engine's NVMe store does, grad_stash.py: the next backward would write into
-the checkpoint's file), and on another file system or with checksums on. Then
-the bytes are copied: read
-O_DIRECT into the writer's locked buffers and written O_DIRECT (``type:
+reads only the masters (for the parameters). The gradient written during
+backward has a file of its own, so nothing writes a linked file again. Where
+no link can be made (another file system) or with swap checksums on (the
+state is then read and verified through the swapper), the bytes are copied:
+read O_DIRECT into the writer's locked buffers and written O_DIRECT (``type:
 fast``; measured 2-3x faster on ext4 than ``copy_file_range``, which copies
 through the page cache and must then be fsynced) or by ``copy_file_range``
 (``type: python``); on load, read straight into the swapper's pool buffer

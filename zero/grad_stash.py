@@ -5,8 +5,8 @@ never whole in host memory. A sub-group's gradient is gathered in a buffer of
 ``sub_group_size`` elements that opens when the first of its units receives a
 gradient and closes when the last of its units is reduced: then the slices no
 parameter wrote are zeroed (what ``GradReducer.zero_stale`` does for a
-resident partition) and the buffer is written into the gradient region of the
-sub-group's swap file (``PartitionedOptimizerSwapper.swap_out_gradients``),
+resident partition) and the buffer is written into the sub-group's gradient
+swap file (``PartitionedOptimizerSwapper.swap_out_gradients``),
 where the step reads it together with the master weights and Adam states.
 Units complete in reverse order during backward, so only the sub-groups whose
 units are half done are open at once. Closed buffers are kept for the next

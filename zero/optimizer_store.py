@@ -7,7 +7,7 @@ states in one swap file per sub-group through
 writes i-1 while i is stepped when ``pipeline_read``/``pipeline_write`` are
 on). The fp32 gradient partition stays in memory for ``none`` (on the device)
 and ``cpu`` (host memory); for ``nvme`` each sub-group's gradient goes to the
-gradient region of its swap file during backward (grad_stash.py) and is read
+sub-group's gradient swap file during backward (grad_stash.py) and is read
 with the state at the step, so the partition is never whole in memory.
 
 Every store runs the step the same way: :meth:`OptimizerStore.step` calls
