@@ -27,7 +27,7 @@ import io
 import os
 import stat
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 from . import _native
 from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
@@ -137,6 +137,45 @@ class FastFileReader(io.RawIOBase):
         self._pos += n
         self._read += n
         return n
+
+    def views(self, offset: int, length: int) -> Iterator[memoryview]:
+        """The bytes ``[offset, offset + length)`` as memoryviews of the locked buffers, in
+        order, without a copy (to hash or scan a file at disk speed): each view is valid
+        until the next one is asked for, while the disk fills the other buffer. The read
+        position is left at ``offset + length``; a range past the end raises EOFError."""
+        self._check_open()
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be non-negative, got {offset}, {length}")
+        if offset + length > self.size:
+            raise EOFError(f"{self.name}: bytes [{offset}, {offset + length}) pass its end ({self.size} bytes)")
+        self._settle_ahead()
+        self._win = (0, 0, 0)  # the buffers are reused below
+        handle, bufs, size = self._io.handle, self._bufs, self._io.buffer_size
+        pos, end = offset - offset % _ALIGN, offset + length
+        cur, pending = 0, False
+        try:
+            if pos < end:
+                handle.sync_pread(bufs[0][:min(size, self.size - pos)], self._fd, pos)
+            while pos < end:
+                n = min(size, self.size - pos)
+                nxt = pos + n
+                if nxt < end and len(bufs) > 1:
+                    handle.async_pread(bufs[cur ^ 1][:min(size, self.size - nxt)], self._fd, nxt)
+                    pending = True
+                lo, hi = max(offset, pos) - pos, min(end, nxt) - pos
+                yield memoryview(bufs[cur].numpy())[lo:hi]
+                if pending:
+                    handle.wait()
+                    pending = False
+                    cur ^= 1
+                elif nxt < end:
+                    handle.sync_pread(bufs[0][:min(size, self.size - nxt)], self._fd, nxt)
+                pos = nxt
+        finally:
+            if pending:
+                handle.wait()
+        self._pos = end
+        self._read += length
 
     def readall(self) -> bytes:
         out = bytearray(max(0, self.size - self._pos))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
 from .fast_reader import FastFileReader
@@ -360,6 +360,25 @@ class SafetensorsReader:
             if got != (stop - start) * size:
                 raise SafetensorsError(f"{self.name}: tensor {name!r} is cut short")
         return out
+
+    def views(self, name: str, chunk_bytes: int = 8 << 20) -> Iterator[memoryview]:
+        """The bytes of tensor ``name`` as memoryviews, in order: straight out of the fast
+        reader's locked buffers (no copy), or read in ``chunk_bytes`` pieces with
+        ``direct=False``. Each view is valid until the next one is asked for."""
+        info = self.info(name)
+        start = self.data_start + info.begin
+        if isinstance(self._file, FastFileReader):
+            yield from self._file.views(start, info.nbytes)
+            return
+        chunk = bytearray(min(chunk_bytes, info.nbytes))
+        done = 0
+        while done < info.nbytes:
+            n = min(len(chunk), info.nbytes - done)
+            self._file.seek(start + done)
+            if self._read_exact(memoryview(chunk)[:n]) != n:
+                raise SafetensorsError(f"{self.name}: tensor {name!r} is cut short")
+            yield memoryview(chunk)[:n]
+            done += n
 
     def _read_exact(self, view: memoryview) -> int:
         """readinto until full or end of file (a plain read() stops at 2 GiB)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -65,6 +65,24 @@ def _digest_fn(algorithm: ChecksumAlgorithm) -> Callable[[memoryview], int]:
         ) from exc
 
 
+def digest_chunks(algorithm: ChecksumAlgorithm, chunks: Iterable[memoryview]) -> int:
+    """The digest of the bytes of ``chunks`` taken in order: equal to the one
+    :meth:`ChecksumTable.digest` gives those bytes at once (to check a file while
+    streaming it, never whole in memory)."""
+    if algorithm is ChecksumAlgorithm.XXHASH:
+        _digest_fn(algorithm)  # the clear ImportError where the package is missing
+        import xxhash
+
+        state = xxhash.xxh3_64()
+        for chunk in chunks:
+            state.update(chunk)
+        return state.intdigest()
+    fn, value = _digest_fn(algorithm), 0
+    for chunk in chunks:
+        value = fn(chunk, value)
+    return value
+
+
 def _memory(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
@@ -98,10 +116,21 @@ class ChecksumTable:
 
         Regions it overlaps are forgotten: their bytes are being overwritten.
         """
-        nbytes = data.numel() * data.element_size()
+        self.assign(path, offset, data.numel() * data.element_size(), self.digest(data))
+
+    def recorded(self, path: str, offset: int, nbytes: int) -> Optional[int]:
+        """The digest recorded for exactly the bytes ``[offset, offset + nbytes)`` of ``path``."""
+        for r in self._files.get(path, []):
+            if r.offset == offset and r.nbytes == nbytes:
+                return r.digest
+        return None
+
+    def assign(self, path: str, offset: int, nbytes: int, digest: int) -> None:
+        """Record ``digest`` as the one of bytes ``[offset, offset + nbytes)`` of ``path``,
+        known from elsewhere (a checkpoint that carries it); overlapped regions are forgotten."""
         end = offset + nbytes
         regions = [r for r in self._files.get(path, []) if r.offset >= end or r.offset + r.nbytes <= offset]
-        regions.append(_Region(offset, nbytes, self.digest(data)))
+        regions.append(_Region(offset, nbytes, int(digest)))
         self._files[path] = regions
 
     def verify(self, path: str, offset: int, data: torch.Tensor) -> None:

@@ -291,6 +291,19 @@ class PartitionedOptimizerSwapper(SwapperBase):
             self._wait(self._writes, None)
         return self.swap_dir.file(g.file_name), self._offsets(g.layout)
 
+    def stored_checksums(self, sub_group_id: int) -> Optional[Dict[str, int]]:
+        """The digests recorded when the sub-group's state was written (of ``"master"`` and
+        each state's ``numel * itemsize`` bytes, algorithm :attr:`checksum`), for a checkpoint
+        to carry with the bytes it links or copies; None with checksums off (or where one is
+        missing). Call it after :meth:`stored_file`, which makes the file current."""
+        g = self._group(sub_group_id)
+        if self._checksums is None or g.state is not SubGroupState.ON_NVME:
+            return None
+        path = self.swap_dir.file(g.file_name)
+        out = {name: self._checksums.recorded(path, offset, g.layout.tensor_bytes)
+               for name, offset in self._offsets(g.layout).items()}
+        return None if any(d is None for d in out.values()) else out
+
     def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
         """Makes the sub-group's swap file also ``dest`` (a hard link: no byte is copied),
         after writing ``header`` into its header page (see [Note: the header page]); the
@@ -321,14 +334,21 @@ class PartitionedOptimizerSwapper(SwapperBase):
         g.linked = True
         return True
 
-    def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int]) -> bool:
+    def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int],
+                   checksums: Optional[Tuple[str, Mapping[str, int]]] = None) -> bool:
         """Makes the file ``path`` (a checkpoint shard in this very layout: ``offsets`` of
         "master" and every state equal this swapper's) the sub-group's swap file, by a hard
         link: no byte is copied, and the next swap-out writes a new file, so ``path`` is
-        never changed. False, changing nothing, where that cannot be done (another file
-        system or layout, checksums on: the bytes would have no recorded checksum)."""
+        never changed. With checksums on, ``checksums`` = (algorithm name, digest of each
+        tensor) that the file carries become the ones its swap-ins verify. False, changing
+        nothing, where that cannot be done (another file system or layout; checksums on
+        and none carried, or of another algorithm)."""
         g = self._group(sub_group_id)
-        if (self._checksums is not None or dict(offsets) != self._offsets(g.layout)
+        if self._checksums is not None and (
+                checksums is None or checksums[0] != self._checksums.algorithm.value
+                or set(checksums[1]) != set(offsets)):
+            return False
+        if (dict(offsets) != self._offsets(g.layout)
                 or os.path.getsize(path) < g.layout.written_bytes):
             return False
         if g.state in (SubGroupState.READING, SubGroupState.WRITING):
@@ -343,6 +363,10 @@ class PartitionedOptimizerSwapper(SwapperBase):
             raise
         os.replace(tmp, target)
         self.swap_dir.create(g.file_name)  # tracked for cleanup (the name, not the checkpoint's)
+        if self._checksums is not None:
+            self._checksums.forget(target)
+            for name, offset in offsets.items():
+                self._checksums.assign(target, offset, g.layout.tensor_bytes, checksums[1][name])
         if g.state is SubGroupState.AVAILABLE:
             self._evict(g)
         g.state, g.linked = SubGroupState.ON_NVME, True

@@ -226,12 +226,42 @@ def test_shards_never_change_after_the_save_or_the_load(tmp_path, checksum):
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     shards = list((tmp_path / "ckpt").glob("*/rank00000/subgroup*.safetensors"))
-    if checksum == "none":
-        assert shards and all(os.stat(p).st_nlink == 2 for p in shards)  # linked, not copied
+    assert shards and all(os.stat(p).st_nlink == 2 for p in shards)  # linked, not copied
+    with safetensors.safe_open(str(shards[0]), "pt") as f:  # checksums travel with the state
+        assert ("checksum" in f.metadata()) == (checksum is None)
     saved = checkpoint_files(tmp_path / "ckpt")
     train_engine(engine, batches[1:3], 2)
     assert checkpoint_files(tmp_path / "ckpt") == saved
     engine.load_checkpoint(tmp_path / "ckpt")
+    assert all(os.stat(p).st_nlink == 2 for p in shards)  # linked back as the swap files
     train_engine(engine, batches[3:], 1)
     assert checkpoint_files(tmp_path / "ckpt") == saved
     engine.destroy()
+
+
+@pytest.mark.parametrize("sub_group_size", [4096, 3000])
+def test_a_damaged_shard_is_refused_before_the_load_changes_anything(tmp_path, sub_group_size):
+    """Shards carry the checksums of their tensors: a load on the same layout and one that
+    regroups the state (another sub_group_size) read every shard they use first."""
+    batches = make_batches(CFG, 2, 4)
+    engine, _ = make_engine(tmp_path / "a", "nvme")
+    train_engine(engine, batches[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.destroy()
+    shard = tmp_path / "ckpt" / "global_step1" / "rank00000" / "subgroup00000.safetensors"
+    with open(shard, "r+b") as f:  # one bit of exp_avg_sq
+        f.seek(4096 + 2 * -(-engine.parts.rank_layout.sub_groups[0].numel * 4 // 4096) * 4096 + 8)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    torch.manual_seed(5)
+    model = GPT(CFG)
+    config = base_config("nvme", "nvme", tmp_path / "swap", lr=1e-2, sub_group_size=sub_group_size)
+    (tmp_path / "swap").mkdir()
+    other, _, _, _ = zero.initialize(model=model, config=config)
+    before = gathered(model)
+    with pytest.raises(zero.CheckpointCorruptionError, match="subgroup00000.safetensors .*'exp_avg_sq'"):
+        other.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(before[n], v) for n, v in gathered(model).items())
+    assert other.global_steps == 0
+    other.destroy()

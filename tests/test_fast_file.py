@@ -71,6 +71,25 @@ def test_raw_bytes_any_chunking(nvme_dir, size):
         assert f.read() == data[-min(size, 10):] if size else f.read() == b""
 
 
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_views_give_any_range_without_a_copy(nvme_dir, double_buffer):
+    """views(offset, length): the range's bytes in order, out of the locked buffers; a read
+    after them continues at the range's end; a range past the end is refused."""
+    data = random_bytes(5 * 8192 + 777, seed=4).tobytes()
+    path = nvme_dir / "v.bin"
+    path.write_bytes(data)
+    with nvmeio.FastFileReader(path, buffer_size=8192, double_buffer=double_buffer) as f:
+        for offset, length in [(0, len(data)), (5, 100), (4095, 8194), (8192, 3 * 8192), (len(data), 0),
+                               (100, len(data) - 100)]:
+            views = list(bytes(v) for v in f.views(offset, length))
+            assert b"".join(views) == data[offset:offset + length], (offset, length)
+            assert all(len(v) <= 8192 for v in views) and f.tell() == offset + length
+        f.seek(3)
+        assert f.read(10) == data[3:13]  # the window is reloaded after views reused the buffers
+        with pytest.raises(EOFError, match=r"pass its end"):
+            next(f.views(len(data) - 5, 10))
+
+
 def test_large_reads_into_aligned_and_unaligned_memory(nvme_dir):
     data = random_bytes(5 * 8192 + 777, seed=3)
     path = nvme_dir / "raw.bin"

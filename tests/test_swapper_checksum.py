@@ -50,6 +50,18 @@ def test_table_verifies_recorded_regions_inside_a_read(algorithm):
         table.verify("f", 4096, bad)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_digest_taken_in_pieces_equals_the_one_taken_at_once(algorithm):
+    from swapper.checksum import ChecksumAlgorithm, digest_chunks
+
+    table = ChecksumTable(algorithm)
+    data = torch.randn(100_003)
+    raw = memoryview(data.numpy()).cast("B")
+    pieces = [raw[:1], raw[1:4097], raw[4097:300_000], raw[300_000:]]
+    assert digest_chunks(ChecksumAlgorithm(algorithm), pieces) == table.digest(data)
+    assert digest_chunks(ChecksumAlgorithm(algorithm), []) == table.digest(torch.empty(0))
+
+
 def test_rewriting_a_region_forgets_the_old_digest():
     table = ChecksumTable("crc32")
     table.record("f", 0, torch.zeros(100))

@@ -254,3 +254,37 @@ def test_a_linked_state_file_never_changes_while_gradients_come_and_go(tmp_path,
     assert torch.equal(torch.frombuffer(bytearray(kept[4096:4096 + n * 4]), dtype=torch.float32), master)
     dest.unlink()
     (tmp_path / "again.bin").unlink()
+
+
+def test_a_file_adopted_with_carried_checksums_is_verified_at_swap_in(make, tmp_path):
+    """stored_checksums are what a checkpoint carries; adopt_file takes them back: the adopted
+    file's swap-ins verify against them, and a swapper with checksums refuses a file that
+    carries none or another algorithm's."""
+    from swapper import SwapCorruptionError
+
+    s = make(checksum="crc32")
+    n = 1001
+    s.register_sub_group(0, n)
+    master = _randn(n, 3)
+    s.initialize(0, master)
+    path, offsets = s.stored_file(0)
+    digests = s.stored_checksums(0)
+    assert set(digests) == {"master", "exp_avg", "exp_avg_sq"}
+    dest = tmp_path / "shard.bin"
+    assert s.link_state(0, str(dest), b"H" * 4096)
+    t = s.swap_in(0)
+    t.master.add_(1.0)
+    s.swap_out(0)  # a new file: the shard keeps the state that digests describe
+    assert not s.adopt_file(0, str(dest), offsets)  # no checksums carried
+    assert not s.adopt_file(0, str(dest), offsets, ("xxhash", digests))
+    assert s.adopt_file(0, str(dest), offsets, ("crc32", digests))
+    assert s.stored_checksums(0) == digests
+    t = s.swap_in(0)
+    assert torch.equal(t.master, master)
+    s.release(0)
+    with open(dest, "r+b") as f:  # damage inside the master region
+        f.seek(4096 + 40)
+        f.write(b"\xff\xff")
+    with pytest.raises(SwapCorruptionError, match="sub-group 0"):
+        s.swap_in(0)
+    dest.unlink()

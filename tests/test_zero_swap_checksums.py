@@ -51,12 +51,13 @@ def test_damaged_swap_files_raise_naming_file_and_unit_and_resume_works(tmp_path
     expected = train_engine(engine, batches[1:3], 2)  # what the resumed run must reproduce
 
     engine.load_checkpoint(tmp_path / "ckpt")
+    train_engine(engine, batches[1:2], 1)  # every swap file written anew: none is the checkpoint's now
     store = engine.parts.param_store if target == "params" else engine.parts.optimizer_store
-    name = sorted(os.listdir(store.swap_dir))[1]
+    name = sorted(n for n in os.listdir(store.swap_dir) if n.endswith(".swp"))[1]
     path = os.path.join(store.swap_dir, name)
     damage(path, how)
     with pytest.raises(SwapCorruptionError) as info:
-        train_engine(engine, batches[1:2], 1)
+        train_engine(engine, batches[2:3], 1)
     message = str(info.value)
     assert path in message and "changed since it was written" in message
     if target == "params":
@@ -89,20 +90,29 @@ def test_checksum_none_turns_them_off_and_the_default_is_on(tmp_path):
         zero.load_config(config)
 
 
-def test_a_save_reads_and_verifies_the_swap_files_and_a_damaged_one_fails_it(tmp_path):
+def test_a_damaged_swap_file_saved_into_a_checkpoint_is_refused_by_its_load(tmp_path):
+    """A save links (or copies) the swap file without reading it and the shard carries the
+    checksums recorded when the state was written: the load reads every shard first and
+    refuses the damaged one, naming file and tensor, before anything changes."""
     (tmp_path / "swap").mkdir()
     engine = make_engine(tmp_path / "swap")
-    train_engine(engine, make_batches(CFG, 1, 4), 1)
+    batches = make_batches(CFG, 3, 4)
+    train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="good")
+    train_engine(engine, batches[1:2], 1)  # the swap files are new files again, not good's
     store = engine.parts.optimizer_store
-    path = os.path.join(store.swap_dir, "subgroup0.swp")
-    damage(path, "nans")
-    with pytest.raises(SwapCorruptionError, match="sub-group 0: swap file"):
-        engine.save_checkpoint(tmp_path / "ckpt", tag="bad")
-    assert (tmp_path / "ckpt" / "latest").read_text() == "good"
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["good", "latest"]
-    engine.load_checkpoint(tmp_path / "ckpt")
-    engine.save_checkpoint(tmp_path / "ckpt", tag="again")
+    damage(os.path.join(store.swap_dir, "subgroup1.swp"), "nans")
+    engine.save_checkpoint(tmp_path / "ckpt", tag="bad")
+    shard = tmp_path / "ckpt" / "bad" / "rank00000" / "subgroup00001.safetensors"
+    assert os.stat(shard).st_nlink == 2  # linked: no byte was read or moved
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+    with pytest.raises(zero.CheckpointCorruptionError, match=f"{shard}.*'master'"):
+        engine.load_checkpoint(tmp_path / "ckpt", tag="bad")
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    engine.load_checkpoint(tmp_path / "ckpt", tag="good")
+    assert all(math.isfinite(x) for x in train_engine(engine, batches[2:], 1))
     engine.destroy()
 
 

@@ -21,6 +21,7 @@ _LAZY = {
     "ZeroEngine": "engine",
     "EngineStateError": "engine",
     "CheckpointTagError": "checkpoint_format",
+    "CheckpointCorruptionError": "checkpoint_format",
     "UnsafeCheckpointError": "checkpoint_format",
     "Init": "init_context",
     "GatheredParameters": "gathered",

@@ -52,7 +52,7 @@ from nvmeio.atomic_file import exchange, fsync_directory, write_atomically
 from .checkpoint_format import (BUFFERS, LATEST, META, OLD_COPY, ShardReader, check_tag, checkpoint_path,
                                 engine_file, meta_dict, rank_dir, read_meta, resolve_tag, sub_group_file,
                                 unsafe_error)
-from .checkpoint_io import CheckpointIO
+from .checkpoint_io import CheckpointIO, shard_checksums
 from .logging import log_rank0
 
 _PARTIAL = ".partial-"  # in ".<tag>.partial-<random>": a save in progress (or one that died)
@@ -177,7 +177,8 @@ def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
         stored = store.stored_file(sg) if store is not None else None
         if stored is not None:
             cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored,
-                           link=lambda dest, header, sg=sg: store.link_state(sg, dest, header))
+                           link=lambda dest, header, sg=sg: store.link_state(sg, dest, header),
+                           checksums=store.stored_checksums(sg))
         else:
             with _state_of(engine, sg) as (master, states):
                 cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
@@ -294,7 +295,8 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
                                  f"{sg.index} has {sg.numel}")
         master = None
         offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
-        if load_states and store.adopt_file(sg, path, offsets):  # the shard becomes the swap file
+        carried = shard_checksums(shard)  # verified by _check_shards; the swapper keeps them
+        if load_states and store.adopt_file(sg, path, offsets, carried):  # the shard becomes the swap file
             master = shard.get_tensor("master")
         elif load_states:  # the whole state, read straight into the store's swap buffer
             master = store.import_state(sg, {k: (path, offset) for k, offset in offsets.items()})
@@ -303,6 +305,12 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
             if store is not None:
                 store.load(sg, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
     return master
+
+
+def _check_carried(cio: CheckpointIO, paths, keys) -> None:
+    """Every shard that carries checksums matches them (each file read once, streaming)."""
+    for path in dict.fromkeys(paths):
+        cio.verify_shard(path, keys)
 
 
 def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
@@ -344,9 +352,13 @@ def _load_object(cio: CheckpointIO, path: str, checkpoint: str):
         raise unsafe_error(path, error) from None
 
 
-def _check_shards(engine, checkpoint: str, reader: ShardReader, own_shards: bool, keys) -> None:
-    """Every shard file, key and element range the load will read is there (headers only)."""
+def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReader, own_shards: bool,
+                  keys) -> None:
+    """Every shard file, key and element range the load will read is there, and its bytes
+    match the checksums it carries (see checkpoint_io.py [Note: checksums travel with the
+    state])."""
     comm, layout = engine.comm, engine.parts.rank_layout
+    paths = []
     for sg in layout.sub_groups:
         if own_shards:
             path = sub_group_file(checkpoint, comm.rank, sg.index)
@@ -358,12 +370,15 @@ def _check_shards(engine, checkpoint: str, reader: ShardReader, own_shards: bool
                     if info.dtype != torch.float32 or list(info.shape) != [sg.numel]:
                         raise ValueError(f"checkpoint shard {path}: {k!r} is {info.dtype} {list(info.shape)}, "
                                          f"sub-group {sg.index} has {sg.numel} fp32 elements")
+            paths.append(path)
             continue
         for index in sg.units:
             unit = layout.units[index]
             first = unit.shard_start(comm.rank)
             for k in keys:
                 reader.check(index, first, first + unit.shard_numel, k)
+            paths.extend(reader.files(index, first, first + unit.shard_numel))
+    _check_carried(cio, paths, keys)
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
@@ -390,7 +405,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
                        and set(store.state_names) <= set(meta.get("state_names", [])))
         keys = ["master"] + (list(store.state_names) if load_states else [])
         reader = ShardReader(checkpoint, meta)
-        _check_shards(engine, checkpoint, reader, own_shards, keys)
+        _check_shards(engine, cio, checkpoint, reader, own_shards, keys)
         path = engine_file(checkpoint, comm.rank if same_layout else 0)
         state = _load_object(cio, path, checkpoint)
         _check_engine_state(state, path)

@@ -55,6 +55,10 @@ class CheckpointTagError(ValueError):
     """A checkpoint tag (an argument, or what ``latest`` holds) that is not a plain directory name."""
 
 
+class CheckpointCorruptionError(ValueError):
+    """A checkpoint shard whose bytes differ from the checksums saved with them."""
+
+
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file holds something other than tensors and plain containers (it was not run)."""
 
@@ -249,6 +253,11 @@ class ShardReader:
             raise ValueError(f"checkpoint {self.checkpoint} is damaged: {key!r} in {part.name} is not a flat "
                              f"fp32 tensor of at least {need} elements")
         return part
+
+    def files(self, unit_index: int, start: int, stop: int) -> List[str]:
+        """The shard files holding elements ``[start, stop)`` of unit ``unit_index``."""
+        return [sub_group_file(self.checkpoint, rank, index)
+                for rank, index, _, _, _ in self._pieces(unit_index, start, stop)]
 
     def check(self, unit_index: int, start: int, stop: int, key: str = "master") -> None:
         """Raise what :meth:`read` would raise for these elements (a missing file, key or range),

@@ -91,6 +91,11 @@ class OptimizerStore(abc.ABC):
         state lives in a file that a checkpoint can copy file to file; else None."""
         return None
 
+    def stored_checksums(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
+        """(algorithm name, digest of "master" and each state) recorded when the file that
+        :meth:`stored_file` names was written; None when this store keeps none."""
+        return None
+
     def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
         """Fill the sub-group from (path, offset) of each tensor's bytes, file to file, and
         return a copy of its master; None when this store cannot (the caller then uses
@@ -102,9 +107,11 @@ class OptimizerStore(abc.ABC):
         into its header page); False where this store cannot (the caller copies)."""
         return False
 
-    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int]) -> bool:
-        """Make ``path`` (a shard in the swap layout) the sub-group's swap file by a hard link;
-        False where this store cannot (the caller imports or loads)."""
+    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int],
+                   checksums: Optional[Tuple[str, Dict[str, int]]] = None) -> bool:
+        """Make ``path`` (a shard in the swap layout, carrying ``checksums`` or none) the
+        sub-group's swap file by a hard link; False where this store cannot (the caller
+        imports or loads)."""
         return False
 
     def close(self) -> None:
@@ -287,15 +294,19 @@ class NvmeOptimizerStore(OptimizerStore):
         self.swapper.swap_out(sub_group.index)
 
     def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
-        # With checksums on, a checkpoint reads the state through the swapper, which verifies it:
-        # a damaged swap file must fail the save, never be copied into the checkpoint unchecked.
-        if not sub_group.numel or self.swapper.checksum is not None:
+        # With checksums on, the checkpoint carries the digests recorded when the file was
+        # written (stored_checksums): its load verifies the bytes (checkpoint_io.py [Note]).
+        if not sub_group.numel:
             return None
         t0 = time.perf_counter()
         try:
             return self.swapper.stored_file(sub_group.index)
         finally:
             self.read_wait_seconds += time.perf_counter() - t0
+
+    def stored_checksums(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
+        digests = self.swapper.stored_checksums(sub_group.index) if sub_group.numel else None
+        return None if digests is None else (self.swapper.checksum.value, digests)
 
     def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
         if not sub_group.numel or not self.swapper.can_import:
@@ -314,8 +325,9 @@ class NvmeOptimizerStore(OptimizerStore):
         finally:
             self.write_wait_seconds += time.perf_counter() - t0
 
-    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int]) -> bool:
-        return bool(sub_group.numel) and self.swapper.adopt_file(sub_group.index, path, offsets)
+    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int],
+                   checksums: Optional[Tuple[str, Dict[str, int]]] = None) -> bool:
+        return bool(sub_group.numel) and self.swapper.adopt_file(sub_group.index, path, offsets, checksums)
 
     @property
     def swap_dir(self) -> str:
