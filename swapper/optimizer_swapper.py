@@ -28,10 +28,10 @@ import torch
 
 from nvmeio import AioSettings
 
-from .async_swapper import AsyncTensorSwapper, SwapOutTicket
+from .async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
-from .errors import BufferTooSmallError, SwapStateError
+from .errors import BufferTooSmallError, SwapCorruptionError, SwapStateError
 from .io_queue import IoKind, IoQueue
 from .sub_group import (
     ADAM_STATES,
@@ -221,7 +221,25 @@ class PartitionedOptimizerSwapper(SwapperBase):
             )
         if any(not t.done for t in g.grad_tickets):
             self._writes.drain()
+        self._check_gradient_written(g)
         self._gradients().swap_in([out.reshape(-1)], [g.grad_file_name], [0])
+
+    def wait_gradients(self) -> None:
+        """Wait for every gradient write in flight; raises when one failed (see below)."""
+        if any(not t.done for g in self._groups.values() for t in g.grad_tickets):
+            self._writes.drain()
+        for g in self._groups.values():
+            self._check_gradient_written(g)
+
+    @staticmethod
+    def _check_gradient_written(g: SubGroupEntry) -> None:
+        """A gradient whose write failed is lost (its bytes on disk are undefined, and the source
+        was freed when it was copied): never read it, until :meth:`drop_gradients`."""
+        for t in g.grad_tickets:
+            if t.state is WriteState.FAILED:
+                raise SwapCorruptionError(
+                    f"the gradient of sub-group {g.sub_group_id} was never written to {t.path} ({t.error}): "
+                    f"it is lost; drop_gradients({g.sub_group_id}) before writing it again", t.path)
 
     def drop_gradients(self, sub_group_id: int) -> None:
         """Forget the gradient written since the last swap-out (a skipped step): the next
@@ -519,6 +537,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
                 )
             if any(not t.done for t in g.grad_tickets):
                 self._writes.drain()
+            self._check_gradient_written(g)
         holder = f"sub-group {g.sub_group_id}"
         self._check_file_size(g.file_name, holder, lay.written_bytes, at_least=True)
         if with_grad:

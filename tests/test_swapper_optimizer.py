@@ -1,10 +1,12 @@
 """PartitionedOptimizerSwapper: master + states (+ gradient) of each sub-group in, step, out."""
+import errno
 import os
 
 import pytest
 import torch
 
-from swapper import PartitionedOptimizerSwapper, SwapStateError
+from nvmeio import faults
+from swapper import PartitionedOptimizerSwapper, SwapCorruptionError, SwapStateError
 from swapper.sub_group import SubGroupState
 
 SIZES = [5, 1000, 4097, 33]
@@ -109,6 +111,29 @@ def test_a_partial_gradient_is_refused(make):
         s.swap_in(0)
     with pytest.raises(ValueError, match="fall outside"):
         s.swap_out_gradients(0, torch.ones(10), offset=95)
+
+
+def test_a_gradient_whose_write_failed_is_never_read(make):
+    s = make(swap_gradients=True, checksum=None)  # no checksum to catch what was not written
+    s.register_sub_group(0, 1000)
+    s.initialize(0, torch.full((1000,), 3.0))
+    with faults.inject(fail_nth=1, errno="EIO", op="write"):
+        s.swap_out_gradients(0, torch.ones(1000))  # asynchronous: the failure comes later
+        with pytest.raises(OSError, match="Input/output error") as info:
+            s.wait_gradients()
+    assert info.value.errno == errno.EIO
+    lost = r"the gradient of sub-group 0 was never written to .*subgroup0.*it is lost; drop_gradients\(0\)"
+    for use in (s.wait_gradients, lambda: s.swap_in(0), lambda: s.swap_in_gradients(0, torch.empty(1000))):
+        with pytest.raises(SwapCorruptionError, match=lost):
+            use()
+    s.drop_gradients(0)
+    t = s.swap_in(0)
+    assert t.grad is None and torch.equal(t.master, torch.full((1000,), 3.0))
+    s.release(0)
+    s.swap_out_gradients(0, torch.full((1000,), 2.0))  # the next gradient is written and read
+    s.step(lambda sg, t: t.master.sub_(t.grad))
+    assert torch.equal(s.swap_in(0).master, torch.ones(1000))
+    s.release(0)
 
 
 def test_gradients_need_the_switch(make):

@@ -287,6 +287,19 @@ class Coordinator:
         u.in_backward = False
         self.maybe_release(u)
 
+    def abandon_backward(self) -> None:
+        """A backward raised half way: autograd drops the queued :meth:`_end_backward`, so reset
+        what it would have reset (else every later backward skips it and reduces nothing right),
+        drop the gradients parameters still hold, and release everything."""
+        self.stack.clear()
+        self._callback_queued = False
+        for u in self.units:
+            u.reduced = False
+            u.grads_left = u.grad_count
+            for p in u.params:
+                p.grad = None
+        self.release_all()
+
     def _end_backward(self) -> None:
         self._callback_queued = False
         with self.timers.phase("grad reduce"):

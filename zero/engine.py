@@ -73,7 +73,6 @@ class ZeroEngine(nn.Module):
         self._waits_seen = (0.0, 0.0)
         self._closed = False
         self._unusable: Optional[str] = None
-        self._broken: Optional[str] = None  # even a load cannot make it usable again
         self._step_failure = ""
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
         # the callback holds the parts, never the engine.
@@ -141,8 +140,6 @@ class ZeroEngine(nn.Module):
     def check_usable(self) -> None:
         if self._closed:
             raise EngineStateError("this engine was destroyed")
-        if self._broken is not None:
-            raise EngineStateError(self._broken)
         if self._unusable is not None:
             raise EngineStateError(self._unusable)
         if self.optimizer is not None and self.optimizer.step_in_progress:
@@ -184,27 +181,27 @@ class ZeroEngine(nn.Module):
         try:
             with self.timers.phase("backward"):
                 scaled.backward(retain_graph=retain_graph)
-        except OSError as error:
-            if self.parts.reducer.stash is None:
-                raise
+                if boundary and store.stash_gradients:
+                    store.wait_gradients()  # a failed gradient write surfaces here, not in the step
+        except BaseException as error:
             self._drop_window(error)
             raise
         if boundary and store.stash_gradients:
             store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
         return loss
 
-    def _drop_window(self, error: OSError) -> None:
-        """Writing gradients to NVMe failed in backward. The master weights and optimizer states
-        are untouched, but a half-run backward leaves the gradient bookkeeping of the hooks in a
-        state a later backward does not recover from (measured: later steps then differ from a
-        run without the fault, even after a load), so this engine refuses all further use."""
-        self.parts.reducer.stash.abandon()
-        self.parts.coordinator.stack.clear()
-        self._broken = (f"backward failed while writing gradients to NVMe ({type(error).__name__}: {error}); "
-                        f"this engine cannot be used any more (the weights and optimizer states on disk are "
-                        f"untouched, but its gradient bookkeeping is not): destroy() it, build a new engine "
-                        f"with zero.initialize and load the last checkpoint")
-        error.add_note(self._broken)
+    def _drop_window(self, error: BaseException) -> None:
+        """Backward raised half way (writing a gradient to NVMe, reading a parameter, a hook):
+        the accumulation window's gradients are partly summed, so they are dropped with the
+        hooks' bookkeeping (autograd never runs the end-of-backward callback after an error);
+        the master weights and optimizer states are untouched. The engine then refuses all use
+        until a checkpoint is loaded, and from there trains as a run that never failed."""
+        self.parts.coordinator.abandon_backward()
+        self.parts.reducer.abandon()
+        self.mark_unusable(f"backward failed ({type(error).__name__}: {error}), so the gradients of this "
+                           f"accumulation window are lost (the weights and optimizer states are untouched); "
+                           f"reload the last checkpoint with engine.load_checkpoint(...) before going on")
+        error.add_note(self._unusable)
 
     def step(self) -> None:
         if self.optimizer is None:
@@ -274,8 +271,6 @@ class ZeroEngine(nn.Module):
                         load_module_only: bool = False):
         from .checkpoint import load_checkpoint
 
-        if self._broken is not None:
-            raise EngineStateError(self._broken)
         return load_checkpoint(self, os.fspath(load_dir), tag, load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states and not load_module_only)
 

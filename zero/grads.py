@@ -177,6 +177,13 @@ class GradReducer:
                     self.grads[base:base + u.shard_numel].zero_()
                 zero[i] = True
 
+    def abandon(self) -> None:
+        """A backward raised half way: drop the window's gradients (partial sums included)."""
+        self._buffers.clear()
+        if self.stash is not None:
+            self.stash.abandon()
+        self.clear(consumed=False)
+
     def clear(self, consumed: bool = True) -> None:
         """The step consumed the gradients (or skipped them): the next ones are copied, not added."""
         if self.stash is not None:

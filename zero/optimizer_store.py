@@ -229,6 +229,10 @@ class NvmeOptimizerStore(OptimizerStore):
                 self.write_wait_seconds += time.perf_counter() - t0  # a write still in flight
             self._prefetched = True
 
+    def wait_gradients(self) -> None:
+        """The gradients backward wrote are on NVMe (raises when a write failed)."""
+        self.swapper.wait_gradients()
+
     def step(self, fn: StepFn) -> None:
         groups = self._groups
         self._prefetched = False  # consumed below, or lost with an error
