@@ -99,6 +99,47 @@ def test_resave_without_exchange_cut_between_the_renames_keeps_the_only_copy(tmp
     engine.destroy()
 
 
+def test_resave_without_exchange_never_trusts_a_half_deleted_copy(tmp_path, monkeypatch):
+    """Deleting the copy a re-save moved aside can stop half way (an undeletable file, a kill).
+    Then a second re-save is cut between its renames: the complete copy it moved aside is what a
+    load and the next save find, never the half-deleted one (which, newer by mtime, was once
+    loaded, and renamed back as the tag by the next save while the complete copy was deleted)."""
+    engine, model, first, second = resave_setup(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    monkeypatch.setattr(checkpoint_module, "exchange", lambda a, b: False)
+    real_rmtree, real_rename, renames = checkpoint_module.shutil.rmtree, os.rename, []
+
+    def half_rmtree(path, ignore_errors=False, **kwargs):  # removes one file, the rest is undeletable
+        victim = next(os.path.join(d, f) for d, _, fs in sorted(os.walk(path)) for f in sorted(fs))
+        os.unlink(victim)
+        if not ignore_errors:
+            raise PermissionError(13, "Permission denied", victim)
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", half_rmtree)
+    engine.save_checkpoint(ckpt, tag="t")  # t is the new copy (second); the old one half deleted
+    assert not any(e.startswith(".t.old-") for e in os.listdir(ckpt))  # not under a trusted name
+
+    def dying_rename(src, dst, *args, **kwargs):
+        renames.append((src, dst))
+        if dst == str(ckpt / "t"):  # t moved aside; the new copy is not in place yet
+            raise KeyboardInterrupt("killed between the two renames")
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.os, "rename", dying_rename)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(ckpt, tag="t")
+    monkeypatch.undo()
+    assert not (ckpt / "t").exists()
+    path, _ = engine.load_checkpoint(ckpt)  # the complete copy moved aside: weights `second`
+    assert ".t.old-" in path and same(weights(model), second)
+    engine.save_checkpoint(ckpt, tag="u")  # puts that copy back as t, removes every leftover
+    assert sorted(os.listdir(ckpt)) == ["latest", "t", "u"]
+    engine.load_checkpoint(ckpt, tag="t")
+    assert same(weights(model), second)
+    real_rmtree(ckpt)
+    engine.destroy()
+
+
 def test_resave_without_exchange_completes(tmp_path, monkeypatch):
     engine, model, first, second = resave_setup(tmp_path)
     monkeypatch.setattr(checkpoint_module, "exchange", lambda a, b: False)

@@ -11,7 +11,9 @@ checkpoint. Re-saving an existing tag swaps the two directories in one step
 where the file system cannot exchange, the old copy is renamed to
 ``.<tag>.old-<random>`` first, a load finds it there if a crash came between
 the two renames, and the next save renames it back rather than deleting it:
-no step ever deletes the only complete copy of a tag. Partial directories
+no step ever deletes the only complete copy of a tag. A copy is deleted only
+after a rename to a partial name, so a deletion stopped half way never leaves
+an incomplete directory where a load or a recovery looks. Partial directories
 are removed by the next save (which assumes one job saves into a directory
 at a time). Re-saving a tag never mixes old and new shards (a checkpoint saved
 again with another world size has no stale rank files).
@@ -78,9 +80,19 @@ def _make_dir(path: str, mode: int) -> None:
     os.chmod(path, mode)
 
 
+def _discard(save_dir: str, path: str) -> None:
+    """Delete a complete copy: renamed to a partial name first, so that a deletion stopped half
+    way never leaves a damaged directory under a name a load or a recovery trusts."""
+    doomed = os.path.join(save_dir, f".discarded{_PARTIAL}{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    fsync_directory(save_dir)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _remove_leftovers(save_dir: str) -> None:
     """Partial directories of saves that died go; a complete copy moved aside by a re-save cut
-    between its renames is renamed back to its tag when the tag is missing, else deleted."""
+    between its renames is renamed back to its tag when the tag is missing, else deleted.
+    Every ``.old`` directory is complete (:func:`_discard`), so whichever is renamed back is."""
     entries = sorted(os.listdir(save_dir), key=lambda e: -os.lstat(os.path.join(save_dir, e)).st_mtime)
     for entry in entries:
         path = os.path.join(save_dir, entry)
@@ -91,7 +103,7 @@ def _remove_leftovers(save_dir: str) -> None:
         elif OLD_COPY in entry:
             tag = entry[1:entry.rindex(OLD_COPY)]
             if os.path.isdir(os.path.join(save_dir, tag)):
-                shutil.rmtree(path, ignore_errors=True)
+                _discard(save_dir, path)
             else:
                 os.rename(path, os.path.join(save_dir, tag))  # the newest moved-aside copy comes first
                 fsync_directory(save_dir)
@@ -112,7 +124,7 @@ def _publish(save_dir: str, partial: str, tag: str) -> None:
     os.rename(final, old)
     os.rename(partial, final)  # a crash just before: checkpoint_path() finds the copy at `old`
     fsync_directory(save_dir)
-    shutil.rmtree(old)
+    _discard(save_dir, old)
 
 
 def _agreed_tag(engine, tag: str) -> str:
