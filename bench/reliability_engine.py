@@ -172,6 +172,72 @@ def _damaged_swap_file(which: str, how: str):
     return case
 
 
+def _failed_backward(fault: str, accumulation: int = 1):
+    """Backward fails (a gradient write to NVMe, or a parameter read): the window is dropped, the
+    engine refuses all use until a checkpoint is loaded, then matches a run without the fault.
+    Clipping keeps the gradients going to NVMe during backward (zero/grad_stash.py)."""
+    def case(d, row, _reference):
+        import zero
+        from helpers import train_engine
+        from nvmeio import faults
+
+        k = _kit()
+        extra = dict(clip=0.5, accumulation=accumulation, micro=4 // accumulation, stage3_max_reuse_distance=0)
+        batches = [b for x, y in _batches() for b in zip(x.chunk(accumulation), y.chunk(accumulation))]
+        ref = _engine(os.path.join(d, "ref"), **extra)
+        reference = train_engine(ref, batches, BATCHES_N, accumulation), _weights(ref)
+        ref.destroy()
+        engine = _engine(os.path.join(d, "swap"), **extra)
+        train_engine(engine, batches, 1, accumulation)
+        engine.save_checkpoint(os.path.join(d, "ckpt"))
+        for batch in batches[accumulation:2 * accumulation - 1]:
+            engine.backward(engine(*batch))
+            engine.step()
+        loss = engine(*batches[2 * accumulation - 1])
+        where = _swap_dir(engine, "params" if fault == "parameter read" else "optimizer")
+        path = os.path.join(where, "subgroup0.") if fault == "last gradient write" else where
+        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=path,
+                           op="read" if fault == "parameter read" else "write"):
+            try:
+                engine.backward(loss)
+                raise k.Expectation("backward did not raise")
+            except OSError as e:
+                k.expect(e.errno == errno.EIO and where in str(e), f"unclear error: {e}")
+        for use in (lambda: engine(*batches[0]), engine.step, lambda: engine.save_checkpoint(os.path.join(d, "c2"))):
+            try:
+                use()
+                raise k.Expectation("the engine went on after a failed backward")
+            except zero.EngineStateError as e:
+                k.expect("reload the last checkpoint" in str(e), f"unclear refusal: {e}")
+        engine.load_checkpoint(os.path.join(d, "ckpt"))
+        losses = train_engine(engine, batches[accumulation:], BATCHES_N - 1, accumulation)
+        k.expect(losses == reference[0][accumulation:], "losses differ from the run without faults after the reload")
+        row.bytes_lost += _lost_elements(engine, reference)
+        engine.destroy()
+    return case
+
+
+def _two_ranks_step(d, row, _reference):
+    """A step fails on one of two gloo ranks (optimizer write, parameter write, optimizer read);
+    that rank finishes it; both ranks end bit-identical to a two-rank run without faults."""
+    from helpers import run_ranks, scenario_step_fails_on_one_rank
+
+    k = _kit()
+    cases = {"reference": {}, "optimizer-write-rank1": dict(fail_rank=1),
+             "params-write-rank0": dict(fail_rank=0, which="params"),
+             "optimizer-read-rank1": dict(fail_rank=1, op="read")}
+    ranks = run_ranks(2, [(n, scenario_step_fails_on_one_rank, kw) for n, kw in cases.items()], d)
+    row.cases = len(cases) - 1
+    for rank, results in enumerate(ranks):
+        for name, got in results.items():
+            k.expect("error" not in got, f"{name} rank {rank}: {got.get('error')}")
+            if rank == cases[name].get("fail_rank"):
+                k.expect("Input/output error" in got["refused"] and "engine.step() again" in got["refused"],
+                         f"{name}: unclear error or refusal: {got['refused']!r}")
+            same = got["losses"] == results["reference"]["losses"] and got["weights"] == results["reference"]["weights"]
+            k.expect(same, f"{name} rank {rank}: losses or weights differ from the run without faults")
+
+
 ENGINE_CASES = {
     "optimizer swap-out fails (EROFS) for one step; step finished": _failed_write_step("optimizer", "EROFS"),
     "optimizer swap-out fails (ENOSPC) for one step; step finished": _failed_write_step("optimizer", "ENOSPC"),
@@ -180,6 +246,14 @@ ENGINE_CASES = {
     "optimizer swap-in fails (EIO); step finished": _failed_read("optimizer"),
     **{f"{which} swap file {how} between steps; checkpoint loaded": _damaged_swap_file(which, how)
        for which in ("params", "optimizer") for how in ("zeros", "random", "nans")},
+    "gradient write fails half way through backward (EIO); checkpoint reloaded": _failed_backward(
+        "first gradient write"),
+    "last gradient write of backward fails (EIO, asynchronous); checkpoint reloaded": _failed_backward(
+        "last gradient write"),
+    "gradient write fails in a window's 2nd micro-batch (EIO); checkpoint reloaded": _failed_backward(
+        "first gradient write", accumulation=2),
+    "parameter swap-in fails in backward (EIO); checkpoint reloaded": _failed_backward("parameter read"),
+    "step fails on one of two ranks (3 ways); finished there, both ranks match": _two_ranks_step,
 }
 
 

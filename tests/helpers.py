@@ -175,6 +175,45 @@ def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str 
         engine.destroy()
 
 
+def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, which="optimizer", op="write"):
+    """Train 4 steps on this rank's half of each batch; step 2 fails on ``fail_rank`` only (its
+    swap directory refuses ``op``s) and that rank calls step() again, as the error says. The
+    step's only collective (the clip norm) comes before any I/O, so the retry needs none."""
+    import hashlib
+
+    import zero
+    from nvmeio import faults
+
+    os.makedirs(scratch, exist_ok=True)
+    torch.manual_seed(0)
+    config = base_config("nvme", "nvme", scratch, world_size=world_size, clip=0.5, lr=1e-2, sub_group_size=3000)
+    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    losses, refused = [], ""
+    for step, (x, y) in enumerate(make_batches(GPTConfig(), 4, 4 * world_size)):
+        loss = engine(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
+        losses.append(loss.item())
+        engine.backward(loss)
+        if step != 1 or rank != fail_rank:
+            engine.step()
+            continue
+        store = engine.parts.optimizer_store if which == "optimizer" else engine.parts.param_store
+        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=store.swap_dir, op=op):
+            try:
+                engine.step()
+            except OSError as error:
+                refused = f"{error.errno}: {error}"
+        try:
+            engine(x, y)
+        except zero.EngineStateError as error:
+            refused += f"\n{error}"
+        engine.step()  # finish it
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        digests = {n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+                   for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "weights": digests, "refused": refused}
+
+
 # -- a child Python, for what must be measured in a fresh process (peak RSS) ----------------------------
 
 def run_child(code: str, *args: str, timeout: float = 300) -> dict:

@@ -13,7 +13,7 @@ import torch
 import zero
 from nvmeio import faults
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, run_ranks, train_engine
+from helpers import base_config, run_ranks, scenario_step_fails_on_one_rank, train_engine
 
 CFG = GPTConfig()
 BATCHES = make_batches(CFG, 4, 4)
@@ -176,39 +176,6 @@ def test_a_backward_that_fails_drops_its_window_and_a_reload_matches(tmp_path, c
 
 
 # -- two ranks: a step that fails on one rank only ---------------------------------------------------------
-
-def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, which="optimizer", op="write"):
-    """Train 4 steps on this rank's half of each batch; step 2 fails on ``fail_rank`` only (its
-    swap directory refuses ``op``s) and that rank calls step() again, as the error says. The
-    step's only collective (the clip norm) comes before any I/O, so the retry needs none."""
-    import hashlib
-
-    os.makedirs(scratch, exist_ok=True)
-    torch.manual_seed(0)
-    config = base_config("nvme", "nvme", scratch, world_size=world_size, clip=0.5, lr=1e-2, sub_group_size=3000)
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
-    losses, refused = [], ""
-    for step, (x, y) in enumerate(make_batches(CFG, 4, 4 * world_size)):
-        loss = engine(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
-        losses.append(loss.item())
-        engine.backward(loss)
-        if step != 1 or rank != fail_rank:
-            engine.step()
-            continue
-        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=swap_dir(engine, which), op=op):
-            try:
-                engine.step()
-            except OSError as error:
-                refused = f"{error.errno}: {error}"
-        try:
-            engine(x, y)
-        except zero.EngineStateError as error:
-            refused += f"\n{error}"
-        engine.step()  # finish it
-    digests = {n: hashlib.sha256(v.numpy().tobytes()).hexdigest() for n, v in weights(engine).items()}
-    engine.destroy()
-    return {"losses": losses, "weights": digests, "refused": refused}
-
 
 def test_a_step_failing_on_one_of_two_ranks_is_finished_there_and_both_match(tmp_path):
     cases = {"reference": {}, "optimizer-write-rank1": dict(fail_rank=1),

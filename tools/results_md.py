@@ -34,9 +34,11 @@ def replace_section(path: Path, heading: str, body: str) -> None:
 
 
 def bar_chart(path: Path, title: str, groups: Sequence[str], series: Mapping[str, Sequence[float]],
-              ylabel: str = "GiB/s", note: Optional[str] = None) -> Optional[Path]:
+              ylabel: str = "GiB/s", note: Optional[str] = None, log_scale: bool = False,
+              value_format: str = "{:.2f}") -> Optional[Path]:
     """Grouped bars: one group per entry of ``groups`` (e.g. write, read), one bar per
-    series in each; values are labelled. Returns ``path``, or None without matplotlib."""
+    series in each; values are labelled (``value_format``; counts spanning decades want
+    ``log_scale``). Returns ``path``, or None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -52,8 +54,10 @@ def bar_chart(path: Path, title: str, groups: Sequence[str], series: Mapping[str
         xs = [g + (k - (len(names) - 1) / 2) * width for g in range(len(groups))]
         values = list(series[name])
         bars = ax.bar(xs, values, width, label=name)
-        ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=8, padding=2)
+        ax.bar_label(bars, labels=[value_format.format(v) for v in values], fontsize=8, padding=2)
     ax.set_xticks(range(len(groups)), list(groups))
+    if log_scale:
+        ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="best")
