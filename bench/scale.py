@@ -11,7 +11,10 @@ PyTorch, everything in memory, ``AdamW(fused=True)``. ``zero-cpu``:
 parameters and optimizer in host memory. ``zero-nvme``: both on NVMe,
 ``max_in_cpu`` 0, ``sub_group_size`` and ``buffer_size`` 2e7, aio block 8 MiB,
 queue depth 32, 4 threads, pipelined optimizer reads and writes, prefetch on;
-``zero-nvme-noprefetch`` (``stage3_prefetch_bucket_size`` 0 and
+sub-groups stepped during backward as their gradients complete (the default);
+``zero-nvme-afterbackward`` (``step_in_backward`` false: gradients written to
+NVMe during backward, read back by the step after it), ``zero-nvme-nochecksum``
+(swap-file checksums off), ``zero-nvme-noprefetch`` (``stage3_prefetch_bucket_size`` 0 and
 ``stage3_max_reuse_distance`` 0) and ``zero-nvme-nopipeline`` (pipeline_read
 and pipeline_write off) beside it. ``ds-*``: DeepSpeed 0.19.8 (``--ds-python``)
 with the same config; each failure is recorded with its last line. Every
@@ -49,7 +52,8 @@ BATCH = 2
 LR = 1e-4
 AIO = {"block_size": 8 << 20, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
        "overlap_events": True}
-SPEED = ["torch", "zero-cpu", "zero-nvme", "zero-nvme-noprefetch", "zero-nvme-nopipeline", "ds-cpu",
+SPEED = ["torch", "zero-cpu", "zero-nvme", "zero-nvme-afterbackward", "zero-nvme-noprefetch", "zero-nvme-nopipeline",
+         "zero-nvme-nochecksum", "ds-cpu",
          "ds-nvme", "ds-nvme-optimizer"]
 GiB = 1 << 30
 
@@ -66,6 +70,10 @@ def config(kind: str, nvme_path: str, live: int = 10 ** 9) -> dict:
                                     "pipeline_write": True}}
         if kind.endswith("noprefetch"):
             zc.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+        if kind.endswith("afterbackward"):  # the optimizer steps after backward, reading gradients back
+            zc["offload_optimizer"]["step_in_backward"] = False
+        if kind.endswith("nochecksum"):
+            zc["offload_param"]["checksum"] = zc["offload_optimizer"]["checksum"] = "none"
         if kind.endswith("nopipeline"):
             zc["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
         if kind.startswith("ds-"):

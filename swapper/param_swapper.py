@@ -339,6 +339,19 @@ class PartitionedParamSwapper(SwapperBase):
         if unsaved:
             self.swap_out(unsaved, async_op=True)
 
+    def discard_unsaved(self) -> List[ParamId]:
+        """Complete the writes in flight, then drop the data of every partition whose write
+        failed (kept in its buffer for a retry); returns their ids. Their swap files are stale
+        or half written: the caller must write each of them again before reading it."""
+        try:
+            self._writes.drain()
+        except OSError:
+            pass
+        lost = [p for p in self._parts.values() if p.state is PartitionState.AVAILABLE and not p.on_nvme]
+        for p in lost:
+            self._evict(p)
+        return [p.param_id for p in lost]
+
     # -- internals ---------------------------------------------------------------------------
     def _swapped_entries(self) -> List[_Partition]:
         return [p for p in self._parts.values() if p.cpu_tensor is None]

@@ -19,10 +19,13 @@ CFG = GPTConfig()
 BATCHES = make_batches(CFG, 4, 4)
 
 
-def make_engine(nvme):
+def make_engine(nvme, step_in_backward=False):
+    """Steps after backward unless ``step_in_backward`` (then a failure hits backward instead)."""
     nvme.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=base_config("nvme", "nvme", nvme, lr=1e-2))
+    config = base_config("nvme", "nvme", nvme, lr=1e-2)
+    config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
     return engine
 
 
@@ -195,3 +198,44 @@ def test_a_step_failing_on_one_of_two_ranks_is_finished_there_and_both_match(tmp
             else:
                 assert got["refused"] == ""
     assert ranks[0]["reference"]["weights"] == ranks[1]["reference"]["weights"]  # gathered: the whole model
+
+
+@pytest.mark.parametrize("which,nth", [("optimizer", 1), ("optimizer", 4), ("params", 2)])
+def test_a_write_failing_while_backward_steps_refuses_use_until_a_checkpoint_is_loaded(tmp_path, reference,
+                                                                                      which, nth):
+    engine = make_engine(tmp_path / "swap", step_in_backward=True)
+    train_engine(engine, BATCHES[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    loss = engine(*BATCHES[1])
+    with faults.inject(fail_nth=nth, fail_count=0, errno="EIO", path_contains=swap_dir(engine, which),
+                       op="write") as fired:
+        with pytest.raises(OSError) as info:
+            engine.backward(loss)
+    assert fired()["failed"] >= 1 and info.value.errno == errno.EIO and swap_dir(engine, which) in str(info.value)
+    message = (r"backward failed .*it had stepped \d+ of \d+ optimizer sub-groups, so the model and optimizer "
+               r"are partly updated; reload the last checkpoint")
+    for use in (lambda: engine(*BATCHES[1]), engine.step, lambda: engine.save_checkpoint(tmp_path / "bad")):
+        with pytest.raises(zero.EngineStateError, match=message):
+            use()
+    assert not (tmp_path / "bad").exists()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert train_engine(engine, BATCHES[1:], 3) == reference[0][1:]
+    assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
+    engine.destroy()
+
+
+def test_a_read_failing_before_backward_stepped_anything_says_the_state_is_untouched(tmp_path, reference):
+    engine = make_engine(tmp_path / "swap", step_in_backward=True)
+    train_engine(engine, BATCHES[:1], 1)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    loss = engine(*BATCHES[1])
+    with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=swap_dir(engine, "optimizer"),
+                       op="read"):
+        with pytest.raises(OSError):
+            engine.backward(loss)
+    assert engine.optimizer.adam_step == 1 and not engine.optimizer.step_in_progress
+    with pytest.raises(zero.EngineStateError, match="weights and optimizer states are untouched"):
+        engine.step()
+    engine.load_checkpoint(tmp_path / "ckpt")
+    assert train_engine(engine, BATCHES[1:], 3) == reference[0][1:]
+    engine.destroy()

@@ -46,10 +46,9 @@ def test_swap_files_hold_exactly_the_partitions_in_fp32(tmp_path):
         assert actual == expected
         assert sum(actual.values()) == layout.numel * 4 == sum(p.ds_numel for p in model.parameters()) * 4
 
-        # a header page, master, exp_avg, exp_avg_sq (each 4096-aligned); the gradient written during
-        # backward in a file of its own
+        # a header page, master, exp_avg, exp_avg_sq (each 4096-aligned); no gradient file: each
+        # sub-group was stepped during backward, its gradient never written
         opt_expected = {f"subgroup{sg.index}.swp": 4096 + 3 * _align(sg.numel * 4) for sg in layout.sub_groups}
-        opt_expected.update({f"subgroup{sg.index}.grad": sg.numel * 4 for sg in layout.sub_groups})
         opt_actual = {f: os.path.getsize(os.path.join(opt_dir, f)) for f in os.listdir(opt_dir)}
         assert opt_actual == opt_expected and len(opt_expected) > 1
 
@@ -107,10 +106,12 @@ def test_process_memory_stays_below_the_model_states(tmp_path):
 
 
 def test_optimizer_states_are_read_during_the_last_backward(tmp_path):
-    """The first sub-group is read while the backward of the last micro-batch runs, not in step()."""
+    """With the step after backward (step_in_backward false), the first sub-group is read as soon
+    as the backward of the last micro-batch has written the gradients, not in step()."""
     from swapper.sub_group import SubGroupState
 
     config = base_config("none", "nvme", tmp_path, accumulation=2, sub_group_size=3000)
+    config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = False
     engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
     swapper = engine.parts.optimizer_store.swapper
     first = engine.parts.rank_layout.sub_groups[0].index

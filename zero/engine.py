@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 from .build import EngineParts, OptimizerSpec, build_parts, release_job_id
 from .comm import Comm
-from .config import DeepSpeedConfig
+from .config import DeepSpeedConfig, IgnoredSettingWarning
 from .logging import Timers, log_rank0
 
 
@@ -74,6 +75,12 @@ class ZeroEngine(nn.Module):
         self._closed = False
         self._unusable: Optional[str] = None
         self._step_failure = ""
+        offload = config.zero_optimization.offload_optimizer
+        self._step_in_backward = offload.step_in_backward
+        why_not = self.optimizer.why_not_step_in_backward() if self.optimizer is not None else "no optimizer"
+        if offload.step_in_backward and "step_in_backward" in offload.model_fields_set and why_not:
+            warnings.warn(f"zero_optimization.offload_optimizer.step_in_backward = true has no effect: {why_not}",
+                          IgnoredSettingWarning, stacklevel=3)
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
         # the callback holds the parts, never the engine.
         self._finalizer = weakref.finalize(self, _release_parts, self.parts)
@@ -174,33 +181,49 @@ class ZeroEngine(nn.Module):
             scaled = scaled * self.optimizer.loss_scale
         boundary = self.is_gradient_accumulation_boundary()
         store = self.parts.optimizer_store
+        optimizer = self.optimizer
         if self.parts.reducer.stash is not None:
             self.parts.reducer.stash.boundary = boundary
-        if boundary and not store.stash_gradients:
+        in_backward = boundary and self._step_in_backward and optimizer.can_step_in_backward()
+        if in_backward:
+            optimizer.begin_step_in_backward()  # see [Note: sub-groups stepped during backward]
+        elif boundary and not store.stash_gradients:
             store.prefetch()
         try:
             with self.timers.phase("backward"):
                 scaled.backward(retain_graph=retain_graph)
-                if boundary and store.stash_gradients:
+                if boundary and store.stash_gradients and not in_backward:
                     store.wait_gradients()  # a failed gradient write surfaces here, not in the step
         except BaseException as error:
-            self._drop_window(error)
+            stepped = optimizer.abandon_backward_step() if in_backward else 0
+            self._drop_window(error, stepped)
             raise
-        if boundary and store.stash_gradients:
+        if in_backward:
+            optimizer.end_backward()
+        elif boundary and store.stash_gradients:
             store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
         return loss
 
-    def _drop_window(self, error: BaseException) -> None:
-        """Backward raised half way (writing a gradient to NVMe, reading a parameter, a hook):
-        the accumulation window's gradients are partly summed, so they are dropped with the
-        hooks' bookkeeping (autograd never runs the end-of-backward callback after an error);
-        the master weights and optimizer states are untouched. The engine then refuses all use
-        until a checkpoint is loaded, and from there trains as a run that never failed."""
+    def _drop_window(self, error: BaseException, stepped: int = 0) -> None:
+        """Backward raised half way (writing a gradient to NVMe, stepping a sub-group, reading a
+        parameter, a hook): the accumulation window's gradients are partly summed, so they are
+        dropped with the hooks' bookkeeping (autograd never runs the end-of-backward callback
+        after an error). The master weights and optimizer states are untouched, unless
+        ``stepped`` sub-groups were updated during this backward (then the state is partly
+        updated). Either way the engine refuses all use until a checkpoint is loaded, and from
+        there trains as a run that never failed."""
         self.parts.coordinator.abandon_backward()
         self.parts.reducer.abandon()
-        self.mark_unusable(f"backward failed ({type(error).__name__}: {error}), so the gradients of this "
-                           f"accumulation window are lost (the weights and optimizer states are untouched); "
-                           f"reload the last checkpoint with engine.load_checkpoint(...) before going on")
+        if stepped:
+            self.optimizer.abandon_step()
+            self.parts.param_store.discard_unsaved()  # new values a failed write kept: a load replaces all
+            total = len(self.parts.rank_layout.sub_groups)
+            state = (f"it had stepped {stepped} of {total} optimizer sub-groups, so the model and optimizer "
+                     f"are partly updated")
+        else:
+            state = "the gradients of this accumulation window are lost (the weights and optimizer states are untouched)"
+        self.mark_unusable(f"backward failed ({type(error).__name__}: {error}); {state}; reload the last "
+                           f"checkpoint with engine.load_checkpoint(...) before going on")
         error.add_note(self._unusable)
 
     def step(self) -> None:

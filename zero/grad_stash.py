@@ -27,7 +27,7 @@ the next micro-batch is added to it, ``p.grad += g`` as torch does.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -57,6 +57,9 @@ class GradStash:
         self.boundary = True  # this backward ends an accumulation window (engine sets)
         self.norms: Dict[Range, torch.Tensor] = {}
         self.peak_open_numel = 0  # most gradient elements in open buffers at once (memory tests)
+        # fn(sub_group, gradient): steps a completed sub-group instead of writing its gradient
+        # (the optimizer sets it for the backward that ends a window; see zero/optimizer.py).
+        self.on_complete: Optional[Callable[[SubGroup, torch.Tensor], None]] = None
 
     def sub_group(self, unit_index: int) -> SubGroup:
         return self._sub_group[unit_index]
@@ -87,13 +90,24 @@ class GradStash:
         return sg
 
     def write(self, sg: SubGroup) -> None:
-        """The sub-group's gradient is complete (stale slices zeroed): take norms, write, close."""
+        """The sub-group's gradient is complete (stale slices zeroed): take norms, then step it
+        at once (``on_complete``, set by the optimizer on the window's last backward) or write it;
+        close."""
         buf = self._open.pop(sg.index)
         if self.boundary and self.want_norms:
             for a, b in self.norm_ranges.get(sg.index, ()):
                 self.norms[(a, b)] = torch.linalg.vector_norm(buf[a - sg.start:b - sg.start])
+        if self.boundary and self.on_complete is not None:
+            try:
+                self.on_complete(sg, buf)
+            finally:
+                self._spare_buffer(buf)
+            return
         self.swapper.swap_out_gradients(sg.index, buf)  # copied into the swapper's pool: free at once
         self._written.add(sg.index)
+        self._spare_buffer(buf)
+
+    def _spare_buffer(self, buf: torch.Tensor) -> None:
         if len(self._spare) < 2:
             self._spare.append(buf._base if buf._base is not None else buf)
 

@@ -34,6 +34,25 @@ kept gradients. The engine refuses forward, backward and saves meanwhile
 (zero/engine.py), so no partly updated state is trained on or stored; a run
 that retries reaches the same bits as one that never failed.
 
+[Note: sub-groups stepped during backward]
+With the optimizer on NVMe, a sub-group's gradient is complete long before
+backward ends (units complete in reverse order, grad_stash.py). When the step
+needs nothing global first (no gradient clipping, no dynamic fp16 loss scale:
+both need the norm of the whole gradient before any update), the backward of
+the micro-batch that ends an accumulation window steps each sub-group the
+moment its gradient completes: its master and states are read (the next
+expected sub-group's read already started), Adam runs on the gradient still in
+memory, and the write is submitted without waiting. The gradient never goes to
+NVMe and back (two passes over the gradient bytes saved), and the optimizer's
+reads and writes run while backward computes the earlier layers, as in the
+overlapped CPU optimizer of Fuyou/LoHan (Liao et al., 2024). The update is the
+same elementwise kernel on the same values, so the bits are those of a step
+after backward. ``engine.step()`` then steps only the sub-groups no gradient
+reached (frozen parameters: zero gradient, as after backward). A failure half
+way through such a backward leaves some sub-groups updated: the engine then
+refuses further use and says to load the last checkpoint (zero/engine.py).
+``offload_optimizer.step_in_backward: false`` turns it off.
+
 A script's own torch optimizer (``zero_allow_untested_optimizer``) is rebuilt
 over views of the master partition and stepped once for all sub-groups; it
 must be elementwise (SGD, Adagrad, RMSprop, ...), since it only ever sees
@@ -84,6 +103,8 @@ class _PendingStep:
 
     coef: Optional[torch.Tensor]
     stepped: Set[int] = field(default_factory=set)
+    in_backward: bool = False  # begun by the backward that ends the window
+    awaiting_step: bool = False  # that backward returned; engine.step() finishes it
 
 
 class ZeroOptimizer(Optimizer):
@@ -141,7 +162,7 @@ class ZeroOptimizer(Optimizer):
     @property
     def step_in_progress(self) -> bool:
         """A step raised half way (an I/O error): :meth:`step` finishes it (see the [Note] above)."""
-        return self._pending is not None
+        return self._pending is not None and not self._pending.awaiting_step
 
     def step_progress(self) -> Tuple[int, int]:
         """(sub-groups updated, sub-groups) of the step in progress."""
@@ -151,6 +172,61 @@ class ZeroOptimizer(Optimizer):
     def abandon_step(self) -> None:
         """Forget a step in progress (load_checkpoint replaces the whole state)."""
         self._pending = None
+
+    # -- the step during backward (see [Note: sub-groups stepped during backward]) ---------------
+    def why_not_step_in_backward(self) -> Optional[str]:
+        """Why steps cannot run during backward with this configuration, or None if they can."""
+        if self.reducer.stash is None or not self.store.steps_in_backward:
+            return "offload_optimizer.device is not nvme"
+        if self.inner is not None or self.adam is None:
+            return "the optimizer is not the config's Adam/AdamW"
+        if self.clip > 0:
+            return "gradient_clipping needs the global gradient norm before any update"
+        if self.scaler.dynamic:
+            return "the dynamic fp16 loss scale needs an overflow check before any update"
+        return None
+
+    def can_step_in_backward(self) -> bool:
+        """Whether this window's step needs nothing global before its first update."""
+        return self._pending is None and self.why_not_step_in_backward() is None
+
+    def begin_step_in_backward(self) -> None:
+        """The backward about to run ends a window: step each sub-group as its gradient completes."""
+        coef = self._prepare()  # no norm is needed: only the static loss scale
+        self._pending = _PendingStep(coef, in_backward=True)
+        self.adam_step += 1
+        self.reducer.stash.on_complete = self._step_completed
+        self.store.begin_backward_step()
+
+    def end_backward(self) -> None:
+        """Backward returned: the sub-groups no gradient reached are stepped by :meth:`step`."""
+        if self.reducer.stash is not None:
+            self.reducer.stash.on_complete = None
+        if self._pending is not None and self._pending.in_backward:
+            self._pending.awaiting_step = True
+
+    def abandon_backward_step(self) -> int:
+        """Backward failed half way: the number of sub-groups its step had updated (then the
+        state is partly updated and only a checkpoint restores it); with none, the step is
+        forgotten as if it never began."""
+        if self.reducer.stash is not None:
+            self.reducer.stash.on_complete = None
+        pending = self._pending
+        if pending is None or not pending.in_backward:
+            return 0
+        self.store.abandon_backward_step()
+        if not pending.stepped:
+            self._pending = None
+            self.adam_step -= 1
+        return len(pending.stepped)
+
+    @torch.no_grad()
+    def _step_completed(self, sg: SubGroup, grad: torch.Tensor) -> None:
+        pending = self._pending
+        if sg.numel:
+            self.store.step_in_backward(
+                sg, lambda sg_, master, states, _: self._step_sub_group(sg_, master, states, grad, pending), grad)
+        pending.stepped.add(sg.index)
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -170,10 +246,14 @@ class ZeroOptimizer(Optimizer):
             if self.inner is None:
                 self.adam_step += 1
         pending = self._pending
+        pending.awaiting_step = False  # from here a failure is a step failure (engine.step retries)
         if self.inner is not None:
             self._step_inner(pending)
         else:
-            self.store.step(lambda sg, master, states, grad: self._step_sub_group(sg, master, states, grad, pending))
+            # Sub-groups stepped during backward are done (their writes are in flight).
+            done = pending.stepped if pending.in_backward else frozenset()
+            self.store.step(lambda sg, master, states, grad: self._step_sub_group(sg, master, states, grad, pending),
+                            skip=set(done))
         self._pending = None
         self.reducer.clear()
         self.scaler.update(False)

@@ -21,7 +21,7 @@ import contextlib
 import logging
 
 import time
-from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -54,8 +54,11 @@ class OptimizerStore(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def step(self, fn: StepFn) -> None:
+    def step(self, fn: StepFn, skip: Set[int] = frozenset()) -> None:
+        """``fn`` once per sub-group not in ``skip`` (stepped during backward already)."""
         ...
+
+    steps_in_backward = False  # offers begin_backward_step / step_in_backward
 
     @property
     def io_seconds(self) -> float:
@@ -140,9 +143,10 @@ class FlatOptimizerStore(OptimizerStore):
         s = slice(sg.start, sg.stop)
         return self.master[s], {k: v[s] for k, v in self.states.items()}, self.grads[s]
 
-    def step(self, fn: StepFn) -> None:
+    def step(self, fn: StepFn, skip: Set[int] = frozenset()) -> None:
         for sg in self.rank_layout.sub_groups:
-            fn(sg, *self._views(sg))
+            if sg.index not in skip:
+                fn(sg, *self._views(sg))
 
     def read(self, sub_group: SubGroup):
         master, states, _ = self._views(sub_group)
@@ -181,6 +185,7 @@ class NvmeOptimizerStore(OptimizerStore):
     """
 
     stash_gradients = True
+    steps_in_backward = True
 
     def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], offload, aio, job_id: str,
                  rank: int):
@@ -201,6 +206,9 @@ class NvmeOptimizerStore(OptimizerStore):
         self._staging = None
         self._staged_sg = None
         self._prefetched = False
+        self._order: list = []  # the order the last backward completed sub-groups in
+        self._order_seen: list = []
+        self._expected: list = []
 
     def init_master(self, unit_index: int, values: torch.Tensor) -> None:
         sg = self.rank_layout.sub_group_of(unit_index)
@@ -217,36 +225,82 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def prefetch(self) -> None:
         if self._groups:
-            t0 = time.perf_counter()
-            try:
-                self.swapper.swap_in(self._groups[0].index, async_op=True)
-            except OSError as error:
-                # A write of the last step failed; its values are still in their buffer and the
-                # step writes them again (and raises if that fails too). A prefetch is only a hint.
-                logging.getLogger("zero").warning("optimizer prefetch: %s; the step will retry", error)
-                return
-            finally:
-                self.write_wait_seconds += time.perf_counter() - t0  # a write still in flight
-            self._prefetched = True
+            self._prefetch(self._groups[0])
 
     def wait_gradients(self) -> None:
         """The gradients backward wrote are on NVMe (raises when a write failed)."""
         self.swapper.wait_gradients()
 
-    def step(self, fn: StepFn) -> None:
-        groups = self._groups
+    def step(self, fn: StepFn, skip: Set[int] = frozenset()) -> None:
+        groups = [sg for sg in self._groups if sg.index not in skip]
         self._prefetched = False  # consumed below, or lost with an error
         self._write_held(groups[1:])
         for k, sg in enumerate(groups):
-            t0 = time.perf_counter()
-            tensors = self.swapper.swap_in(sg.index)  # waits only for what is not read yet
-            if k + 1 < len(groups) and self.swapper.pipeline_read:
-                self.swapper.swap_in(groups[k + 1].index, async_op=True)
-            self.read_wait_seconds += time.perf_counter() - t0
-            fn(sg, tensors.master, tensors.states, tensors.grad)
-            t0 = time.perf_counter()
-            self.swapper.swap_out(sg.index, async_op=True)
-            self.write_wait_seconds += time.perf_counter() - t0
+            self._step_one(sg, fn, groups[k + 1] if k + 1 < len(groups) else None, grad=None)
+
+    def _step_one(self, sg: SubGroup, fn: StepFn, following: Optional[SubGroup],
+                  grad: Optional[torch.Tensor]) -> None:
+        """Read ``sg`` (waiting only for what is not read yet), start reading ``following``,
+        step, and submit the write without waiting."""
+        t0 = time.perf_counter()
+        tensors = self.swapper.swap_in(sg.index)
+        if following is not None and self.swapper.pipeline_read:
+            self.swapper.swap_in(following.index, async_op=True)
+        self.read_wait_seconds += time.perf_counter() - t0
+        fn(sg, tensors.master, tensors.states, tensors.grad if grad is None else grad)
+        t0 = time.perf_counter()
+        self.swapper.swap_out(sg.index, async_op=True)
+        self.write_wait_seconds += time.perf_counter() - t0
+
+    # -- the step during backward (see [Note: sub-groups stepped during backward] in optimizer.py)
+    def begin_backward_step(self) -> None:
+        """Backward is starting and will step each sub-group as its gradient completes: read
+        the one expected first."""
+        self._order_seen = []
+        self._expected = [sg for sg in self._order if sg.numel] or list(reversed(self._groups))
+        # With one pool buffer, reading ahead would hold the buffer that reading back an
+        # accumulated gradient sum needs while the sub-group fills.
+        if self._expected and self.swapper.buffer_count > 1:
+            self._prefetch(self._expected[0])
+
+    def step_in_backward(self, sg: SubGroup, fn: StepFn, grad: torch.Tensor) -> None:
+        """Step ``sg`` now with its completed gradient ``grad`` (never written to NVMe), after
+        starting the read of the sub-group expected to complete next."""
+        self._order_seen.append(sg)
+        later = [g for g in self._expected if g not in self._order_seen]
+        self._step_one(sg, fn, later[0] if later else None, grad)
+        if len(self._order_seen) == len(self._groups):
+            self._order = self._order_seen  # the next backward completes them in this order
+
+    def abandon_backward_step(self) -> None:
+        """A backward that stepped sub-groups failed: give back every buffer it held unwritten
+        (a failed write's new values included: only a checkpoint load makes the state whole)."""
+        from swapper.sub_group import SubGroupState
+
+        try:
+            self.swapper.synchronize()  # writes in flight finish (a failed one keeps its buffer)
+        except OSError:
+            pass
+        for sg in self._groups:
+            if self.swapper.state(sg.index) in (SubGroupState.AVAILABLE, SubGroupState.READING):
+                try:
+                    self.swapper.release(sg.index)
+                except OSError:  # a failed prefetch: its buffer is back already
+                    pass
+        self._prefetched = False
+
+    def _prefetch(self, sg: SubGroup) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.swapper.swap_in(sg.index, async_op=True)
+        except OSError as error:
+            # A write of the last step failed; its values are still in their buffer and the
+            # step writes them again (and raises if that fails too). A prefetch is only a hint.
+            logging.getLogger("zero").warning("optimizer prefetch: %s; the step will retry", error)
+            return
+        finally:
+            self.write_wait_seconds += time.perf_counter() - t0  # a write still in flight
+        self._prefetched = True
 
     def _write_held(self, groups) -> None:
         """Write out sub-groups a failed step left in host memory (their buffers are needed)."""

@@ -98,6 +98,9 @@ class ParamStore(abc.ABC):
     def flush(self) -> None:
         """Complete writes in flight."""
 
+    def discard_unsaved(self) -> None:
+        """Drop shard values whose write failed (a checkpoint load replaces every shard)."""
+
     def close(self) -> None:
         pass
 
@@ -206,6 +209,9 @@ class NvmeParamStore(ParamStore):
 
     def flush(self) -> None:
         self.swapper.synchronize()
+
+    def discard_unsaved(self) -> None:
+        self.swapper.discard_unsaved()
 
     @property
     def swap_dir(self) -> str:

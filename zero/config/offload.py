@@ -123,6 +123,10 @@ class OffloadOptimizerConfig(OffloadBase):
     pipeline_read: Flag = False
     pipeline_write: Flag = False
     pipeline: Flag = False
+    step_in_backward: Flag = True
+    """nvmeio's own (device nvme): step each sub-group during backward as soon as its gradient
+    is complete, when the step needs no global gradient norm first (no gradient_clipping, no
+    dynamic fp16 loss scale); false writes gradients to NVMe and steps after backward."""
     ratio: Real(minimum=0.0, maximum=1.0, exclusive_minimum=True) = 1.0
     """Fraction of the optimizer step offloaded (DeepSpeed's partial offload)."""
 

@@ -1,0 +1,77 @@
+"""Optimizer sub-groups stepped during backward (offload_optimizer nvme, no clipping, no dynamic
+loss scale): bit-identical to plain PyTorch AdamW(fused=True) and to the step after backward,
+with gradient accumulation too; no gradient ever goes to NVMe; the setting is honoured, and
+an explicit ``true`` that cannot apply warns once, naming why (see zero/optimizer.py
+[Note: sub-groups stepped during backward])."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import zero
+from zero.config import IgnoredSettingWarning
+from zero.examples import GPT, GPTConfig, make_batches, train_reference
+from helpers import base_config, train_engine
+
+CFG = GPTConfig(layers=3)
+STEPS = 4
+
+
+def train(tmp_path, offload_param, accumulation, step_in_backward, precision="fp32", clip=0.0):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    batches = make_batches(CFG, STEPS * accumulation, 4)
+    config = base_config(offload_param, "nvme", tmp_path, accumulation=accumulation, lr=1e-2,
+                         sub_group_size=3000, precision=precision, clip=clip)
+    if step_in_backward is not None:
+        config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    grad_writes = []
+    swapper = engine.parts.optimizer_store.swapper
+    real = swapper.swap_out_gradients
+    swapper.swap_out_gradients = lambda *a, **k: grad_writes.append(a[0]) or real(*a, **k)
+    try:
+        losses = train_engine(engine, batches, STEPS, accumulation)
+        with zero.GatheredParameters(list(model.parameters())):
+            final = [p.detach().clone() for p in model.parameters()]
+        assert engine.optimizer.adam_step == STEPS and not engine.optimizer.step_in_progress
+    finally:
+        engine.destroy()
+    return losses, final, grad_writes, (reference, batches)
+
+
+@pytest.mark.parametrize("offload_param,accumulation", [("nvme", 1), ("cpu", 3), ("none", 2)])
+def test_stepping_during_backward_matches_plain_pytorch_and_writes_no_gradient(tmp_path, offload_param,
+                                                                               accumulation):
+    losses, final, grad_writes, (reference, batches) = train(tmp_path, offload_param, accumulation, None)
+    assert losses == train_reference(reference, batches, STEPS, accumulation, lr=1e-2)
+    for a, b in zip(final, reference.parameters()):
+        assert torch.equal(a, b.detach())
+    # Accumulation writes the partial sums of the window's first micro-batches, never the last.
+    assert len(grad_writes) == (accumulation - 1) * STEPS * len(set(grad_writes))
+    if accumulation == 1:
+        assert grad_writes == []
+
+
+def test_step_in_backward_false_writes_gradients_and_gives_the_same_bits(tmp_path):
+    on = train(tmp_path / "on", "nvme", 1, True)
+    off = train(tmp_path / "off", "nvme", 1, False)
+    assert on[0] == off[0] and all(torch.equal(a, b) for a, b in zip(on[1], off[1]))
+    assert on[2] == [] and len(off[2]) >= STEPS * 2
+
+
+def test_clipping_keeps_the_step_after_backward_and_an_explicit_true_warns_why(tmp_path):
+    with pytest.warns(IgnoredSettingWarning, match=r"step_in_backward = true has no effect: "
+                                                        r"gradient_clipping needs the global gradient norm"):
+        losses, final, grad_writes, (reference, batches) = train(tmp_path, "nvme", 1, True, clip=0.05)
+    assert losses == train_reference(reference, batches, STEPS, lr=1e-2, clip=0.05)
+    assert len(grad_writes) >= STEPS  # gradients went to NVMe for the global norm
+
+
+def test_the_default_warns_nothing(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", IgnoredSettingWarning)
+        train(tmp_path, "nvme", 1, None, clip=0.05)
