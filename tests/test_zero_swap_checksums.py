@@ -52,6 +52,8 @@ def test_damaged_swap_files_raise_naming_file_and_unit_and_resume_works(tmp_path
 
     engine.load_checkpoint(tmp_path / "ckpt")
     train_engine(engine, batches[1:2], 1)  # every swap file written anew: none is the checkpoint's now
+    engine.parts.param_store.flush()  # the step's last writes land before the damage, not after it
+    engine.parts.optimizer_store.swapper.synchronize()
     store = engine.parts.param_store if target == "params" else engine.parts.optimizer_store
     name = sorted(n for n in os.listdir(store.swap_dir) if n.endswith(".swp"))[1]
     path = os.path.join(store.swap_dir, name)
