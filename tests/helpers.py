@@ -214,6 +214,48 @@ def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, whi
     return {"losses": losses, "weights": digests, "refused": refused}
 
 
+def scenario_backward_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=0.5):
+    """Train 4 steps on this rank's half of each batch, a checkpoint after the first; in the
+    second backward ``fail_rank``'s optimizer swap directory refuses writes (gradients with
+    ``clip``, sub-groups stepped in backward without), every rank's backward raises, every rank
+    loads the checkpoint and trains on. Returns losses, weight digests and each rank's error."""
+    import hashlib
+
+    import zero
+    from nvmeio import faults
+
+    os.makedirs(os.path.join(scratch, "swap"), exist_ok=True)
+    torch.manual_seed(0)
+    config = base_config("nvme", "nvme", os.path.join(scratch, "swap"), world_size=world_size, clip=clip, lr=1e-2,
+                         sub_group_size=3000)
+    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    batches = [(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
+               for x, y in make_batches(GPTConfig(), 4, 4 * world_size)]
+    losses = train_engine(engine, batches[:1], 1)
+    engine.save_checkpoint(os.path.join(scratch, "ckpt"))
+    error = ""
+    if fail_rank >= 0:
+        loss = engine(*batches[1])
+        plan = dict(fail_nth=1 if rank == fail_rank else 10**9, fail_count=0, errno="EIO", op="write",
+                    path_contains=engine.parts.optimizer_store.swap_dir)
+        with faults.inject(**plan):
+            try:
+                engine.backward(loss)
+            except Exception as exc:  # noqa: BLE001 - returned to the test
+                error = f"{type(exc).__name__}: {exc}"
+        try:
+            engine.step()
+        except zero.EngineStateError as exc:
+            error += f"\n{exc}"
+        engine.load_checkpoint(os.path.join(scratch, "ckpt"))
+    losses += train_engine(engine, batches[1:], 3)
+    with zero.GatheredParameters(list(engine.module.parameters())):
+        digests = {n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+                   for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return {"losses": losses, "weights": digests, "error": error}
+
+
 # -- a child Python, for what must be measured in a fresh process (peak RSS) ----------------------------
 
 def run_child(code: str, *args: str, timeout: float = 300) -> dict:

@@ -84,6 +84,8 @@ class ZeroEngine(nn.Module):
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
         # the callback holds the parts, never the engine.
         self._finalizer = weakref.finalize(self, _release_parts, self.parts)
+        if self.parts.reducer is not None and self.parts.reducer.stash is not None:
+            self.parts.reducer.stash.defer_errors = comm.world_size > 1  # see _raise_if_backward_failed_anywhere
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------------
     @property
@@ -189,11 +191,15 @@ class ZeroEngine(nn.Module):
             optimizer.begin_step_in_backward()  # see [Note: sub-groups stepped during backward]
         elif boundary and not store.stash_gradients:
             store.prefetch()
+        stash = self.parts.reducer.stash
         try:
             with self.timers.phase("backward"):
                 scaled.backward(retain_graph=retain_graph)
                 if boundary and store.stash_gradients and not in_backward:
-                    store.wait_gradients()  # a failed gradient write surfaces here, not in the step
+                    # a failed gradient write surfaces here, not in the step
+                    stash.run(store.wait_gradients) if stash is not None else store.wait_gradients()
+                if stash is not None and stash.defer_errors:
+                    self._raise_if_backward_failed_anywhere(stash)
         except BaseException as error:
             stepped = optimizer.abandon_backward_step() if in_backward else 0
             self._drop_window(error, stepped)
@@ -203,6 +209,16 @@ class ZeroEngine(nn.Module):
         elif boundary and store.stash_gradients:
             store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
         return loss
+
+    def _raise_if_backward_failed_anywhere(self, stash) -> None:
+        """Several ranks: a rank whose gradient I/O failed kept the error and went on reducing
+        (GradStash.run); every rank learns of it here and raises, so all of them drop the window
+        and wait for the same load_checkpoint, and none is left waiting in a collective."""
+        error, stash.error = stash.error, None
+        if self.comm.any(error is not None, self.device):
+            raise error if error is not None else EngineStateError(
+                "backward failed on another rank (writing gradients to NVMe or stepping the optimizer "
+                "there); see that rank's error")
 
     def _drop_window(self, error: BaseException, stepped: int = 0) -> None:
         """Backward raised half way (writing a gradient to NVMe, stepping a sub-group, reading a

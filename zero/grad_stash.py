@@ -60,6 +60,11 @@ class GradStash:
         # fn(sub_group, gradient): steps a completed sub-group instead of writing its gradient
         # (the optimizer sets it for the backward that ends a window; see zero/optimizer.py).
         self.on_complete: Optional[Callable[[SubGroup, torch.Tensor], None]] = None
+        # Several ranks: an error of this rank's gradient I/O or in-backward step is kept, not
+        # raised, so that the rank goes on reducing with the others (raised, it would leave them
+        # waiting in a collective); the engine makes every rank raise at the end (engine sets).
+        self.defer_errors = False
+        self.error: Optional[Exception] = None
 
     def sub_group(self, unit_index: int) -> SubGroup:
         return self._sub_group[unit_index]
@@ -72,7 +77,7 @@ class GradStash:
             base = self._spare.pop() if self._spare else torch.empty(self._buffer_numel, dtype=torch.float32)
             buf = base[:sg.numel]
             if sg.index in self._written:  # the window's partial sum, to add this micro-batch to
-                self.swapper.swap_in_gradients(sg.index, buf)
+                self.run(lambda: self.swapper.swap_in_gradients(sg.index, buf))
             self._open[sg.index] = buf
             self.peak_open_numel = max(self.peak_open_numel, sum(b.numel() for b in self._open.values()))
         start, stop = self.rank_layout.unit_range(unit_index)
@@ -99,13 +104,25 @@ class GradStash:
                 self.norms[(a, b)] = torch.linalg.vector_norm(buf[a - sg.start:b - sg.start])
         if self.boundary and self.on_complete is not None:
             try:
-                self.on_complete(sg, buf)
+                self.run(lambda: self.on_complete(sg, buf))
             finally:
                 self._spare_buffer(buf)
             return
-        self.swapper.swap_out_gradients(sg.index, buf)  # copied into the swapper's pool: free at once
+        self.run(lambda: self.swapper.swap_out_gradients(sg.index, buf))  # copied: free at once
         self._written.add(sg.index)
         self._spare_buffer(buf)
+
+    def run(self, io: Callable[[], None]) -> None:
+        """Run one gradient swap or sub-group step; with ``defer_errors`` keep its error in
+        :attr:`error` (and skip all later ones: the window is lost) instead of raising."""
+        if self.error is not None:
+            return
+        try:
+            io()
+        except Exception as error:  # noqa: BLE001 - kept for the engine, raised at the end of backward
+            if not self.defer_errors:
+                raise
+            self.error = error
 
     def _spare_buffer(self, buf: torch.Tensor) -> None:
         if len(self._spare) < 2:
@@ -125,6 +142,7 @@ class GradStash:
 
     def abandon(self) -> None:
         """A backward failed half way: drop every gradient of the window, open or written."""
+        self.error = None
         self._open.clear()
         self._done.clear()
         self.clear(consumed=False)
