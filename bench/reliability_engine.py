@@ -30,7 +30,9 @@ def _kit():
     return reliability
 
 
-def _engine(nvme: str, **zero_extra):
+def _engine(nvme: str, step_in_backward: bool = False, **zero_extra):
+    """Without ``step_in_backward`` the optimizer's I/O happens in step() (what the step cases
+    fail); with it, sub-groups are stepped during backward (what the in-backward cases fail)."""
     import zero
     from helpers import base_config
     from zero.examples import GPT, GPTConfig
@@ -38,6 +40,7 @@ def _engine(nvme: str, **zero_extra):
     os.makedirs(nvme, exist_ok=True)
     torch.manual_seed(0)
     config = base_config("nvme", "nvme", nvme, lr=1e-2, **zero_extra)
+    config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
     engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
     return engine
 
@@ -227,6 +230,43 @@ def _failed_backward(fault: str, accumulation: int = 1):
     return case
 
 
+def _failed_in_backward_step(which: str, op: str):
+    """Sub-groups stepped during backward: a write (or the first read) fails; backward raises,
+    the engine refuses all use until a checkpoint is loaded, then matches a run without faults."""
+    def case(d, row, _reference):
+        import zero
+        from helpers import train_engine
+        from nvmeio import faults
+
+        k = _kit()
+        batches = _batches()
+        ref = _engine(os.path.join(d, "ref"), step_in_backward=True)
+        reference = train_engine(ref, batches, BATCHES_N), _weights(ref)
+        ref.destroy()
+        engine = _engine(os.path.join(d, "swap"), step_in_backward=True)
+        train_engine(engine, batches[:1], 1)
+        engine.save_checkpoint(os.path.join(d, "ckpt"))
+        loss = engine(*batches[1])
+        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=_swap_dir(engine, which), op=op):
+            try:
+                engine.backward(loss)
+                raise k.Expectation("backward did not raise")
+            except OSError as e:
+                k.expect(e.errno == errno.EIO and _swap_dir(engine, which) in str(e), f"unclear error: {e}")
+        for use in (lambda: engine(*batches[0]), engine.step, lambda: engine.save_checkpoint(os.path.join(d, "c2"))):
+            try:
+                use()
+                raise k.Expectation("the engine went on after a failed backward")
+            except zero.EngineStateError as e:
+                k.expect("reload the last checkpoint" in str(e), f"unclear refusal: {e}")
+        engine.load_checkpoint(os.path.join(d, "ckpt"))
+        k.expect(train_engine(engine, batches[1:], BATCHES_N - 1) == reference[0][1:],
+                 "losses differ from the run without faults after the reload")
+        row.bytes_lost += _lost_elements(engine, reference)
+        engine.destroy()
+    return case
+
+
 def _two_ranks_step(d, row, _reference):
     """A step fails on one of two gloo ranks (optimizer write, parameter write, optimizer read);
     that rank finishes it; both ranks end bit-identical to a two-rank run without faults."""
@@ -248,6 +288,28 @@ def _two_ranks_step(d, row, _reference):
             k.expect(same, f"{name} rank {rank}: losses or weights differ from the run without faults")
 
 
+def _two_ranks_backward(d, row, _reference):
+    """A backward's optimizer writes fail on one of two gloo ranks (gradients, with clipping;
+    sub-groups stepped in backward, without): both ranks raise, none hangs, both reload and
+    end bit-identical to a two-rank run without faults."""
+    from helpers import run_ranks, scenario_backward_fails_on_one_rank
+
+    k = _kit()
+    cases = {"reference": {}, "gradient-write-rank1": dict(fail_rank=1),
+             "reference-unclipped": dict(clip=0.0), "step-in-backward-write-rank0": dict(fail_rank=0, clip=0.0)}
+    ranks = run_ranks(2, [(n, scenario_backward_fails_on_one_rank, kw) for n, kw in cases.items()], d)
+    row.cases = 2
+    for rank, results in enumerate(ranks):
+        for name, got in results.items():
+            k.expect("Traceback" not in got["error"], f"{name} rank {rank}: {got['error']}")
+            if name.startswith("reference"):
+                continue
+            k.expect("reload the last checkpoint" in got["error"], f"{name} rank {rank}: unclear: {got['error']!r}")
+            reference = results["reference" if cases[name].get("clip", 0.5) else "reference-unclipped"]
+            k.expect(got["losses"] == reference["losses"] and got["weights"] == reference["weights"],
+                     f"{name} rank {rank}: losses or weights differ from the run without faults")
+
+
 ENGINE_CASES = {
     "optimizer swap-out fails (EROFS) for one step; step finished": _failed_write_step("optimizer", "EROFS"),
     "optimizer swap-out fails (ENOSPC) for one step; step finished": _failed_write_step("optimizer", "ENOSPC"),
@@ -265,7 +327,14 @@ ENGINE_CASES = {
     "gradient write fails in a window's 2nd micro-batch (EIO); checkpoint reloaded": _failed_backward(
         "first gradient write", accumulation=2),
     "parameter swap-in fails in backward (EIO); checkpoint reloaded": _failed_backward("parameter read"),
+    "optimizer write fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
+        "optimizer", "write"),
+    "parameter write fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
+        "params", "write"),
+    "optimizer read fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
+        "optimizer", "read"),
     "step fails on one of two ranks (3 ways); finished there, both ranks match": _two_ranks_step,
+    "backward's optimizer writes fail on one of two ranks (2 ways); both raise, reload, match": _two_ranks_backward,
 }
 
 
@@ -273,7 +342,9 @@ def section_engine(ctx):
     k = _kit()
     s = k.Section("engine", "The ZeRO-3 engine under injected faults (zero)",
                   "Faults injected (nvmeio.faults) into the swap-ins and swap-outs of a GPT trained with "
-                  "parameters and optimizer states on NVMe, and swap files damaged between steps. A case "
+                  "parameters and optimizer states on NVMe: in the step, in backward (gradients written to "
+                  "NVMe with clipping; sub-groups stepped during backward without), on one of two gloo "
+                  "ranks; and swap files damaged between steps. A case "
                   "fails if the error does not name the file (and unit), a partly updated state is "
                   "trained on, or the run does not then reach exactly the losses and weights of a run "
                   "without faults ('bytes lost': parameter bytes that differ).")
