@@ -18,6 +18,7 @@ from swapper.buffer_pool import align_up
 from swapper.host_memory import HostMemory, format_bytes
 
 from .config import ConfigError, DeepSpeedConfig, Problem
+from .param_store import swap_buffer_count
 from .partition import RankLayout
 
 # Sub-group gradient buffers open at once during backward (grad_stash.py): the one with
@@ -48,9 +49,10 @@ def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize
         if in_cpu:
             parts.append(MemoryPart("parameters kept in host memory (max_in_cpu)", in_cpu * itemsize,
                                     "zero_optimization.offload_param.max_in_cpu"))
+        count = swap_buffer_count(par, largest_shard, numel)
         parts.append(MemoryPart(
-            f"parameter swap buffers ({par.buffer_count} x {format_bytes(largest_shard * itemsize)})",
-            par.buffer_count * largest_shard * itemsize, "zero_optimization.offload_param.buffer_count",
+            f"parameter swap buffers ({count} x {format_bytes(largest_shard * itemsize)})",
+            count * largest_shard * itemsize, "zero_optimization.offload_param.buffer_count",
             locked=par.pin_memory))
     elif par.device == "cpu":
         parts.append(MemoryPart("parameter partitions in host memory (offload_param.device cpu)",

@@ -136,6 +136,16 @@ class FlatParamStore(ParamStore):
             self.shard(layout).copy_(values, non_blocking=True)
 
 
+def swap_buffer_count(offload, largest_shard: int, total_numel: int) -> int:
+    """Pool buffers of the parameter swapper. Each holds one shard, so it is sized for the
+    largest shard rather than ``buffer_size``; the ``buffer_count x buffer_size`` elements the
+    user allowed then hold more of them (more shards in flight: fewer waits for a free buffer,
+    prefetch reads further ahead), up to 4x ``buffer_count`` and a quarter of the rank's
+    parameters (more would not be in flight at once)."""
+    allowed = min(offload.buffer_count * offload.buffer_size, total_numel // 4)
+    return max(offload.buffer_count, min(allowed // max(1, largest_shard), 4 * offload.buffer_count))
+
+
 class NvmeParamStore(ParamStore):
     """Shards in swap files under ``offload_param.nvme_path``, one file per unit.
 
@@ -158,7 +168,8 @@ class NvmeParamStore(ParamStore):
                 f"({largest} elements, module '{unit.module_name or '<root>'}' on this rank); each "
                 f"partition must fit one buffer: set buffer_size >= {largest}"))])
         self.swapper = PartitionedParamSwapper(
-            offload.nvme_path, aio, buffer_count=offload.buffer_count, buffer_size=max(1, largest),
+            offload.nvme_path, aio, buffer_count=swap_buffer_count(offload, largest, rank_layout.numel),
+            buffer_size=max(1, largest),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
