@@ -42,6 +42,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## ZeRO-Inference beyond memory (bench/inference.py)"
 MODELS = {
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=32000),  # a smoke test of the script (--models tiny)
     "small": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                   num_key_value_heads=4, vocab_size=32000),
     "big": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -52,6 +54,7 @@ AIO = {"block_size": 8388608, "queue_depth": 32, "intra_op_parallelism": 4, "sin
 
 
 PREFETCH = 500_000_000  # elements read ahead: several layers (the docs' 0.9 * hidden^2 is less than one)
+BUFFERS = 10
 
 
 def ds_config(device: str, nvme_path: str, hidden: int) -> dict:
@@ -59,7 +62,8 @@ def ds_config(device: str, nvme_path: str, hidden: int) -> dict:
     param = {"device": device, "pin_memory": False}
     if device == "nvme":
         # Each partition must fit one buffer: the embedding (vocab x hidden) is the largest.
-        param.update(nvme_path=nvme_path, max_in_cpu=0, buffer_count=5, buffer_size=32000 * hidden)
+        # 10 buffers: the units of about a layer in flight ahead of compute, besides the one computing.
+        param.update(nvme_path=nvme_path, max_in_cpu=0, buffer_count=BUFFERS, buffer_size=32000 * hidden)
     return {"fp16": {"enabled": False}, "bf16": {"enabled": False}, "aio": AIO,
             "zero_optimization": {"stage": 3, "offload_param": param, "overlap_comm": True,
                                   "contiguous_gradients": True, "reduce_bucket_size": hidden * hidden,
@@ -164,16 +168,26 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens:
     llama.eval()
     anon = PeakAnon()
     anon.reset()
+    stamps = []
+
+    def stamp(input_ids, scores):  # called once per token, after its forward
+        stamps.append(time.perf_counter())
+        return scores
+
     t0 = time.perf_counter()
     with torch.no_grad():
         out = llama.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0)
+                             pad_token_id=0, logits_processor=transformers.LogitsProcessorList([stamp]))
     gen = time.perf_counter() - t0
+    steps = sorted(b - a for a, b in zip(stamps, stamps[1:]))  # the forwards after the prompt's
     gen_hwm, gen_anon = _vmhwm(), anon.stop()
     swap_wait = engine.parts.param_store.read_wait_seconds if engine is not None else 0.0
     if engine is not None:
         engine.destroy()
+    decode = steps[len(steps) // 2] if steps else gen
     return {"load_s": load, "generate_s": gen, "s_per_token": gen / new_tokens, "tokens_per_s": new_tokens / gen,
+            "prefill_s": stamps[0] - t0, "decode_s_per_token": decode, "decode_tokens_per_s": 1 / decode,
+            "model_gib_per_s": n_params(shape) * 4 / decode / 2 ** 30,
             "swap_wait_s": swap_wait, "tokens": out[0, prompt.shape[1]:].tolist(), "load_peak_rss": load_hwm,
             "load_peak_anon": load_anon, "peak_rss": gen_hwm, "peak_anon": gen_anon}
 
@@ -206,20 +220,21 @@ def check_space(path: str, models) -> None:
 
 
 def table(results: dict, ram: int) -> list:
-    rows = ["| model | params | fp32 weights | contender | load s | load peak RSS / anon GiB | s/token | tokens/s "
-            "| NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | params | fp32 weights | contender | load s | load peak RSS / anon GiB | prompt s | s/token "
+            "| tokens/s | weights GiB/s | NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, r in results.items():
         weights = r["params"] * 4
         for name, g in r["generate"].items():
             rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB"
                         f"{' (> RAM)' if weights > ram else ''} | {name} | {g['load_s']:.1f} | "
-                        f"{gib(g['load_peak_rss'])} / {gib(g['load_peak_anon'])} | {g['s_per_token']:.2f} | "
-                        f"{g['tokens_per_s']:.3f} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
+                        f"{gib(g['load_peak_rss'])} / {gib(g['load_peak_anon'])} | {g['prefill_s']:.2f} | "
+                        f"{g['decode_s_per_token']:.2f} | {g['decode_tokens_per_s']:.3f} | "
+                        f"{g['model_gib_per_s']:.2f} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
                         f"{gib(g['peak_anon'])} | {g['peak_rss'] / weights:.2f} |")
         for name, why in r.get("failed", {}).items():
             rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB | {name} | failed: {why} |"
-                        " | | | | | |")
+                        " | | | | | | | |")
     return rows
 
 
@@ -234,11 +249,11 @@ def chart(results: dict, path: str) -> None:
     for model, r in results.items():
         for name, g in r["generate"].items():
             labels.append(f"{model}\n{name}")
-            tps.append(g["tokens_per_s"])
+            tps.append(g["decode_tokens_per_s"])
             rss.append(g["peak_rss"] / 2 ** 30)
     a.bar(labels, tps, color="tab:blue")
     a.set_ylabel("tokens / s")
-    a.set_title("greedy generate, batch 1")
+    a.set_title("greedy generate, batch 1 (after the prompt)")
     b.bar(labels, rss, color="tab:orange")
     b.set_ylabel("peak RSS (GiB)")
     b.axhline(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, color="k", ls="--", lw=1)
@@ -253,7 +268,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", nargs="+")
     p.add_argument("--models", nargs="+", default=["small", "big"], choices=list(MODELS))
-    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--nvme-dir", default=tempfile.gettempdir())
     p.add_argument("--json")
     p.add_argument("--results-md")
@@ -280,7 +295,7 @@ def main(argv=None) -> int:
             created = run_child("create", model, ckpt, swap)
             print(f"{model}: built in {created['build_s']:.1f} s, saved in {created['save_s']:.1f} s "
                   f"({gib(created['checkpoint_bytes'])} GiB), peak RSS {gib(created['peak_rss'])} GiB", flush=True)
-            contenders = ["torch", "zero-cpu", "zero-nvme"] if model == "small" else ["zero-nvme"]
+            contenders = ["zero-nvme"] if model == "big" else ["torch", "zero-cpu", "zero-nvme"]
             gens, failed = {}, {}
             for name in contenders:
                 last = name == contenders[-1]
@@ -293,7 +308,8 @@ def main(argv=None) -> int:
                     continue
                 g = gens[name]
                 print(f"  {name}: load {g['load_s']:.1f} s (peak RSS {gib(g['load_peak_rss'])}, anon "
-                      f"{gib(g['load_peak_anon'])} GiB), {g['s_per_token']:.2f} s/token, generate peak RSS "
+                      f"{gib(g['load_peak_anon'])} GiB), prompt {g['prefill_s']:.2f} s, {g['decode_s_per_token']:.2f} s/token "
+                      f"({g['model_gib_per_s']:.2f} GiB/s of weights), NVMe wait {g['swap_wait_s']:.1f} s, generate peak RSS "
                       f"{gib(g['peak_rss'])} GiB (anon {gib(g['peak_anon'])}), tokens {g['tokens']}", flush=True)
             results[model] = {"params": n_params(MODELS[model]), "shape": MODELS[model], "create": created,
                               "generate": gens, "failed": failed}
@@ -323,8 +339,11 @@ def main(argv=None) -> int:
                 f"(peak RSS = its VmHWM). Models built under `zero.Init` with parameters on NVMe and saved by "
                 f"`zero.save_pretrained` (nvmeio's streaming safetensors writer); the zero contenders load them "
                 f"with `from_pretrained` under `zero.Init` and the Hugging Face docs' ZeRO-Inference config "
-                f"(no optimizer; for NVMe `max_in_cpu` 0, `buffer_count` 5, `stage3_prefetch_bucket_size` "
-                f"{PREFETCH:.0e} instead of the docs' 0.9·hidden², which is less than one layer).", "", *rows, "",
+                f"(no optimizer; for NVMe `max_in_cpu` 0, `buffer_count` {BUFFERS}, `stage3_prefetch_bucket_size` "
+                f"{PREFETCH:.0e} instead of the docs' 0.9·hidden², which is less than one layer). prompt s: the "
+                f"first `generate` step (the prompt's forward, which also records the fetch trace); s/token: the "
+                f"median of the later steps (one token each); weights GiB/s: fp32 weight bytes / s/token (every "
+                f"token reads all weights once; the disk reads ~3.4 GiB/s at best).", "", *rows, "",
                 f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
                 "![ZeRO-Inference](inference.png)"]
         for model, r in results.items():

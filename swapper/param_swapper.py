@@ -14,6 +14,16 @@ The first ``max_in_cpu`` elements registered (first fit, in registration
 order) stay in ordinary host memory for good and never touch NVMe. Swap files
 are named after the caller's ids (``param_<id>.swp``), which must therefore be
 stable across runs: a parameter's name or its index, never ``id()``.
+
+[Note: a ring of read queues, so a fetch waits for its own read only]
+A handle's ``wait()`` completes every op submitted on it (io_queue.py), so
+with one read queue a blocking :meth:`swap_in` of a prefetched partition waits
+for every prefetch issued after it too: a forward reading ahead along its
+trace would stall on the whole read-ahead at each module. ``read_queues`` > 1
+gives the swapper that many read handles; each :meth:`swap_in` batch goes to
+an idle one (else the next in turn), each partition remembers its queue, and
+a blocking :meth:`swap_in` drains only the queues of the partitions it asked
+for (and the writes of those being written), not every op in flight.
 """
 from __future__ import annotations
 
@@ -26,12 +36,12 @@ from urllib.parse import quote
 
 import torch
 
-from nvmeio import AioSettings
+from nvmeio import AioSettings, new_handle
 
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
-from .errors import BufferTooSmallError, SwapStateError
-from .io_queue import IoKind
+from .errors import BufferTooSmallError, SwapStateError, add_note
+from .io_queue import IoKind, IoQueue
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
 
@@ -76,6 +86,7 @@ class _Partition:
     has_data: bool = False  # for IN_CPU partitions: written at least once
     on_nvme: bool = False  # the swap file holds the current data
     keep_after_write: bool = False  # swap_in asked for it while its write was in flight
+    queue: Optional[IoQueue] = None  # the read queue of its read in flight (READING)
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +130,10 @@ class PartitionedParamSwapper(SwapperBase):
         pin_memory: bool = True,
         free_space_fn: Optional[FreeSpaceFn] = None,
         remove_stale: bool = False,
+        read_queues: int = 1,
     ):
         config = AioSettings.coerce(aio_config)
+        read_queues = as_count(read_queues, "read_queues")
         self.buffer_count = as_count(buffer_count, "buffer_count")
         self.buffer_size = None if buffer_size is None else as_count(buffer_size, "buffer_size")
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
@@ -134,6 +147,10 @@ class PartitionedParamSwapper(SwapperBase):
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
+        self._ring = [self._reads]  # the read queues (see the note); more made at first use
+        self._ring_size = read_queues
+        self._ring_next = 0
+        self._aio_config = config
         if self.buffer_size is not None:
             try:
                 self._pool = self._make_pool(self.buffer_size)
@@ -262,7 +279,7 @@ class PartitionedParamSwapper(SwapperBase):
             if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
                 raise SwapStateError(f"partition {p.param_id!r} has no data to swap out; use get_buffer first")
         if any(p.state is PartitionState.READING for p in parts):
-            self._reads.drain()
+            self._drain_reads()
         self._check_space()
         for p in parts:
             if p.state is PartitionState.AVAILABLE:
@@ -286,12 +303,13 @@ class PartitionedParamSwapper(SwapperBase):
         for p in wanted:
             self._check_file_size(p.file_name, f"partition {p.param_id!r}", p.nbytes)
         buffers = self._acquire(len(wanted), wanted, "swap_in") if wanted else []
+        queue = self._read_queue() if wanted else None
         for p, buf in zip(wanted, buffers):
-            p.buffer, p.state = buf, PartitionState.READING
+            p.buffer, p.state, p.queue = buf, PartitionState.READING, queue
         submitted = 0
         try:
             for p in wanted:
-                self._reads.submit(
+                queue.submit(
                     IoKind.READ, p.buffer.view(p.numel, p.dtype), self.swap_dir.file(p.file_name), 0,
                     self._on_read(p),
                 )
@@ -304,8 +322,67 @@ class PartitionedParamSwapper(SwapperBase):
             if p.state is PartitionState.WRITING:
                 p.keep_after_write = True
         if not async_op:
-            self.synchronize()
+            self._complete(parts)
         return [p.tensor() for p in parts]
+
+    def _complete(self, parts: List[_Partition]) -> None:
+        """Complete the I/O in flight of ``parts``: every op when there is one read queue (as
+        :meth:`synchronize`), else only the queues holding their reads and, if one is being
+        written, the writes (see the note)."""
+        if len(self._ring) == 1:
+            self.synchronize()
+            return
+        try:
+            for queue in {id(p.queue): p.queue for p in parts if p.state is PartitionState.READING}.values():
+                queue.drain()
+        except BaseException as exc:
+            # As with one queue, a failure completes every read in flight (a failed prefetch
+            # leaves its partition on NVMe now, not at some later, unrelated call).
+            try:
+                self._drain_reads()
+            except BaseException as other:  # noqa: BLE001 - noted on the first error
+                add_note(exc, f"also: {other!r}")
+            raise
+        finally:
+            if any(p.state is PartitionState.WRITING for p in parts):
+                self._writes.drain()
+
+    def _read_queue(self) -> IoQueue:
+        """The queue for the next batch of reads: an idle one, else the next in turn."""
+        for queue in self._ring:
+            if not len(queue):
+                return queue
+        if len(self._ring) < self._ring_size:
+            self._ring.append(IoQueue(new_handle(self._aio_config)))
+            return self._ring[-1]
+        self._ring_next = (self._ring_next + 1) % len(self._ring)
+        return self._ring[self._ring_next]
+
+    def _drain_reads(self) -> None:
+        error: Optional[BaseException] = None
+        for queue in self._ring:
+            try:
+                queue.drain()
+            except BaseException as exc:  # noqa: BLE001 - every queue is drained, the first error raised
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def synchronize(self) -> None:
+        """Complete every read and write in flight; raise the first error after all are done."""
+        try:
+            self._drain_reads()
+        finally:
+            self._writes.drain()
+
+    def cleanup(self) -> None:
+        closed = self._closed
+        try:
+            super().cleanup()
+        finally:
+            if not closed:
+                for queue in self._ring[1:]:
+                    queue.handle.close()
 
     def release(self, param_ids: Iterable[ParamId]) -> None:
         """Give the buffers of swapped-in partitions back without writing them.
@@ -316,7 +393,7 @@ class PartitionedParamSwapper(SwapperBase):
         """
         parts = self._lookup(param_ids)
         if any(p.state is PartitionState.READING for p in parts):
-            self._reads.drain()
+            self._drain_reads()
         for p in parts:
             if p.state is PartitionState.WRITING:
                 p.keep_after_write = False
@@ -333,7 +410,7 @@ class PartitionedParamSwapper(SwapperBase):
         this is its retry)."""
         parts = self._lookup(param_ids)
         if any(p.state is PartitionState.READING for p in parts):
-            self._reads.drain()
+            self._drain_reads()
         unsaved = [p.param_id for p in parts if p.state is PartitionState.AVAILABLE and not p.on_nvme]
         self.release([p.param_id for p in parts if p.param_id not in set(unsaved)])
         if unsaved:

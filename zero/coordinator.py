@@ -27,6 +27,16 @@ elements and the free pool buffers). When the order differs, prefetching stops
 for the rest of that iteration and the new order is recorded: no warnings, no
 stale trace.
 
+[Note: inference reads ahead across forwards, into the buffers it computes on]
+With no optimizer (a ZeRO-Inference engine) nothing changes the shards
+between forwards, and ``generate`` runs the same forward once per token. So the
+trace is read ahead cyclically: near the end of a forward the first units of
+the next one are prefetched (kept, not dropped, when it begins), and a
+non-persistent unit fetched from NVMe lends the pool buffer it was read into
+to its parameters (no copy) until it is released, when the store can spare
+the buffer (see ``NvmeParamStore.lend``). A training engine neither lends nor
+wraps: its step rewrites shards after backward.
+
 [Note: live parameters and reuse distance]
 ``stage3_max_live_parameters`` bounds the elements of non-persistent units that
 are gathered or being prefetched at once: prefetching stops at the bound, and
@@ -134,6 +144,8 @@ class Coordinator:
         self._trace_numel: List[int] = []  # prefix sums of the fetched units' elements
         self._last_fetch: Dict[int, int] = {}  # unit -> its latest position in this iteration
         self._kept: Dict[ParamUnit, None] = {}  # gathered after use for a near reuse, oldest first
+        self.inference = reducer is None  # see [Note: inference reads ahead across forwards]
+        self._ahead: Set[int] = set()  # units prefetched for the next forward (inference)
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -178,7 +190,7 @@ class Coordinator:
         if not u.persistent and not prefetched:  # a prefetched unit was counted when its read began
             self._make_room(u.layout.numel)
         with self.timers.phase("param fetch"):
-            u.gather()
+            u.gather(lend=self.inference and not u.persistent)
         if not u.persistent and not prefetched:
             self._count_live(u.layout.numel)
 
@@ -322,12 +334,14 @@ class Coordinator:
         self._recording = []
         self._last_fetch = {}
         self._trace_ok = self._trace is not None
-        self.store.drop_prefetched()
+        ahead = {i for i in self._ahead if self._trace_ok and self.units[i].state is ParamState.INFLIGHT}
+        self._ahead = set()
+        self.store.drop_prefetched(keep=ahead)
         for u in self.units:
-            if u.state is ParamState.INFLIGHT:  # prefetched, never used
+            if u.state is ParamState.INFLIGHT and u.index not in ahead:  # prefetched, never used
                 u.state = ParamState.NOT_AVAILABLE
-        self.live_numel = sum(u.layout.numel for u in self.units
-                              if u.state is ParamState.AVAILABLE and not u.persistent)
+        self.live_numel = sum(u.layout.numel for u in self.units if not u.persistent and (
+            u.state is ParamState.AVAILABLE or u.index in ahead))
 
     def _index_trace(self) -> None:
         trace = self._trace
@@ -354,7 +368,10 @@ class Coordinator:
         room = self.store.prefetch_capacity()
         budget = self.prefetch_numel
         wanted: Dict[int, object] = {}
-        for index in self._trace[pos + 1:]:
+        ahead = self._trace[pos + 1:]
+        if self.inference:
+            ahead = ahead + self._trace[:pos]  # the next forward's (see the note)
+        for at, index in enumerate(ahead):
             if room <= 0 or budget <= 0:
                 break
             nxt = self.units[index]
@@ -363,6 +380,8 @@ class Coordinator:
             if self.live_numel + nxt.layout.numel > self.max_live_numel:
                 break
             wanted[index] = nxt.layout
+            if at >= len(self._trace) - pos - 1:
+                self._ahead.add(index)
             nxt.state = ParamState.INFLIGHT
             room -= 1
             budget -= nxt.layout.shard_numel

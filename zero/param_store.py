@@ -81,14 +81,20 @@ class ParamStore(abc.ABC):
     def fetched(self, layout: UnitLayout) -> None:
         """The caller is done with the tensor :meth:`fetch` returned."""
 
+    def lend(self, layout: UnitLayout) -> bool:
+        """Whether the caller may go on viewing the tensor :meth:`fetch` just returned until it
+        calls :meth:`fetched` (instead of copying it first); True records the loan."""
+        return False
+
     def prefetch(self, layouts: Iterable[UnitLayout]) -> None:
         """Start bringing these shards in (NVMe); a later :meth:`fetch` finds them ready."""
 
     def prefetch_capacity(self) -> int:
         return 0
 
-    def drop_prefetched(self) -> None:
-        """Give back the memory of prefetched shards that were not fetched."""
+    def drop_prefetched(self, keep: Iterable[int] = ()) -> None:
+        """Give back the memory of prefetched shards that were not fetched, but those of the unit
+        indices in ``keep``."""
 
     @abc.abstractmethod
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
@@ -151,10 +157,16 @@ class NvmeParamStore(ParamStore):
 
     The first ``max_in_cpu`` elements stay in host memory (DeepSpeed's rule).
     Pool buffers are sized for the largest shard; ``offload_param.buffer_size``
-    smaller than that is refused when the engine is built.
+    smaller than that is refused when the engine is built. Reads go through
+    :data:`READ_QUEUES` handles, so a fetch waits for its own shard only
+    (see the note in swapper/param_swapper.py). Buffers that are prefetched or
+    lent (:meth:`lend`) never leave fewer than :data:`SPARE_BUFFERS` for a fetch
+    that was not prefetched and for writes.
     """
 
     resident = False
+    READ_QUEUES = 4
+    SPARE_BUFFERS = 2
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int):
         from swapper import PartitionedParamSwapper
@@ -171,11 +183,13 @@ class NvmeParamStore(ParamStore):
             offload.nvme_path, aio, buffer_count=swap_buffer_count(offload, largest, rank_layout.numel),
             buffer_size=max(1, largest),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
-            pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum))
+            pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
+            read_queues=self.READ_QUEUES)
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
         for u in rank_layout.units:
             self.swapper.register(self._ids[u.index], u.shard_numel)
         self._prefetched: Set[int] = set()
+        self._lent: Set[int] = set()  # fetched shards whose pool buffers their units view
 
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
         self.swapper.swap_out_tensors([self._ids[layout.index]], [values], async_op=True)
@@ -188,7 +202,19 @@ class NvmeParamStore(ParamStore):
         return tensor
 
     def fetched(self, layout: UnitLayout) -> None:
+        self._lent.discard(layout.index)
         self.swapper.release_or_write([self._ids[layout.index]])  # retries a write that failed
+
+    def lend(self, layout: UnitLayout) -> bool:
+        from swapper.param_swapper import PartitionState
+
+        pid = self._ids[layout.index]
+        held = len(self._prefetched) + len(self._lent) + 1
+        if self.swapper.state(pid) is not PartitionState.AVAILABLE or \
+                self.swapper.buffer_count - held < self.SPARE_BUFFERS:
+            return False
+        self._lent.add(layout.index)
+        return True
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
         from swapper.param_swapper import PartitionState
@@ -200,7 +226,7 @@ class NvmeParamStore(ParamStore):
 
     def prefetch_capacity(self) -> int:
         # One buffer for the shard being fetched, one for a write after the step.
-        return max(0, self.swapper.buffer_count - 2 - len(self._prefetched))
+        return max(0, self.swapper.buffer_count - self.SPARE_BUFFERS - len(self._prefetched) - len(self._lent))
 
     def prefetch(self, layouts: Iterable[UnitLayout]) -> None:
         wanted = [u for u in layouts if u.index not in self._prefetched and u.shard_numel > 0]
@@ -208,14 +234,18 @@ class NvmeParamStore(ParamStore):
             self.swapper.swap_in([self._ids[u.index] for u in wanted], async_op=True)
             self._prefetched.update(u.index for u in wanted)
 
-    def drop_prefetched(self) -> None:
-        if self._prefetched:
-            self.swapper.release_or_write([self._ids[i] for i in sorted(self._prefetched)])
-            self._prefetched.clear()
+    def drop_prefetched(self, keep: Iterable[int] = ()) -> None:
+        dropped = sorted(self._prefetched.difference(keep))
+        if dropped:
+            self.swapper.release_or_write([self._ids[i] for i in dropped])
+            self._prefetched.difference_update(dropped)
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self.swapper.swap_out_tensors([self._ids[layout.index]], [values], async_op=True)
+        pid = self._ids[layout.index]
+        self.swapper.swap_out_tensors([pid], [values], async_op=True)
+        if layout.index in self._lent:  # its unit views the buffer: keep it once written
+            self.swapper.swap_in([pid], async_op=True)
         self.write_wait_seconds += time.perf_counter() - t0
 
     def flush(self) -> None:
@@ -229,4 +259,5 @@ class NvmeParamStore(ParamStore):
         return self.swapper.swap_dir.path
 
     def close(self) -> None:
+        self._lent.clear()  # the pool's memory lives on in the views of units still gathered
         self.swapper.cleanup()

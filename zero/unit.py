@@ -5,7 +5,9 @@ moves between ``NOT_AVAILABLE`` and ``AVAILABLE`` by :meth:`ParamUnit.gather`
 (fetch the shard from its store, all-gather across ranks, point every
 parameter's ``.data`` at its part of the flat buffer) and
 :meth:`ParamUnit.release` (point them at an empty tensor; the flat buffer is
-freed with its last reference). Autograd keeps the parameter objects, not
+freed with its last reference). ``gather(lend=True)`` lets the parameters view
+the store's fetched tensor itself (an NVMe pool buffer) instead of a copy,
+when the store can spare it: the store gets it back at :meth:`release`. Autograd keeps the parameter objects, not
 their data, so a released parameter is gathered again before backward uses it.
 """
 from __future__ import annotations
@@ -46,6 +48,7 @@ class ParamUnit:
         self.optimizer_store = None  # fp32 master of the shard, when there is an optimizer
         self.state = ParamState.NOT_AVAILABLE
         self.full: torch.Tensor = None
+        self.lent = False  # ``full`` is the store's fetched tensor, handed back at release
         self.persistent = False  # stays gathered between uses (threshold, or gathering is free)
         self.free = False  # gathering is free (see free_gather); decided once the stores are filled
         self.fwd_refs = 0  # holds: forwards in progress, GatheredParameters blocks, saves (hold())
@@ -82,12 +85,16 @@ class ParamUnit:
         shard = self.store.resident_shard(self.layout)
         return shard is not None and shard.device == self.device and shard.dtype == self.dtype
 
-    def gather(self) -> None:
+    def gather(self, lend: bool = False) -> None:
+        """``lend``: view the fetched shard itself when one rank computes on it as it is and the
+        store can spare it until :meth:`release` (inference: no copy out of the pool)."""
         if self.state is ParamState.AVAILABLE:
             return
         shard = self.store.fetch(self.layout)
+        lent = (lend and self.comm.world_size == 1 and shard.device == self.device and shard.dtype == self.dtype
+                and shard.numel() == self.layout.padded_numel and self.store.lend(self.layout))
         try:
-            if self.free:
+            if self.free or lent:
                 full = shard
             else:
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
@@ -97,10 +104,12 @@ class ParamUnit:
                 if full.is_cuda and not self.store.resident:
                     torch.cuda.current_stream(full.device).synchronize()  # before the pool buffer is reused
         finally:
-            self.store.fetched(self.layout)
+            if not lent:
+                self.store.fetched(self.layout)
         for slot, p in zip(self.layout.slots, self.params):
             p.data = full[slot.offset:slot.stop].view(slot.shape)
         self.full = full
+        self.lent = lent
         self.state = ParamState.AVAILABLE
 
     def release(self, force: bool = False) -> None:
@@ -111,6 +120,9 @@ class ParamUnit:
         for p in self.params:
             p.data = empty
         self.full = None
+        if self.lent:
+            self.lent = False
+            self.store.fetched(self.layout)
         self.state = ParamState.NOT_AVAILABLE
 
 
