@@ -292,12 +292,12 @@ def _two_ranks_backward(d, row, _reference):
     """A backward's optimizer writes fail on one of two gloo ranks (gradients, with clipping;
     sub-groups stepped in backward, without): both ranks raise, none hangs, both reload and
     end bit-identical to a two-rank run without faults."""
-    from helpers import run_ranks, scenario_backward_fails_on_one_rank
+    from helpers import run_ranks, scenario_io_fails_on_one_rank
 
     k = _kit()
     cases = {"reference": {}, "gradient-write-rank1": dict(fail_rank=1),
              "reference-unclipped": dict(clip=0.0), "step-in-backward-write-rank0": dict(fail_rank=0, clip=0.0)}
-    ranks = run_ranks(2, [(n, scenario_backward_fails_on_one_rank, kw) for n, kw in cases.items()], d)
+    ranks = run_ranks(2, [(n, scenario_io_fails_on_one_rank, kw) for n, kw in cases.items()], d)
     row.cases = 2
     for rank, results in enumerate(ranks):
         for name, got in results.items():

@@ -214,11 +214,14 @@ def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, whi
     return {"losses": losses, "weights": digests, "refused": refused}
 
 
-def scenario_backward_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=0.5):
-    """Train 4 steps on this rank's half of each batch, a checkpoint after the first; in the
-    second backward ``fail_rank``'s optimizer swap directory refuses writes (gradients with
-    ``clip``, sub-groups stepped in backward without), every rank's backward raises, every rank
-    loads the checkpoint and trains on. Returns losses, weight digests and each rank's error."""
+def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=0.5, fault="optimizer write",
+                                  phase="backward"):
+    """Train 4 steps on this rank's half of each batch, a checkpoint after the first. In the
+    second step's ``phase`` (forward or backward) ``fail_rank``'s I/O fails (``fault``: its
+    optimizer swap directory refuses writes, gradients with ``clip``, sub-groups stepped in
+    backward without; or its parameter reads fail); every rank raises, then runs the batch
+    again (forward) or loads the checkpoint (backward) and trains on. Returns losses, weight
+    digests and each rank's errors."""
     import hashlib
 
     import zero
@@ -227,7 +230,7 @@ def scenario_backward_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1,
     os.makedirs(os.path.join(scratch, "swap"), exist_ok=True)
     torch.manual_seed(0)
     config = base_config("nvme", "nvme", os.path.join(scratch, "swap"), world_size=world_size, clip=clip, lr=1e-2,
-                         sub_group_size=3000)
+                         sub_group_size=3000, stage3_max_reuse_distance=0)  # backward reads parameters too
     engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
     batches = [(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
                for x, y in make_batches(GPTConfig(), 4, 4 * world_size)]
@@ -235,19 +238,21 @@ def scenario_backward_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1,
     engine.save_checkpoint(os.path.join(scratch, "ckpt"))
     error = ""
     if fail_rank >= 0:
-        loss = engine(*batches[1])
-        plan = dict(fail_nth=1 if rank == fail_rank else 10**9, fail_count=0, errno="EIO", op="write",
-                    path_contains=engine.parts.optimizer_store.swap_dir)
+        store = engine.parts.param_store if fault == "parameter read" else engine.parts.optimizer_store
+        plan = dict(fail_nth=1 if rank == fail_rank else 10**9, fail_count=0, errno="EIO",
+                    op=fault.split()[-1], path_contains=store.swap_dir)
+        loss = engine(*batches[1]) if phase == "backward" else None
         with faults.inject(**plan):
             try:
-                engine.backward(loss)
+                engine.backward(loss) if phase == "backward" else engine(*batches[1])
             except Exception as exc:  # noqa: BLE001 - returned to the test
                 error = f"{type(exc).__name__}: {exc}"
-        try:
-            engine.step()
-        except zero.EngineStateError as exc:
-            error += f"\n{exc}"
-        engine.load_checkpoint(os.path.join(scratch, "ckpt"))
+        if phase == "backward":
+            try:
+                engine.step()
+            except zero.EngineStateError as exc:
+                error += f"\n{exc}"
+            engine.load_checkpoint(os.path.join(scratch, "ckpt"))
     losses += train_engine(engine, batches[1:], 3)
     with zero.GatheredParameters(list(engine.module.parameters())):
         digests = {n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()

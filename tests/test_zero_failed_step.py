@@ -13,7 +13,7 @@ import torch
 import zero
 from nvmeio import faults
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import (base_config, run_ranks, scenario_backward_fails_on_one_rank, scenario_step_fails_on_one_rank,
+from helpers import (base_config, run_ranks, scenario_io_fails_on_one_rank, scenario_step_fails_on_one_rank,
                      train_engine)
 
 CFG = GPTConfig()
@@ -201,25 +201,32 @@ def test_a_step_failing_on_one_of_two_ranks_is_finished_there_and_both_match(tmp
     assert ranks[0]["reference"]["weights"] == ranks[1]["reference"]["weights"]  # gathered: the whole model
 
 
-def test_a_backward_failing_on_one_of_two_ranks_fails_on_both_and_a_reload_matches(tmp_path):
-    """The failing rank keeps its error and goes on reducing, so the other rank is never left
-    waiting in a collective; both raise at the end of backward, both reload, both match."""
-    cases = {"reference": {}, "gradient-write-rank1": dict(fail_rank=1),
-             "reference-unclipped": dict(clip=0.0), "step-in-backward-write-rank0": dict(fail_rank=0, clip=0.0)}
-    ranks = run_ranks(2, [(n, scenario_backward_fails_on_one_rank, kw) for n, kw in cases.items()], tmp_path)
+def test_io_failing_on_one_of_two_ranks_in_forward_or_backward_fails_on_both_and_they_recover_exactly(tmp_path):
+    """The failing rank keeps its error and goes on with the collectives (zeros for a parameter it
+    could not read), so the other rank is never left waiting; both raise at the end of forward or
+    backward; both run the batch again (forward) or reload (backward) and end bit-identical."""
+    cases = {"reference": {}, "reference-unclipped": dict(clip=0.0),
+             "gradient-write-rank1": dict(fail_rank=1),
+             "step-in-backward-write-rank0": dict(fail_rank=0, clip=0.0),
+             "parameter-read-in-backward-rank1": dict(fail_rank=1, fault="parameter read"),
+             "parameter-read-in-forward-rank0": dict(fail_rank=0, fault="parameter read", phase="forward")}
+    ranks = run_ranks(2, [(n, scenario_io_fails_on_one_rank, kw) for n, kw in cases.items()], tmp_path)
     for rank, results in enumerate(ranks):
         for name, got in results.items():
-            if name.startswith("reference"):
-                assert got.get("error") == "", got.get("error")
+            assert "Traceback" not in got["error"], got["error"]
+            case = cases[name]
+            if "fail_rank" not in case:
+                assert got["error"] == ""
                 continue
-            reference = results["reference" if cases[name].get("clip", 0.5) else "reference-unclipped"]
-            assert "error" in got and "Traceback" not in got["error"], got["error"]
-            first, refused = got["error"].split("\n")
-            if rank == cases[name]["fail_rank"]:
-                assert first.startswith("AioError: [Errno 5] write failed: Input/output error") and "optimizer" in first
+            phase, op = case.get("phase", "backward"), case.get("fault", "optimizer write").split()[-1]
+            lines = got["error"].split("\n")
+            if rank == case["fail_rank"]:
+                assert lines[0].startswith(f"AioError: [Errno 5] {op} failed: Input/output error"), lines[0]
             else:
-                assert first.startswith("EngineStateError: backward failed on another rank")
-            assert re.match(r"backward failed .*reload the last checkpoint with engine.load_checkpoint", refused)
+                assert lines[0].startswith(f"EngineStateError: {phase} failed on another rank"), lines[0]
+            if phase == "backward":
+                assert re.match(r"backward failed .*reload the last checkpoint with engine.load_checkpoint", lines[1])
+            reference = results["reference" if case.get("clip", 0.5) else "reference-unclipped"]
             assert got["losses"] == reference["losses"] and got["weights"] == reference["weights"], (name, rank)
 
 

@@ -10,7 +10,7 @@ or a rendezvous. A process group the script created itself is used as it is.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -38,10 +38,23 @@ class Comm:
     world_size: int = 1
     local_rank: int = 0
     group: Optional[object] = None
+    # While ``deferring`` (the engine's forward and backward on several ranks), a rank whose
+    # parameter read fails keeps the error here and joins the collectives with zeros, so that
+    # the other ranks are not left waiting; the engine makes every rank raise at the end.
+    deferring: bool = field(default=False, repr=False, compare=False)
+    deferred: Optional[Exception] = field(default=None, repr=False, compare=False)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def defer(self, error: Exception) -> None:
+        if self.deferred is None:
+            self.deferred = error
+
+    def take_deferred(self) -> Optional[Exception]:
+        error, self.deferred = self.deferred, None
+        return error
 
     def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """``full`` (world_size × shard elements) gets every rank's ``shard`` in rank order."""

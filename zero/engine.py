@@ -85,7 +85,8 @@ class ZeroEngine(nn.Module):
         # the callback holds the parts, never the engine.
         self._finalizer = weakref.finalize(self, _release_parts, self.parts)
         if self.parts.reducer is not None and self.parts.reducer.stash is not None:
-            self.parts.reducer.stash.defer_errors = comm.world_size > 1  # see _raise_if_backward_failed_anywhere
+            self.parts.reducer.stash.defer_errors = comm.world_size > 1  # see _raise_if_failed_anywhere
+        self._defer_reads = comm.world_size > 1 and not self.parts.param_store.resident
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------------
     @property
@@ -161,12 +162,20 @@ class ZeroEngine(nn.Module):
         args = _to_device(args, self.device, cast)
         kwargs = _to_device(kwargs, self.device, cast)
         coordinator = self.parts.coordinator
+        self.comm.deferring = self._defer_reads
         try:
             with self.timers.phase("forward"):
-                return self.module(*args, **kwargs)
+                out = self.module(*args, **kwargs)
+            if self._defer_reads:
+                self._raise_if_failed_anywhere("forward", self.comm.take_deferred())
+            return out
         except BaseException:
             coordinator.stack.clear()
+            if self._defer_reads:
+                coordinator.release_all()  # a unit gathered with zeros for a failed read
             raise
+        finally:
+            self.comm.deferring = False
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps (DeepSpeed's ``scale_wrt_gas``;
@@ -192,33 +201,39 @@ class ZeroEngine(nn.Module):
         elif boundary and not store.stash_gradients:
             store.prefetch()
         stash = self.parts.reducer.stash
+        self.comm.deferring = self._defer_reads
         try:
             with self.timers.phase("backward"):
                 scaled.backward(retain_graph=retain_graph)
                 if boundary and store.stash_gradients and not in_backward:
                     # a failed gradient write surfaces here, not in the step
                     stash.run(store.wait_gradients) if stash is not None else store.wait_gradients()
-                if stash is not None and stash.defer_errors:
-                    self._raise_if_backward_failed_anywhere(stash)
+                if self.comm.distributed and (self._defer_reads or stash is not None):
+                    kept = stash.error if stash is not None else None
+                    if stash is not None:
+                        stash.error = None
+                    self._raise_if_failed_anywhere("backward", kept or self.comm.take_deferred())
         except BaseException as error:
             stepped = optimizer.abandon_backward_step() if in_backward else 0
             self._drop_window(error, stepped)
             raise
+        finally:
+            self.comm.deferring = False
         if in_backward:
             optimizer.end_backward()
         elif boundary and store.stash_gradients:
             store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
         return loss
 
-    def _raise_if_backward_failed_anywhere(self, stash) -> None:
-        """Several ranks: a rank whose gradient I/O failed kept the error and went on reducing
-        (GradStash.run); every rank learns of it here and raises, so all of them drop the window
-        and wait for the same load_checkpoint, and none is left waiting in a collective."""
-        error, stash.error = stash.error, None
+    def _raise_if_failed_anywhere(self, what: str, error: Optional[BaseException]) -> None:
+        """Several ranks: a rank whose I/O failed in forward or backward kept the error and went
+        on with the collectives (GradStash.run, Comm.deferring); every rank learns of it here and
+        raises, so that all of them handle it alike and none is left waiting in a collective."""
+        self.comm.take_deferred()
         if self.comm.any(error is not None, self.device):
             raise error if error is not None else EngineStateError(
-                "backward failed on another rank (writing gradients to NVMe or stepping the optimizer "
-                "there); see that rank's error")
+                f"{what} failed on another rank (reading parameters, writing gradients to NVMe or stepping the "
+                f"optimizer there); see that rank's error")
 
     def _drop_window(self, error: BaseException, stepped: int = 0) -> None:
         """Backward raised half way (writing a gradient to NVMe, stepping a sub-group, reading a

@@ -90,11 +90,22 @@ class ParamUnit:
         store can spare it until :meth:`release` (inference: no copy out of the pool)."""
         if self.state is ParamState.AVAILABLE:
             return
-        shard = self.store.fetch(self.layout)
-        lent = (lend and self.comm.world_size == 1 and shard.device == self.device and shard.dtype == self.dtype
-                and shard.numel() == self.layout.padded_numel and self.store.lend(self.layout))
         try:
-            if self.free or lent:
+            shard = self.store.fetch(self.layout)
+        except Exception as error:  # noqa: BLE001 - kept for the engine (Comm.deferring)
+            if not self.comm.deferring:
+                raise
+            self.comm.defer(error)
+            shard = None
+        lent = (shard is not None and lend and self.comm.world_size == 1 and shard.device == self.device
+                and shard.dtype == self.dtype and shard.numel() == self.layout.padded_numel
+                and self.store.lend(self.layout))
+        try:
+            if shard is None:  # this rank's read failed: zeros, so the others' all_gather completes
+                full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+                self.comm.all_gather_into(full, torch.zeros(self.layout.shard_numel, dtype=self.dtype,
+                                                            device=self.device))
+            elif self.free or lent:
                 full = shard
             else:
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
@@ -104,7 +115,7 @@ class ParamUnit:
                 if full.is_cuda and not self.store.resident:
                     torch.cuda.current_stream(full.device).synchronize()  # before the pool buffer is reused
         finally:
-            if not lent:
+            if shard is not None and not lent:
                 self.store.fetched(self.layout)
         for slot, p in zip(self.layout.slots, self.params):
             p.data = full[slot.offset:slot.stop].view(slot.shape)
