@@ -2,7 +2,8 @@
 hostile checkpoints.
 
 - engine: faults of nvmeio.faults in the swap-ins and swap-outs of parameters and optimizer
-  states during training, and swap files damaged between steps. A case passes when the error
+  states during training (in the step, in backward, on one of two ranks), and swap files
+  damaged between steps. A case passes when the error
   is clear (an OSError naming the swap file, or a SwapCorruptionError naming file and unit),
   nothing partly updated is trained on or saved, and the run then reaches exactly the losses
   and weights of a run without faults (finishing the step, running the batch again, or
@@ -288,24 +289,32 @@ def _two_ranks_step(d, row, _reference):
             k.expect(same, f"{name} rank {rank}: losses or weights differ from the run without faults")
 
 
-def _two_ranks_backward(d, row, _reference):
-    """A backward's optimizer writes fail on one of two gloo ranks (gradients, with clipping;
-    sub-groups stepped in backward, without): both ranks raise, none hangs, both reload and
-    end bit-identical to a two-rank run without faults."""
+def _two_ranks_io(d, row, _reference):
+    """I/O fails on one of two gloo ranks in forward or backward (a gradient write with clipping,
+    an in-backward step's write without, a parameter read in backward, one in forward): every
+    rank raises, none hangs; they run the batch again (forward) or reload (backward) and end
+    bit-identical to a two-rank run without faults."""
     from helpers import run_ranks, scenario_io_fails_on_one_rank
 
     k = _kit()
-    cases = {"reference": {}, "gradient-write-rank1": dict(fail_rank=1),
-             "reference-unclipped": dict(clip=0.0), "step-in-backward-write-rank0": dict(fail_rank=0, clip=0.0)}
+    cases = {"reference": {}, "reference-unclipped": dict(clip=0.0),
+             "gradient-write-rank1": dict(fail_rank=1),
+             "step-in-backward-write-rank0": dict(fail_rank=0, clip=0.0),
+             "parameter-read-in-backward-rank1": dict(fail_rank=1, fault="parameter read"),
+             "parameter-read-in-forward-rank0": dict(fail_rank=0, fault="parameter read", phase="forward")}
     ranks = run_ranks(2, [(n, scenario_io_fails_on_one_rank, kw) for n, kw in cases.items()], d)
-    row.cases = 2
+    row.cases = 4
     for rank, results in enumerate(ranks):
         for name, got in results.items():
             k.expect("Traceback" not in got["error"], f"{name} rank {rank}: {got['error']}")
-            if name.startswith("reference"):
+            case = cases[name]
+            if "fail_rank" not in case:
                 continue
-            k.expect("reload the last checkpoint" in got["error"], f"{name} rank {rank}: unclear: {got['error']!r}")
-            reference = results["reference" if cases[name].get("clip", 0.5) else "reference-unclipped"]
+            phase = case.get("phase", "backward")
+            said = "reload the last checkpoint" if phase == "backward" else "Input/output error"
+            k.expect(said in got["error"] or "failed on another rank" in got["error"],
+                     f"{name} rank {rank}: unclear: {got['error']!r}")
+            reference = results["reference" if case.get("clip", 0.5) else "reference-unclipped"]
             k.expect(got["losses"] == reference["losses"] and got["weights"] == reference["weights"],
                      f"{name} rank {rank}: losses or weights differ from the run without faults")
 
@@ -334,7 +343,8 @@ ENGINE_CASES = {
     "optimizer read fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
         "optimizer", "read"),
     "step fails on one of two ranks (3 ways); finished there, both ranks match": _two_ranks_step,
-    "backward's optimizer writes fail on one of two ranks (2 ways); both raise, reload, match": _two_ranks_backward,
+    "I/O fails on one of two ranks in forward or backward (4 ways); both raise, none hangs, both match":
+        _two_ranks_io,
 }
 
 
