@@ -264,6 +264,38 @@ def chart(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_section(record: dict, results_md: str) -> None:
+    """The RESULTS.md section (table, notes, chart) of one run's record."""
+    rows = table(record["results"], record["ram_bytes"])
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tools.results_md import replace_section
+    from pathlib import Path
+
+    png = os.path.join(os.path.dirname(os.path.abspath(results_md)), "inference.png")
+    chart(record["results"], png)
+    same = all(len({tuple(g["tokens"]) for g in r["generate"].values()}) <= 1 for r in record["results"].values())
+    body = [f"Run {record['started']}, load average {record['load_start']} at the start, {record['load_end']} at the end "
+            f"(2 CPUs, {gib(record['ram_bytes'])} GiB RAM, one virtio disk: ~3.4 GiB/s read). Greedy `generate` of "
+            f"{record['new_tokens']} tokens from an 8-token prompt, batch 1, fp32; each contender a fresh process "
+            f"(peak RSS = its VmHWM). Models built under `zero.Init` with parameters on NVMe and saved by "
+            f"`zero.save_pretrained` (nvmeio's streaming safetensors writer); the zero contenders load them "
+            f"with `from_pretrained` under `zero.Init` and the Hugging Face docs' ZeRO-Inference config "
+            f"(no optimizer; for NVMe `max_in_cpu` 0, `buffer_count` {BUFFERS}, `stage3_prefetch_bucket_size` "
+            f"{PREFETCH:.0e} instead of the docs' 0.9·hidden², which is less than one layer). prompt s: the "
+            f"first `generate` step (the prompt's forward, which also records the fetch trace); s/token: the "
+            f"median of the later steps (one token each); weights GiB/s: fp32 weight bytes / s/token (every "
+            f"token reads all weights once; the disk reads ~3.4 GiB/s at best).", "", *rows, "",
+            f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
+            "![ZeRO-Inference](inference.png)"]
+    for model, r in record["results"].items():
+        c = r["create"]
+        body.insert(-2, f"- {model}: built under zero.Init in {c['build_s']:.0f} s at peak RSS "
+                        f"{gib(c['peak_rss'])} GiB, saved ({gib(c['checkpoint_bytes'])} GiB) in {c['save_s']:.0f} s.")
+    body.insert(-2 - len(record["results"]), "")
+    body[-2:-2] = record.get("notes", [])
+    replace_section(Path(results_md), SECTION, "\n".join(body))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", nargs="+")
@@ -272,7 +304,12 @@ def main(argv=None) -> int:
     p.add_argument("--nvme-dir", default=tempfile.gettempdir())
     p.add_argument("--json")
     p.add_argument("--results-md")
+    p.add_argument("--render", metavar="JSON", help="only rewrite --results-md's section from a run's --json")
     args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            write_section(json.load(f), args.results_md)
+        return 0
     if args.child:
         kind, *rest = args.child
         if kind == "create":
@@ -326,31 +363,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
     if args.results_md:
-        sys.path.insert(0, os.path.dirname(HERE))
-        from tools.results_md import replace_section
-        from pathlib import Path
-
-        png = os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "inference.png")
-        chart(results, png)
-        same = all(len({tuple(g["tokens"]) for g in r["generate"].values()}) <= 1 for r in results.values())
-        body = [f"Run {started}, load average {load_start} at the start, {load_end} at the end "
-                f"(2 CPUs, {gib(ram)} GiB RAM, one virtio disk: ~3.4 GiB/s read). Greedy `generate` of "
-                f"{args.new_tokens} tokens from an 8-token prompt, batch 1, fp32; each contender a fresh process "
-                f"(peak RSS = its VmHWM). Models built under `zero.Init` with parameters on NVMe and saved by "
-                f"`zero.save_pretrained` (nvmeio's streaming safetensors writer); the zero contenders load them "
-                f"with `from_pretrained` under `zero.Init` and the Hugging Face docs' ZeRO-Inference config "
-                f"(no optimizer; for NVMe `max_in_cpu` 0, `buffer_count` {BUFFERS}, `stage3_prefetch_bucket_size` "
-                f"{PREFETCH:.0e} instead of the docs' 0.9·hidden², which is less than one layer). prompt s: the "
-                f"first `generate` step (the prompt's forward, which also records the fetch trace); s/token: the "
-                f"median of the later steps (one token each); weights GiB/s: fp32 weight bytes / s/token (every "
-                f"token reads all weights once; the disk reads ~3.4 GiB/s at best).", "", *rows, "",
-                f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
-                "![ZeRO-Inference](inference.png)"]
-        for model, r in results.items():
-            c = r["create"]
-            body.insert(-2, f"- {model}: built under zero.Init in {c['build_s']:.0f} s at peak RSS "
-                            f"{gib(c['peak_rss'])} GiB, saved ({gib(c['checkpoint_bytes'])} GiB) in {c['save_s']:.0f} s.")
-        replace_section(Path(args.results_md), SECTION, "\n".join(body))
+        write_section(record, args.results_md)
     return 0
 
 
