@@ -143,10 +143,11 @@ def _failed_read(which: str):
     return case
 
 
-def _damaged_swap_file(which: str, how: str, steps_after_save: int = 1):
-    """``steps_after_save`` 0: damaged right after the save, when an optimizer swap file may be
-    the checkpoint's shard too (a hard link, zero/checkpoint_io.py): the checkpoint is then
-    damaged with it, and this case shows it."""
+def _damaged_swap_file(which: str, how: str, linked: bool = False):
+    """Damaged after a step (the checkpoint is then a separate file), or, ``linked``, right after
+    a save whose shard is the swap file itself (a hard link; README: until the next step the two
+    are one file, so that checkpoint is damaged too and its load must refuse it, naming the file;
+    the checkpoint before it is separate and resumes exactly)."""
     def case(d, row, reference):
         import numpy as np
 
@@ -156,10 +157,12 @@ def _damaged_swap_file(which: str, how: str, steps_after_save: int = 1):
         k = _kit()
         engine = _engine(os.path.join(d, "swap"))
         batches = _batches()
+        ckpt = os.path.join(d, "ckpt")
         losses = train_engine(engine, batches[:1], 1)
-        engine.save_checkpoint(os.path.join(d, "ckpt"))
-        losses += train_engine(engine, batches[1:1 + steps_after_save], steps_after_save)
-        resume = 1 + steps_after_save
+        engine.save_checkpoint(ckpt)
+        losses += train_engine(engine, batches[1:2], 1)
+        if linked:
+            engine.save_checkpoint(ckpt)
         directory = _swap_dir(engine, which)
         state_files = sorted(f for f in os.listdir(directory) if not f.endswith(".grad"))  # gradients: consumed
         path = os.path.join(directory, state_files[0])
@@ -169,16 +172,21 @@ def _damaged_swap_file(which: str, how: str, steps_after_save: int = 1):
         with open(path, "r+b") as f:
             f.write(data)
         try:
-            train_engine(engine, batches[resume:resume + 1], 1)
+            train_engine(engine, batches[2:3], 1)
             raise k.Expectation("the damage went unnoticed")
         except SwapCorruptionError as e:
             k.expect(path in str(e) and ("partition" in str(e) or "sub-group" in str(e)),
                      f"the error does not name the file and unit: {e}")
-        try:
-            engine.load_checkpoint(os.path.join(d, "ckpt"))
-        except Exception as e:  # noqa: BLE001 - said in the row
-            raise k.Expectation(f"the damage reached the checkpoint (is its shard a hard link of the swap "
-                                f"file?); the load refused it: {type(e).__name__}: {e}") from None
+        if linked:
+            shard = os.path.join(ckpt, "global_step2")
+            k.expect(os.path.samefile(path, os.path.join(shard, "rank00000", "subgroup00000.safetensors")),
+                     "the latest checkpoint's shard is not the swap file (no hard link): case needs updating")
+            try:
+                engine.load_checkpoint(ckpt)
+                raise k.Expectation("the checkpoint sharing the damaged swap file loaded")
+            except Exception as e:  # noqa: BLE001 - any clear refusal naming the shard
+                k.expect(shard in str(e), f"the refusal does not name the damaged shard: {e}")
+        engine.load_checkpoint(ckpt, tag="global_step1")
         losses = losses[:1] + train_engine(engine, batches[1:], 3)
         k.expect(losses == reference[0], "losses differ from the run without faults after resuming")
         row.bytes_lost += _lost_elements(engine, reference)
@@ -327,8 +335,8 @@ ENGINE_CASES = {
     "optimizer swap-in fails (EIO); step finished": _failed_read("optimizer"),
     **{f"{which} swap file {how} between steps; checkpoint loaded": _damaged_swap_file(which, how)
        for which in ("params", "optimizer") for how in ("zeros", "random", "nans")},
-    "optimizer swap file zeros right after a save (before any step); checkpoint loaded": _damaged_swap_file(
-        "optimizer", "zeros", steps_after_save=0),
+    "optimizer swap file zeros right after a save linked it: that checkpoint refused, the one before loaded":
+        _damaged_swap_file("optimizer", "zeros", linked=True),
     "gradient write fails half way through backward (EIO); checkpoint reloaded": _failed_backward(
         "first gradient write"),
     "last gradient write of backward fails (EIO, asynchronous); checkpoint reloaded": _failed_backward(
