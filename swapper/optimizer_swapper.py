@@ -372,14 +372,16 @@ class PartitionedOptimizerSwapper(SwapperBase):
         if g.state in (SubGroupState.READING, SubGroupState.WRITING):
             self.synchronize()
         target = self.swap_dir.file(g.file_name)
-        tmp = f"{target}.adopt-{os.getpid()}"
-        try:
-            os.link(path, tmp)
-        except OSError as e:
-            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return False
-            raise
-        os.replace(tmp, target)
+        same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
+        if not same:
+            tmp = f"{target}.adopt-{os.getpid()}"
+            try:
+                os.link(path, tmp)
+            except OSError as e:
+                if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    return False
+                raise
+            os.replace(tmp, target)  # (a rename between two links of one file would do nothing)
         self.swap_dir.create(g.file_name)  # tracked for cleanup (the name, not the checkpoint's)
         if self._checksums is not None:
             self._checksums.forget(target)

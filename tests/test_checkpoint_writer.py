@@ -265,3 +265,22 @@ def test_a_damaged_shard_is_refused_before_the_load_changes_anything(tmp_path, s
     assert all(torch.equal(before[n], v) for n, v in gathered(model).items())
     assert other.global_steps == 0
     other.destroy()
+
+
+def test_a_checkpoint_loaded_right_after_its_save_again_and_again(tmp_path):
+    """The shard is then the swap file itself (one file, two names): the load adopts it as it is,
+    and saving and loading it repeatedly leaves no stray file and resumes exactly."""
+    batches = make_batches(CFG, 3, 4)
+    engine, _ = make_engine(tmp_path / "a", "nvme")
+    train_engine(engine, batches[:1], 1)
+    for _ in range(3):
+        engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+        engine.load_checkpoint(tmp_path / "ckpt", tag="t")
+    swap_dir = engine.parts.optimizer_store.swap_dir
+    assert all(n.endswith((".swp", ".grad")) for n in os.listdir(swap_dir))
+    saved = checkpoint_files(tmp_path / "ckpt")
+    reference = train_engine(engine, batches[1:], 2)
+    assert checkpoint_files(tmp_path / "ckpt") == saved
+    engine.load_checkpoint(tmp_path / "ckpt", tag="t")
+    assert train_engine(engine, batches[1:], 2) == reference
+    engine.destroy()

@@ -63,3 +63,6 @@ def test_fio_job_line_and_huge_page_need():
     assert len(jobs) == len(fio.ENGINES) * len(fio.MEM_TYPES) * len(fio.BLOCK_SIZES) * 2
     assert {(j.bs, j.mem) for j in jobs} == {(b, m) for b in fio.BLOCK_SIZES for m in fio.MEM_TYPES}
     assert fio.buffer_bytes(jobs) == max(fio.BLOCK_SIZES) * 64
+    split = fio.FioJob("write", 1 << 30, bs=4 << 20, numjobs=4, split=True).argv("/d/f.bin")
+    assert "--size=268435456" in split and "--offset_increment=268435456" in split  # 1 GiB in all
+    assert "--offset_increment" not in " ".join(fio.FioJob("write", 1 << 30, numjobs=4).argv("/d/f.bin"))
