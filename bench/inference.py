@@ -211,6 +211,32 @@ def gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f}"
 
 
+FIO_READ_BYTES = 2 << 30
+
+
+def fio_read(work: str) -> float:
+    """The disk's read speed right now (GiB/s): fio's best of two O_DIRECT jobs over a 2 GiB file in
+    ``work``, page cache dropped; 0 when fio is missing. Every token reads all weights once, so this
+    is the speed a generate from NVMe can approach."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tools import fio
+
+    if not fio.available():
+        return 0.0
+    path = os.path.join(work, "fio-read.bin")
+    best = 0.0
+    try:
+        fio.run(fio.FioJob("write", FIO_READ_BYTES, bs=8 << 20), path)
+        for job in (fio.FioJob("read", FIO_READ_BYTES, bs=8 << 20, iodepth=32),
+                    fio.FioJob("read", FIO_READ_BYTES, bs=1 << 20, iodepth=64, numjobs=4)):
+            fio.drop_page_cache(path)
+            best = max(best, fio.run(job, path) / 2 ** 30)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    return best
+
+
 def check_space(path: str, models) -> None:
     need = int(2.1 * max(n_params(MODELS[m]) * 4 for m in models))
     free = shutil.disk_usage(path).free
@@ -219,9 +245,14 @@ def check_space(path: str, models) -> None:
                          f"model's fp32 weights: zero.Init's swap files plus the checkpoint, then the engine's)")
 
 
+def of_fio(g: dict) -> str:
+    disk = g.get("fio_read_gib_s", 0.0)
+    return f" ({g['model_gib_per_s'] / disk:.2f}x {disk:.2f})" if disk else ""
+
+
 def table(results: dict, ram: int) -> list:
     rows = ["| model | params | fp32 weights | contender | load s | load peak RSS / anon GiB | prompt s | s/token "
-            "| tokens/s | weights GiB/s | NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
+            "| tokens/s | weights GiB/s (of fio read) | NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, r in results.items():
         weights = r["params"] * 4
@@ -230,7 +261,7 @@ def table(results: dict, ram: int) -> list:
                         f"{' (> RAM)' if weights > ram else ''} | {name} | {g['load_s']:.1f} | "
                         f"{gib(g['load_peak_rss'])} / {gib(g['load_peak_anon'])} | {g['prefill_s']:.2f} | "
                         f"{g['decode_s_per_token']:.2f} | {g['decode_tokens_per_s']:.3f} | "
-                        f"{g['model_gib_per_s']:.2f} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
+                        f"{g['model_gib_per_s']:.2f}{of_fio(g)} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
                         f"{gib(g['peak_anon'])} | {g['peak_rss'] / weights:.2f} |")
         for name, why in r.get("failed", {}).items():
             rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB | {name} | failed: {why} |"
@@ -284,7 +315,9 @@ def write_section(record: dict, results_md: str) -> None:
             f"{PREFETCH:.0e} instead of the docs' 0.9·hidden², which is less than one layer). prompt s: the "
             f"first `generate` step (the prompt's forward, which also records the fetch trace); s/token: the "
             f"median of the later steps (one token each); weights GiB/s: fp32 weight bytes / s/token (every "
-            f"token reads all weights once; the disk reads ~3.4 GiB/s at best).", "", *rows, "",
+            f"token reads all weights once), and in brackets its ratio to fio's read speed measured just before "
+            f"that contender (best of two O_DIRECT jobs over a 2 GiB file, page cache dropped; the disk's best "
+            f"on an idle machine is ~3.4 GiB/s).", "", *rows, "",
             f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
             "![ZeRO-Inference](inference.png)"]
     for model, r in record["results"].items():
@@ -337,8 +370,10 @@ def main(argv=None) -> int:
             for name in contenders:
                 last = name == contenders[-1]
                 try:
+                    disk = fio_read(work) if name == "zero-nvme" else 0.0
                     gens[name] = run_child("generate", model, name, ckpt, swap, str(args.new_tokens),
                                            "1" if last and model == "big" else "0")
+                    gens[name]["fio_read_gib_s"] = disk
                 except RuntimeError as exc:  # recorded in the results, not hidden
                     failed[name] = str(exc).strip().splitlines()[-1]
                     print(f"  {name}: FAILED: {failed[name]}", flush=True)
@@ -346,7 +381,7 @@ def main(argv=None) -> int:
                 g = gens[name]
                 print(f"  {name}: load {g['load_s']:.1f} s (peak RSS {gib(g['load_peak_rss'])}, anon "
                       f"{gib(g['load_peak_anon'])} GiB), prompt {g['prefill_s']:.2f} s, {g['decode_s_per_token']:.2f} s/token "
-                      f"({g['model_gib_per_s']:.2f} GiB/s of weights), NVMe wait {g['swap_wait_s']:.1f} s, generate peak RSS "
+                      f"({g['model_gib_per_s']:.2f} GiB/s of weights{of_fio(g)}), NVMe wait {g['swap_wait_s']:.1f} s, generate peak RSS "
                       f"{gib(g['peak_rss'])} GiB (anon {gib(g['peak_anon'])}), tokens {g['tokens']}", flush=True)
             results[model] = {"params": n_params(MODELS[model]), "shape": MODELS[model], "create": created,
                               "generate": gens, "failed": failed}
