@@ -24,14 +24,15 @@ with the same bits plus search (0700): model state is the user's data.
 
 A load checks everything first (the tag, the model, every file it will read,
 the counters) and changes the engine only when all of it is there: a
-missing or damaged file leaves weights and counters untouched. An I/O error
+missing or damaged file (a shard whose bytes differ from the checksums it
+carries included) leaves weights and counters untouched. An I/O error
 while the checked state is written into the stores leaves the engine
 refusing to run until a checkpoint is loaded again.
 
-NVMe-resident state is part of the checkpoint: each sub-group's shard is
-copied from its swap file file to file (see [Note: sub-group shards are
-safetensors, copied from swap files] in checkpoint_io.py, which moves all the
-bytes of a save or load).
+NVMe-resident state is part of the checkpoint: each sub-group's swap file
+becomes its shard by a hard link, or is copied file to file where no link
+can be made (see [Note: sub-group shards are safetensors in the swap files'
+layout] in checkpoint_io.py, which moves all the bytes of a save or load).
 """
 from __future__ import annotations
 
