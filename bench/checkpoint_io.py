@@ -289,10 +289,13 @@ def report(r: dict) -> tuple[str, dict]:
         return "—" if x is None else f"{x:.{d}f}"
 
     def engine_row(what: str, e: dict, x: dict) -> str:
-        return (f"| {what} | {e['checkpoint_bytes'] / GIB:.2f} GiB ({e['written_bytes'] / GIB:.2f} written) | "
-                f"{f(x['save'])} | {f(x['load'])} | save **{f(x['vs_torch_save'], 1)}×** torch.save, "
-                f"**{f(x['vs_limit'])}×** the disk limit ({f(x['limit_s'], 3)} s); load **{f(x['load_vs_fio_read'])}×** "
-                f"fio read |")
+        if e["copy"]:
+            moved = f"**{f(x['vs_limit'])}×** the disk limit for its bytes ({f(x['limit_s'], 2)} s)"
+        else:  # a few KiB written, fsynced: no disk-bandwidth limit applies
+            moved = f"it writes {e['written_bytes'] / 1024:.0f} KiB (no state byte moves)"
+        return (f"| {what} | {e['checkpoint_bytes'] / GIB:.2f} GiB | "
+                f"{f(x['save'])} | {f(x['load'])} | save **{f(x['vs_torch_save'], 1)}×** torch.save, {moved}; "
+                f"load **{f(x['load_vs_fio_read'])}×** fio read |")
 
     ck = eng["checkpoint_bytes"]
     lines = [
@@ -336,8 +339,16 @@ def report(r: dict) -> tuple[str, dict]:
             f"{x['load_s']:.2f} ({', '.join(f'{v:.2f}' for v in r[key]['load_s'])})" for key, x in rows.items())
         + f"; torch.save {tsave_s:.2f}, torch.load {tload_s:.2f}",
         f"- of the checkpoint's {ck / GIB:.2f} GiB, {eng['state_bytes'] / GIB:.2f} GiB are fp32 masters + Adam "
-        "states living in NVMe swap files; \"written\" is what a save wrote (files that are not hard links); "
-        "the disk limit = bytes written from memory / fio write + bytes copied from swap files / fio read",
+        "states living in NVMe swap files; a linked save writes only engine.pt, buffers.pt, zero_meta.json and "
+        "each shard's header page (the swap file's first 4 KiB); the disk limit (issue 11) = bytes written from "
+        "memory / fio write + bytes copied from swap files / fio read; a copy both reads and writes each byte: "
+        "with the two directions one after the other the disk needs copied bytes / fio read + copied bytes / fio "
+        "write",
+        "- fio: several jobs now split the new file between them; before (up to 2026-11-23 11:54) each of 4 "
+        "jobs wrote the whole file, so fio counted 4x the bytes, the later jobs rewriting blocks already "
+        "allocated: that run's 3.71 GiB/s \"best write\" was not a new file's speed (one job: 2.27-2.30)",
+        "- the first save after a step waits for that step's last optimizer writes (the step leaves them in "
+        "flight for the next forward): the first of each row's runs",
         f"- load vs torch.load of the same state: {f(ratios['load_vs_torch_load'])}×; a load also writes the "
         "fp32 parameters into the parameter swap files (1/3 of the state's bytes)",
         f"- fio grid (best of {r['repeats']} each): " + "; ".join(
@@ -393,7 +404,16 @@ def main(argv=None) -> int:
     p.add_argument("--fio_size", default="2G")
     p.add_argument("--results-md", dest="results_md")
     p.add_argument("--json", default=str(REPO / "bench" / "out" / "checkpoint_io.json"))
+    p.add_argument("--render", metavar="JSON", help="write the section (and chart) from a saved run's JSON")
     args = p.parse_args(argv)
+    if args.render:
+        r = json.loads(Path(args.render).read_text())
+        body, _ = report(r)
+        print(body)
+        if args.results_md:
+            chart(r, os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "checkpoint_io.png"))
+            replace_section(Path(args.results_md), "## Checkpoint I/O (bench/checkpoint_io.py)", body)
+        return 0
     os.makedirs(args.dir, exist_ok=True)
     r = {"when": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "host": os.uname().nodename,
          "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
