@@ -12,7 +12,9 @@ buffer, so a retry is always possible and nothing is ever taken for written
 that might not be. Errors raised by callbacks (checksum mismatches) are
 collected and raised after every callback has run, so no buffer is leaked.
 Swappers keep one queue for reads and one for writes, each with its own
-handle, so that waiting for a read never waits for a write.
+handle, so that waiting for a read never waits for a write; the parameter
+swapper spreads its writes over a :class:`WriteRing` of queues, so that a full
+pool waits for its oldest writes only.
 """
 from __future__ import annotations
 
@@ -97,3 +99,76 @@ class IoQueue:
                 add_note(first, f"also: {extra!r}")
             raise first
         return len(ops)
+
+    drain_some = drain  # (see WriteRing)
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class WriteRing:
+    """Writes spread over up to ``size`` queues (each its own handle), so that freeing a
+    buffer waits for the oldest batch of writes only, not for every write in flight.
+
+    Quacks like an :class:`IoQueue` (``submit``, ``drain``, ``len``); :meth:`drain_some`
+    completes the queue whose first pending write is the oldest. Queues beyond the first
+    are made at first need with ``make_queue``.
+    """
+
+    def __init__(self, first: IoQueue, make_queue: Callable[[], IoQueue], size: int):
+        self.queues: List[IoQueue] = [first]
+        self._make_queue = make_queue
+        self._size = size
+        self._since: dict = {}  # id(queue) -> sequence number of its oldest pending write
+        self._seq = 0
+
+    @property
+    def handle(self):
+        return self.queues[0].handle
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues)
+
+    def submit(self, kind: IoKind, buffer: torch.Tensor, path: str, offset: int, on_done: OnDone) -> None:
+        queue = next((q for q in self.queues if not len(q)), None)
+        if queue is None and len(self.queues) < self._size:
+            queue = self._make_queue()
+            self.queues.append(queue)
+        if queue is None:  # all busy: the one that has been busy the shortest
+            queue = max(self.queues, key=lambda q: self._since[id(q)])
+        if not len(queue):
+            self._seq += 1
+            self._since[id(queue)] = self._seq
+        queue.submit(kind, buffer, path, offset, on_done)
+
+    def drain_some(self) -> int:
+        """Complete the queue holding the oldest pending write. A failure completes every
+        write in flight before it is raised, as with one queue: no failed write is left to
+        surface later, at an unrelated call (a retry)."""
+        busy = [q for q in self.queues if len(q)]
+        if not busy:
+            return 0
+        try:
+            return min(busy, key=lambda q: self._since[id(q)]).drain()
+        except BaseException as exc:
+            try:
+                self.drain()
+            except BaseException as other:  # noqa: BLE001 - noted on the first error
+                if other is not exc:
+                    add_note(exc, f"also: {other!r}")
+            raise
+
+    def drain(self) -> int:
+        done, error = 0, None
+        for queue in self.queues:
+            try:
+                done += queue.drain()
+            except BaseException as exc:  # noqa: BLE001 - every queue is drained, the first error raised
+                error = error or exc
+        if error is not None:
+            raise error
+        return done
+
+    def close(self) -> None:
+        for queue in self.queues:
+            queue.handle.close()

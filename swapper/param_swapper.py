@@ -24,6 +24,8 @@ gives the swapper that many read handles; each :meth:`swap_in` batch goes to
 an idle one (else the next in turn), each partition remembers its queue, and
 a blocking :meth:`swap_in` drains only the queues of the partitions it asked
 for (and the writes of those being written), not every op in flight.
+``write_queues`` > 1 does the same for writes (io_queue.WriteRing): a full pool
+then waits for the oldest batch of writes, not for all of them.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from nvmeio import AioSettings, new_handle
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapStateError, add_note
-from .io_queue import IoKind, IoQueue
+from .io_queue import IoKind, IoQueue, WriteRing
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
 
@@ -131,9 +133,11 @@ class PartitionedParamSwapper(SwapperBase):
         free_space_fn: Optional[FreeSpaceFn] = None,
         remove_stale: bool = False,
         read_queues: int = 1,
+        write_queues: int = 1,
     ):
         config = AioSettings.coerce(aio_config)
         read_queues = as_count(read_queues, "read_queues")
+        write_queues = as_count(write_queues, "write_queues")
         self.buffer_count = as_count(buffer_count, "buffer_count")
         self.buffer_size = None if buffer_size is None else as_count(buffer_size, "buffer_size")
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
@@ -147,6 +151,7 @@ class PartitionedParamSwapper(SwapperBase):
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
+        self._writes = WriteRing(self._writes, lambda: IoQueue(new_handle(config)), write_queues)
         self._ring = [self._reads]  # the read queues (see the note); more made at first use
         self._ring_size = read_queues
         self._ring_next = 0
@@ -299,6 +304,9 @@ class PartitionedParamSwapper(SwapperBase):
         for p in parts:
             if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
                 raise SwapStateError(f"partition {p.param_id!r} was never written; nothing to swap in")
+        for p in parts:  # being written: kept in its buffer, also if taking buffers completes the write
+            if p.state is PartitionState.WRITING:
+                p.keep_after_write = True
         wanted = list({id(p): p for p in parts if p.state is PartitionState.ON_NVME}.values())
         for p in wanted:
             self._check_file_size(p.file_name, f"partition {p.param_id!r}", p.nbytes)
@@ -318,9 +326,6 @@ class PartitionedParamSwapper(SwapperBase):
             for p in wanted[submitted + 1 :]:  # never submitted (the failed one was called back)
                 self._evict(p)
             raise
-        for p in parts:
-            if p.state is PartitionState.WRITING:
-                p.keep_after_write = True
         if not async_op:
             self._complete(parts)
         return [p.tensor() for p in parts]

@@ -111,7 +111,7 @@ class SwapperBase(abc.ABC):
                 self._pool.close()
             self.swap_dir.cleanup()
             for queue in (self._reads, self._writes):  # worker threads and kernel AIO contexts, now
-                queue.handle.close()
+                queue.close()
 
     close = cleanup
 
@@ -146,13 +146,13 @@ class SwapperBase(abc.ABC):
         return theirs) and tries once more. ``hint`` is noted on a final PoolExhaustedError."""
         pool = self._ensure_pool()
         try:
-            try:
-                return pool.acquire(count, holder=holder)
-            except PoolExhaustedError:
-                if not len(self._writes):
-                    raise
-            self._writes.drain()
-            return pool.acquire(count, holder=holder)
+            while True:
+                try:
+                    return pool.acquire(count, holder=holder)
+                except PoolExhaustedError:
+                    if not len(self._writes):
+                        raise
+                self._writes.drain_some()  # the oldest writes (all, with one write queue)
         except PoolExhaustedError as exc:
             if hint is not None:
                 add_note(exc, hint)

@@ -166,6 +166,7 @@ class NvmeParamStore(ParamStore):
 
     resident = False
     READ_QUEUES = 4
+    WRITE_QUEUES = 4  # a full pool waits for the oldest writes only (swapper/io_queue.py WriteRing)
     SPARE_BUFFERS = 2
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int):
@@ -184,7 +185,7 @@ class NvmeParamStore(ParamStore):
             buffer_size=max(1, largest),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
-            read_queues=self.READ_QUEUES)
+            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES)
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
         for u in rank_layout.units:
             self.swapper.register(self._ids[u.index], u.shard_numel)
