@@ -165,7 +165,7 @@ class NvmeParamStore(ParamStore):
     """
 
     resident = False
-    READ_QUEUES = 4
+    READ_QUEUES = 8
     WRITE_QUEUES = 4  # a full pool waits for the oldest writes only (swapper/io_queue.py WriteRing)
     SPARE_BUFFERS = 2
 
