@@ -46,15 +46,6 @@ from tools.results_md import replace_section  # noqa: E402
 GIB = 1 << 30
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
 
 def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
@@ -147,7 +138,7 @@ def writer_alone(directory: str, repeats: int) -> dict:
         times = []
         for _ in range(repeats):
             fresh(name)
-            drop_caches()
+            fio.drop_page_cache()
             times.append(timed(fn))
         out[name] = nbytes / statistics.median(times) / GIB
     torch.serialization.set_crc32_options(False)
@@ -155,7 +146,7 @@ def writer_alone(directory: str, repeats: int) -> dict:
         times = []
         for _ in range(repeats):
             fresh("torch.save")
-            drop_caches()
+            fio.drop_page_cache()
             times.append(timed(torch_save_fast))
         out["torch.save via FastFileWriter (crc32 off)"] = nbytes / statistics.median(times) / GIB
     finally:
@@ -205,13 +196,13 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
     saves, loads, sizes = [], [], []
     for i in range(repeats):
         shutil.rmtree(ckpt, ignore_errors=True)
-        drop_caches()
+        fio.drop_page_cache()
         saves.append(timed(lambda: engine.save_checkpoint(ckpt, tag="t")))
         sizes.append(tree_bytes(os.path.join(ckpt, "t")))
         if i == 0:  # written by this save (not a hard link of a swap file)
             moved = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ckpt, "t"))
                         for f in fs if os.stat(os.path.join(d, f)).st_nlink == 1)
-        drop_caches()
+        fio.drop_page_cache()
         loads.append(timed(lambda: engine.load_checkpoint(ckpt, tag="t")))
     ck_bytes = statistics.median(sizes)
     store = engine.parts.optimizer_store
@@ -239,9 +230,9 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
             os.fsync(f.fileno())
 
     for _ in range(repeats):
-        drop_caches()
+        fio.drop_page_cache()
         tsaves.append(timed(torch_save))
-        drop_caches()
+        fio.drop_page_cache()
         tloads.append(timed(lambda: torch.load(pt, weights_only=True)))
     pt_bytes = os.path.getsize(pt)
     os.unlink(pt)
@@ -421,7 +412,7 @@ def main(argv=None) -> int:
          "command": "python3 bench/checkpoint_io.py " + " ".join(argv if argv is not None else sys.argv[1:]),
          "dir": args.dir, "repeats": args.repeats, "fio_size": args.fio_size,
          "fs": subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.split("\n")[1].split()[1],
-         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "dropped": drop_caches()}
+         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "dropped": fio.drop_page_cache()}
     r["fio"] = fio_best(args.dir, args.fio_size, args.repeats)
     print("fio", json.dumps(r["fio"]), flush=True)
     r["alone"] = writer_alone(args.dir, args.repeats)

@@ -199,7 +199,6 @@ def _failed_backward(fault: str, accumulation: int = 1):
     engine refuses all use until a checkpoint is loaded, then matches a run without the fault.
     Clipping keeps the gradients going to NVMe during backward (zero/grad_stash.py)."""
     def case(d, row, _reference):
-        import zero
         from helpers import train_engine
         from nvmeio import faults
 
@@ -225,25 +224,33 @@ def _failed_backward(fault: str, accumulation: int = 1):
                 raise k.Expectation("backward did not raise")
             except OSError as e:
                 k.expect(e.errno == errno.EIO and where in str(e), f"unclear error: {e}")
-        for use in (lambda: engine(*batches[0]), engine.step, lambda: engine.save_checkpoint(os.path.join(d, "c2"))):
-            try:
-                use()
-                raise k.Expectation("the engine went on after a failed backward")
-            except zero.EngineStateError as e:
-                k.expect("reload the last checkpoint" in str(e), f"unclear refusal: {e}")
-        engine.load_checkpoint(os.path.join(d, "ckpt"))
-        losses = train_engine(engine, batches[accumulation:], BATCHES_N - 1, accumulation)
-        k.expect(losses == reference[0][accumulation:], "losses differ from the run without faults after the reload")
-        row.bytes_lost += _lost_elements(engine, reference)
-        engine.destroy()
+        _refused_until_reloaded(k, engine, batches, d, row, reference, accumulation)
     return case
 
+
+
+def _refused_until_reloaded(k, engine, batches, d, row, reference, accumulation: int) -> None:
+    """After a failed backward: forward, step and saves are refused until the checkpoint in
+    ``d``/ckpt is loaded; from there training matches ``reference`` (losses, weights)."""
+    import zero
+    from helpers import train_engine
+
+    for use in (lambda: engine(*batches[0]), engine.step, lambda: engine.save_checkpoint(os.path.join(d, "c2"))):
+        try:
+            use()
+            raise k.Expectation("the engine went on after a failed backward")
+        except zero.EngineStateError as e:
+            k.expect("reload the last checkpoint" in str(e), f"unclear refusal: {e}")
+    engine.load_checkpoint(os.path.join(d, "ckpt"))
+    losses = train_engine(engine, batches[accumulation:], BATCHES_N - 1, accumulation)
+    k.expect(losses == reference[0][accumulation:], "losses differ from the run without faults after the reload")
+    row.bytes_lost += _lost_elements(engine, reference)
+    engine.destroy()
 
 def _failed_in_backward_step(which: str, op: str):
     """Sub-groups stepped during backward: a write (or the first read) fails; backward raises,
     the engine refuses all use until a checkpoint is loaded, then matches a run without faults."""
     def case(d, row, _reference):
-        import zero
         from helpers import train_engine
         from nvmeio import faults
 
@@ -262,17 +269,7 @@ def _failed_in_backward_step(which: str, op: str):
                 raise k.Expectation("backward did not raise")
             except OSError as e:
                 k.expect(e.errno == errno.EIO and _swap_dir(engine, which) in str(e), f"unclear error: {e}")
-        for use in (lambda: engine(*batches[0]), engine.step, lambda: engine.save_checkpoint(os.path.join(d, "c2"))):
-            try:
-                use()
-                raise k.Expectation("the engine went on after a failed backward")
-            except zero.EngineStateError as e:
-                k.expect("reload the last checkpoint" in str(e), f"unclear refusal: {e}")
-        engine.load_checkpoint(os.path.join(d, "ckpt"))
-        k.expect(train_engine(engine, batches[1:], BATCHES_N - 1) == reference[0][1:],
-                 "losses differ from the run without faults after the reload")
-        row.bytes_lost += _lost_elements(engine, reference)
-        engine.destroy()
+        _refused_until_reloaded(k, engine, batches, d, row, reference, 1)
     return case
 
 

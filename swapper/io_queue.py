@@ -122,10 +122,6 @@ class WriteRing:
         self._since: dict = {}  # id(queue) -> sequence number of its oldest pending write
         self._seq = 0
 
-    @property
-    def handle(self):
-        return self.queues[0].handle
-
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues)
 

@@ -48,6 +48,18 @@ from .swapper_base import SwapperBase
 StepFn = Callable[[int, SubGroupTensors], None]
 
 
+def _hard_link(src: str, dst: str) -> bool:
+    """``os.link``; False where the file system cannot link these two (another device, no
+    hard links, too many links): the caller copies instead."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise
+    return True
+
+
 @dataclass
 class StepStats:
     """Where the time of one :meth:`step` went (seconds)."""
@@ -343,12 +355,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
             os.fsync(fd)
         finally:
             os.close(fd)
-        try:
-            os.link(path, dest)
-        except OSError as e:
-            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return False
-            raise
+        if not _hard_link(path, dest):
+            return False
         g.linked = True
         return True
 
@@ -375,12 +383,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
         same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
         if not same:
             tmp = f"{target}.adopt-{os.getpid()}"
-            try:
-                os.link(path, tmp)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    return False
-                raise
+            if not _hard_link(path, tmp):
+                return False
             os.replace(tmp, target)  # (a rename between two links of one file would do nothing)
         self.swap_dir.create(g.file_name)  # tracked for cleanup (the name, not the checkpoint's)
         if self._checksums is not None:

@@ -267,8 +267,8 @@ class NvmeOptimizerStore(OptimizerStore):
         """Step ``sg`` now with its completed gradient ``grad`` (never written to NVMe), after
         starting the read of the sub-group expected to complete next."""
         self._order_seen.append(sg)
-        later = [g for g in self._expected if g not in self._order_seen]
-        self._step_one(sg, fn, later[0] if later else None, grad)
+        following = next((g for g in self._expected if g not in self._order_seen), None)
+        self._step_one(sg, fn, following, grad)
         if len(self._order_seen) == len(self._groups):
             self._order = self._order_seen  # the next backward completes them in this order
 
