@@ -152,6 +152,10 @@ class ChecksumTable:
     def forget(self, path: str) -> None:
         self._files.pop(path, None)
 
+    def forget_region(self, path: str, offset: int, nbytes: int) -> None:
+        """Forget the digest of exactly bytes ``[offset, offset + nbytes)`` of ``path``."""
+        self._files[path] = [r for r in self._files.get(path, []) if (r.offset, r.nbytes) != (offset, nbytes)]
+
     def __len__(self) -> int:
         return sum(len(v) for v in self._files.values())
 

@@ -81,6 +81,10 @@ class PartitionedOptimizerSwapper(SwapperBase):
 
     pipeline_read = False
     pipeline_write = False
+    # Called with a sub-group id before its state file is rewritten or replaced, so that another
+    # reader of its bytes (parameter partitions homed in the master, param_swapper.py) completes
+    # its reads first.
+    on_rewrite: Optional[Callable[[int], None]] = None
     _State = SubGroupState
     _entry_noun = "optimizer sub-groups"
 
@@ -301,6 +305,21 @@ class PartitionedOptimizerSwapper(SwapperBase):
         if g.state is SubGroupState.AVAILABLE:
             self._evict(g)
 
+    def master_location(self, sub_group_id: int) -> Tuple[str, int]:
+        """(path, byte offset) of the sub-group's fp32 master in its swap file (current when
+        the sub-group is on NVMe or being read; see :meth:`resident`)."""
+        g = self._group(sub_group_id)
+        return self.swap_dir.file(g.file_name), g.layout.offset(0)
+
+    def resident(self, sub_group_id: int) -> Optional[SubGroupTensors]:
+        """The sub-group's tensors while its buffer holds its current state (in host memory, or
+        being written), else None (its file is current, or it was never written). Valid until
+        the next call that moves data."""
+        g = self._group(sub_group_id)
+        if g.state in (SubGroupState.AVAILABLE, SubGroupState.WRITING):
+            return self._tensors(g, with_grad=False)
+        return None
+
     # -- file to file (checkpoints) ----------------------------------------------------------
     def stored_file(self, sub_group_id: int) -> Tuple[str, Dict[str, int]]:
         """The swap file holding a sub-group's state, and the byte offset of each of its
@@ -380,6 +399,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
         if g.state in (SubGroupState.READING, SubGroupState.WRITING):
             self.synchronize()
         target = self.swap_dir.file(g.file_name)
+        if self.on_rewrite is not None:
+            self.on_rewrite(sub_group_id)
         same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
         if not same:
             tmp = f"{target}.adopt-{os.getpid()}"
@@ -577,6 +598,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
 
     def _begin_write(self, g: SubGroupEntry) -> None:
         """Submit the write of master and states; the buffer is released when it completes."""
+        if self.on_rewrite is not None:
+            self.on_rewrite(g.sub_group_id)
         if g.linked:  # the file is a checkpoint's too: leave it to it, write a new one
             self.swap_dir.remove(g.file_name)
             g.linked = False

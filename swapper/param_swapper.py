@@ -26,6 +26,21 @@ a blocking :meth:`swap_in` drains only the queues of the partitions it asked
 for (and the writes of those being written), not every op in flight.
 ``write_queues`` > 1 does the same for writes (io_queue.WriteRing): a full pool
 then waits for the oldest batch of writes, not for all of them.
+
+[Note: a partition homed in another owner's file]
+With fp32 training a unit's parameter shard is, byte for byte, a slice of the
+optimizer's fp32 master, which the optimizer swapper writes anyway; a copy in
+a parameter swap file of its own costs a write of every parameter per step,
+and the buffers those writes hold. :meth:`store_at` makes a byte range of
+another file the partition's home: nothing is written, the digest of the bytes
+the owner is writing there is recorded, and swap-ins read from there. Direct
+I/O needs the file offset and the memory address to agree within a page, so
+the data sits in its buffer at the home's offset within a page and the read
+covers whole pages (buffers need :data:`HOME_SLACK_BYTES` more); the checksum
+covers the partition's bytes alone. The owner keeps the two promises the
+swapper cannot check: the bytes are at the home before a swap-in reads them
+(else it hands them over with :meth:`fill`), and no read of a home is in
+flight when the owner rewrites it (:meth:`settle`).
 """
 from __future__ import annotations
 
@@ -33,21 +48,24 @@ import enum
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Union
+import os
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
 import torch
 
 from nvmeio import AioSettings, new_handle
 
-from .buffer_pool import PoolBuffer, as_count
+from .buffer_pool import PAGE_BYTES, PoolBuffer, align_up, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
-from .errors import BufferTooSmallError, SwapStateError, add_note
+from .errors import BufferTooSmallError, SwapFileTruncatedError, SwapStateError, add_note
 from .io_queue import IoKind, IoQueue, WriteRing
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
 
 ParamId = Union[int, str]
+Home = Tuple[str, int]  # (path, byte offset) of a partition's bytes in another owner's file
+HOME_SLACK_BYTES = 2 * PAGE_BYTES  # a homed partition's buffer: its skew and its last page's rest
 
 
 class PartitionState(enum.Enum):
@@ -89,16 +107,28 @@ class _Partition:
     on_nvme: bool = False  # the swap file holds the current data
     keep_after_write: bool = False  # swap_in asked for it while its write was in flight
     queue: Optional[IoQueue] = None  # the read queue of its read in flight (READING)
+    home: Optional[Home] = None  # stored in another owner's file (store_at), not in file_name
 
     @property
     def nbytes(self) -> int:
         return self.numel * torch.empty(0, dtype=self.dtype).element_size()
 
+    @property
+    def skew(self) -> int:
+        """Where the data starts in its buffer: the home's offset within a page (see the note)."""
+        return 0 if self.home is None else self.home[1] % PAGE_BYTES
+
     def tensor(self) -> torch.Tensor:
         if self.cpu_tensor is not None:
             return self.cpu_tensor
         assert self.buffer is not None
-        return self.buffer.view(self.numel, self.dtype)
+        return self.buffer.view(self.numel, self.dtype, self.skew)
+
+    def read_span(self) -> Tuple[int, int]:
+        """(file offset, bytes) of the whole pages a swap-in reads, from the buffer's start."""
+        if self.home is None:
+            return 0, self.nbytes
+        return self.home[1] - self.skew, align_up(self.skew + self.nbytes)
 
 
 class PartitionedParamSwapper(SwapperBase):
@@ -210,6 +240,9 @@ class PartitionedParamSwapper(SwapperBase):
             self._drop_buffer(p)
             if p.cpu_tensor is not None:
                 self._cpu_numel -= p.numel
+            elif p.home is not None:
+                self._unhome(p)
+                self._nvme_bytes -= p.nbytes
             else:
                 self._nvme_bytes -= p.nbytes
             self.swap_dir.remove(p.file_name)
@@ -246,6 +279,8 @@ class PartitionedParamSwapper(SwapperBase):
         elif part.buffer is None:
             part.buffer = self._acquire(1, [part], "get_buffer")[0]
             part.state = PartitionState.AVAILABLE
+        if part.home is not None:  # new data of its own: written to its own file again
+            self._unhome(part)
         part.on_nvme = False
         return part.tensor()
 
@@ -287,7 +322,9 @@ class PartitionedParamSwapper(SwapperBase):
             self._drain_reads()
         self._check_space()
         for p in parts:
-            if p.state is PartitionState.AVAILABLE:
+            if p.state is PartitionState.AVAILABLE and p.home is not None:
+                self._evict(p)  # stored by its owner already (store_at): nothing to write
+            elif p.state is PartitionState.AVAILABLE:
                 self._submit_write(p)
         if not async_op:
             self._writes.drain()
@@ -309,7 +346,7 @@ class PartitionedParamSwapper(SwapperBase):
                 p.keep_after_write = True
         wanted = list({id(p): p for p in parts if p.state is PartitionState.ON_NVME}.values())
         for p in wanted:
-            self._check_file_size(p.file_name, f"partition {p.param_id!r}", p.nbytes)
+            self._check_stored_size(p)
         buffers = self._acquire(len(wanted), wanted, "swap_in") if wanted else []
         queue = self._read_queue() if wanted else None
         for p, buf in zip(wanted, buffers):
@@ -317,10 +354,9 @@ class PartitionedParamSwapper(SwapperBase):
         submitted = 0
         try:
             for p in wanted:
-                queue.submit(
-                    IoKind.READ, p.buffer.view(p.numel, p.dtype), self.swap_dir.file(p.file_name), 0,
-                    self._on_read(p),
-                )
+                offset, nbytes = p.read_span()
+                path, data = self._stored_path(p), p.buffer.bytes()[:nbytes]
+                queue.submit(IoKind.READ, data, path, offset, self._on_read(p, path, offset, data))
                 submitted += 1
         except BaseException:
             for p in wanted[submitted + 1 :]:  # never submitted (the failed one was called back)
@@ -330,11 +366,70 @@ class PartitionedParamSwapper(SwapperBase):
             self._complete(parts)
         return [p.tensor() for p in parts]
 
+    # -- partitions homed in another owner's file (see the note) --------------------------------
+    def store_at(self, param_ids: Sequence[ParamId], homes: Sequence[Home], tensors: Sequence[torch.Tensor]) -> None:
+        """Make ``tensors[i]`` the data of ``param_ids[i]``, stored by another owner at
+        ``homes[i]`` = (path, byte offset) of its file: nothing is written here. A partition held
+        in a buffer is updated there; its own swap file, if any, is deleted. Partitions kept in
+        host memory (``max_in_cpu``) just copy the tensor."""
+        parts = self._lookup(param_ids)
+        if not len(parts) == len(homes) == len(tensors):
+            raise ValueError(f"store_at got {len(parts)} ids, {len(homes)} homes and {len(tensors)} tensors")
+        capacity = self._buffer_nbytes()
+        for p, (path, offset), t in zip(parts, homes, tensors):
+            if t.numel() != p.numel:
+                raise ValueError(f"partition {p.param_id!r} has {p.numel} elements, the tensor {t.numel()}")
+            need = align_up(offset % PAGE_BYTES + p.nbytes)
+            if p.cpu_tensor is None and capacity is not None and need > capacity:
+                raise BufferTooSmallError(
+                    f"partition {p.param_id!r} stored at byte {offset} of {path} needs {need} bytes of buffer, "
+                    f"the pool holds {capacity}: give it {HOME_SLACK_BYTES} bytes more than the largest partition")
+        busy = [p for p in parts if p.state in (PartitionState.READING, PartitionState.WRITING)]
+        if busy:
+            self._complete(busy)  # a read in flight is verified against the digest it was read for
+        for p, home, t in zip(parts, homes, tensors):
+            if p.cpu_tensor is not None:
+                p.cpu_tensor.copy_(t.reshape(-1))
+                p.has_data = True
+                continue
+            if p.home is None:
+                self.swap_dir.remove(p.file_name)
+                self._nvme_bytes -= p.nbytes
+            elif self._checksums is not None:
+                self._checksums.forget_region(p.home[0], p.home[1], p.nbytes)
+            p.home = (os.fspath(home[0]), int(home[1]))
+            if self._checksums is not None:
+                self._checksums.record(p.home[0], p.home[1], t)
+            if p.state is PartitionState.AVAILABLE:
+                p.tensor().copy_(t.reshape(-1))
+            else:
+                p.state = PartitionState.ON_NVME
+            p.on_nvme = True
+
+    def fill(self, param_ids: Sequence[ParamId], tensors: Sequence[torch.Tensor]) -> None:
+        """Hold homed partitions in buffers with ``tensors[i]``, their stored data, which the
+        owner still has in memory (its write may be in flight): no read."""
+        parts = self._lookup(param_ids)
+        wanted = [(p, t) for p, t in zip(parts, tensors) if p.state is PartitionState.ON_NVME]
+        if any(p.home is None for p, _ in wanted):
+            raise SwapStateError("fill() is for partitions stored with store_at")
+        buffers = self._acquire(len(wanted), [p for p, _ in wanted], "fill") if wanted else []
+        for (p, t), buf in zip(wanted, buffers):
+            p.buffer, p.state, p.on_nvme = buf, PartitionState.AVAILABLE, True
+            p.tensor().copy_(t.reshape(-1))
+
+    def settle(self, param_ids: Iterable[ParamId]) -> None:
+        """Complete the reads in flight of these partitions (their owner is about to rewrite
+        their homes)."""
+        reading = [p for p in self._lookup(param_ids) if p.state is PartitionState.READING]
+        if reading:
+            self._complete(reading)
+
     def _complete(self, parts: List[_Partition]) -> None:
         """Complete the I/O in flight of ``parts``: every op when there is one read queue (as
         :meth:`synchronize`), else only the queues holding their reads and, if one is being
         written, the writes (see the note)."""
-        if len(self._ring) == 1:
+        if self._ring_size == 1:  # (the ring grows at first use: its length says nothing here)
             self.synchronize()
             return
         try:
@@ -491,11 +586,34 @@ class PartitionedParamSwapper(SwapperBase):
 
         return on_done
 
-    def _on_read(self, p: _Partition):
-        path, data = self.swap_dir.file(p.file_name), p.tensor()  # p holds its buffer from now to on_done
-
+    def _on_read(self, p: _Partition, path: str, offset: int, data: torch.Tensor):
+        # p holds its buffer from now to on_done; a homed read also covers bytes of its neighbours
+        # (whole pages): the checksums verified are the recorded regions inside the read.
         def on_done(error: Optional[BaseException]) -> None:
-            if self._settle_read(p, error, path, data, f"partition {p.param_id!r}"):
+            if self._settle_read(p, error, path, data, f"partition {p.param_id!r}", offset):
                 p.state, p.on_nvme = PartitionState.AVAILABLE, True
 
         return on_done
+
+    def _stored_path(self, p: _Partition) -> str:
+        return self.swap_dir.file(p.file_name) if p.home is None else p.home[0]
+
+    def _check_stored_size(self, p: _Partition) -> None:
+        if p.home is None:
+            self._check_file_size(p.file_name, f"partition {p.param_id!r}", p.nbytes)
+            return
+        offset, nbytes = p.read_span()
+        try:
+            size = os.stat(p.home[0]).st_size
+        except FileNotFoundError:
+            size = 0
+        if size < offset + nbytes:
+            raise SwapFileTruncatedError(
+                f"file {p.home[0]} holding partition {p.param_id!r} is {size} bytes, expected at least "
+                f"{offset + nbytes}: it was truncated behind the swapper's back", p.home[0])
+
+    def _unhome(self, p: _Partition) -> None:
+        if self._checksums is not None:
+            self._checksums.forget_region(p.home[0], p.home[1], p.nbytes)
+        p.home = None
+        self._nvme_bytes += p.nbytes

@@ -28,9 +28,10 @@ def test_a_dropped_engine_releases_threads_aio_contexts_and_swap_files(tmp_path,
     before = settled()
     engine, optimizer, _, _ = zero.initialize(model=model, config=base_config("nvme", "nvme", tmp_path))
     train_engine(engine, batches, 2)
-    swap_dirs = [engine.parts.param_store.swap_dir, engine.parts.optimizer_store.swap_dir]
+    param_dir, optimizer_dir = engine.parts.param_store.swap_dir, engine.parts.optimizer_store.swap_dir
     during = resources.snapshot()
-    assert during.threads > before.threads and all(os.listdir(d) for d in swap_dirs)
+    # fp32 shards are read from the optimizer's master: the parameter swap directory stays empty.
+    assert during.threads > before.threads and os.listdir(optimizer_dir) and os.path.isdir(param_dir)
     if drop == "destroyed":
         engine.destroy()
     del engine, optimizer

@@ -164,8 +164,9 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
 
     par_dev = zc.offload_param.device
     if par_dev == "nvme":
+        shared = opt_store if dtype == torch.float32 and isinstance(opt_store, NvmeOptimizerStore) else None
         param_store: ParamStore = _swap_store(lambda: NvmeParamStore(
-            rank_layout, dtype, zc.offload_param, aio, job_id, comm.rank))
+            rank_layout, dtype, zc.offload_param, aio, job_id, comm.rank, master=shared))
     else:
         home = device if par_dev == "none" else torch.device("cpu")
         alias = None

@@ -223,6 +223,22 @@ class NvmeOptimizerStore(OptimizerStore):
             self.swapper.initialize(sg.index, self._staging)
             self._staging = self._staged_sg = None
 
+    def master_home(self, unit_index: int) -> Tuple[str, int]:
+        """(path, byte offset) of one unit's fp32 master shard on NVMe (param_store.py [Note])."""
+        sg = self.rank_layout.sub_group_of(unit_index)
+        path, offset = self.swapper.master_location(sg.index)
+        return path, offset + (self.rank_layout.unit_range(unit_index)[0] - sg.start) * 4
+
+    def resident_master(self, unit_index: int) -> Optional[torch.Tensor]:
+        """One unit's fp32 master shard while its sub-group is in host memory (being built,
+        stepped or written), else None: its file is current."""
+        sg = self.rank_layout.sub_group_of(unit_index)
+        start, stop = self.rank_layout.unit_range(unit_index)
+        if self._staged_sg is sg:
+            return self._staging[start - sg.start:stop - sg.start]
+        tensors = self.swapper.resident(sg.index)
+        return None if tensors is None else tensors.master[start - sg.start:stop - sg.start]
+
     def prefetch(self) -> None:
         if self._groups:
             self._prefetch(self._groups[0])
