@@ -205,15 +205,19 @@ def run_contender(name: str, args, nvme_root: str) -> dict:
 
 
 def disk_needed(names) -> int:
-    """Swap bytes of the largest contender: fp32 weights, master, two Adam states and gradients."""
+    """Swap bytes of the largest contender. Ours: master and two Adam states (the fp32 weights are
+    read from the master), plus zero.Init's slices while initialize takes them over, or the
+    gradients when the step runs after backward: 16 bytes per parameter. DeepSpeed: its fp32
+    weights, master, two Adam states and gradients, 20."""
     from zero.examples import GPT, GPTConfig  # noqa: F401 - sizes by formula, nothing built
 
     def params(m):
         d, layers = m["d_model"], m["layers"]
         return layers * (12 * d * d + 13 * d) + m["vocab"] * d + m["seq"] * d + 2 * d
 
-    sizes = [params(SCALE_MODELS[n[6:]]) if n.startswith("scale-") else params(SPEED_MODEL) for n in names]
-    return int(max(sizes, default=0) * 20 * 1.05)
+    sizes = [(params(SCALE_MODELS[n[6:]]) if n.startswith("scale-") else params(SPEED_MODEL))
+             * (20 if n.startswith("ds-") else 16) for n in names]
+    return int(max(sizes, default=0) * 1.05)
 
 
 def table(results: dict) -> list:

@@ -175,10 +175,20 @@ def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str 
         engine.destroy()
 
 
-def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, which="optimizer", op="write"):
+def parameter_read_dir(engine) -> str:
+    """Where an NVMe engine reads parameter shards from: the optimizer's swap directory when fp32
+    shards live in its master (param_store.py [Note]), else the parameter swap directory."""
+    store = engine.parts.param_store
+    return store.master.swap_dir if store.master is not None else store.swap_dir
+
+
+def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, which="optimizer", op="write",
+                                    precision="fp32"):
     """Train 4 steps on this rank's half of each batch; step 2 fails on ``fail_rank`` only (its
     swap directory refuses ``op``s) and that rank calls step() again, as the error says. The
-    step's only collective (the clip norm) comes before any I/O, so the retry needs none."""
+    step's only collective (the clip norm) comes before any I/O, so the retry needs none.
+    (Parameters are written to swap files of their own with bf16 only: fp32 shards live in the
+    optimizer's master.)"""
     import hashlib
 
     import zero
@@ -186,7 +196,8 @@ def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, whi
 
     os.makedirs(scratch, exist_ok=True)
     torch.manual_seed(0)
-    config = base_config("nvme", "nvme", scratch, world_size=world_size, clip=0.5, lr=1e-2, sub_group_size=3000)
+    config = base_config("nvme", "nvme", scratch, world_size=world_size, clip=0.5, lr=1e-2, sub_group_size=3000,
+                         precision=precision)
     engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
     losses, refused = [], ""
     for step, (x, y) in enumerate(make_batches(GPTConfig(), 4, 4 * world_size)):
@@ -208,7 +219,7 @@ def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, whi
             refused += f"\n{error}"
         engine.step()  # finish it
     with zero.GatheredParameters(list(engine.module.parameters())):
-        digests = {n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+        digests = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                    for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"losses": losses, "weights": digests, "refused": refused}
@@ -238,9 +249,9 @@ def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=
     engine.save_checkpoint(os.path.join(scratch, "ckpt"))
     error = ""
     if fail_rank >= 0:
-        store = engine.parts.param_store if fault == "parameter read" else engine.parts.optimizer_store
+        where = parameter_read_dir(engine) if fault == "parameter read" else engine.parts.optimizer_store.swap_dir
         plan = dict(fail_nth=1 if rank == fail_rank else 10**9, fail_count=0, errno="EIO",
-                    op=fault.split()[-1], path_contains=store.swap_dir)
+                    op=fault.split()[-1], path_contains=where)
         loss = engine(*batches[1]) if phase == "backward" else None
         with faults.inject(**plan):
             try:
@@ -255,7 +266,7 @@ def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=
             engine.load_checkpoint(os.path.join(scratch, "ckpt"))
     losses += train_engine(engine, batches[1:], 3)
     with zero.GatheredParameters(list(engine.module.parameters())):
-        digests = {n: hashlib.sha256(p.detach().numpy().tobytes()).hexdigest()
+        digests = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                    for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"losses": losses, "weights": digests, "error": error}

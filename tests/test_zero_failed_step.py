@@ -13,18 +13,20 @@ import torch
 import zero
 from nvmeio import faults
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import (base_config, run_ranks, scenario_io_fails_on_one_rank, scenario_step_fails_on_one_rank,
-                     train_engine)
+from helpers import (base_config, parameter_read_dir, run_ranks, scenario_io_fails_on_one_rank,
+                     scenario_step_fails_on_one_rank, train_engine)
 
 CFG = GPTConfig()
 BATCHES = make_batches(CFG, 4, 4)
 
 
-def make_engine(nvme, step_in_backward=False):
-    """Steps after backward unless ``step_in_backward`` (then a failure hits backward instead)."""
+def make_engine(nvme, step_in_backward=False, precision="fp32"):
+    """Steps after backward unless ``step_in_backward`` (then a failure hits backward instead).
+    Parameters have swap files of their own with bf16 only (fp32 shards live in the optimizer's
+    master, param_store.py [Note]): the tests of parameter writes use bf16."""
     nvme.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = base_config("nvme", "nvme", nvme, lr=1e-2)
+    config = base_config("nvme", "nvme", nvme, lr=1e-2, precision=precision)
     config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
     engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
     return engine
@@ -35,13 +37,26 @@ def weights(engine):
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    engine = make_engine(tmp_path_factory.mktemp("ref"))
+def train_reference(nvme, precision):
+    engine = make_engine(nvme, precision=precision)
     losses = train_engine(engine, BATCHES, 4)
     final = weights(engine)
     engine.destroy()
     return losses, final
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train_reference(tmp_path_factory.mktemp("ref"), "fp32")
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(tmp_path_factory):
+    return train_reference(tmp_path_factory.mktemp("ref16"), "bf16")
+
+
+def precision_for(which):
+    return "bf16" if which == "params" else "fp32"
 
 
 def swap_dir(engine, which):
@@ -49,8 +64,9 @@ def swap_dir(engine, which):
 
 
 @pytest.mark.parametrize("which", ["optimizer", "params"])
-def test_a_step_whose_writes_fail_is_refused_until_finished_then_matches(tmp_path, reference, which):
-    engine = make_engine(tmp_path)
+def test_a_step_whose_writes_fail_is_refused_until_finished_then_matches(tmp_path, request, which):
+    reference = request.getfixturevalue("bf16_reference" if which == "params" else "reference")
+    engine = make_engine(tmp_path, precision=precision_for(which))
     losses = train_engine(engine, BATCHES[:1], 1)
     loss = engine(*BATCHES[1])
     losses.append(loss.item())
@@ -78,8 +94,9 @@ def test_a_step_whose_writes_fail_is_refused_until_finished_then_matches(tmp_pat
 
 
 @pytest.mark.parametrize("which", ["optimizer", "params"])
-def test_failed_reads_leave_the_state_as_it_was(tmp_path, reference, which):
-    engine = make_engine(tmp_path)
+def test_failed_reads_leave_the_state_as_it_was(tmp_path, request, which):
+    reference = request.getfixturevalue("bf16_reference" if which == "params" else "reference")
+    engine = make_engine(tmp_path, precision=precision_for(which))
     losses = train_engine(engine, BATCHES[:1], 1)
     with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=swap_dir(engine, which), op="read"):
         with pytest.raises(OSError) as info:
@@ -155,7 +172,7 @@ def test_a_backward_that_fails_drops_its_window_and_a_reload_matches(tmp_path, c
         engine.backward(engine(*batch))
         engine.step()
     loss = engine(*batches[2 * accumulation - 1])
-    where = swap_dir(engine, "params" if fault == "parameter read" else "optimizer")
+    where = parameter_read_dir(engine) if fault == "parameter read" else swap_dir(engine, "optimizer")
     path = os.path.join(where, "subgroup0.") if fault == "last gradient write" else where  # written last
     with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=path,
                        op="read" if fault == "parameter read" else "write") as fired:
@@ -183,14 +200,15 @@ def test_a_backward_that_fails_drops_its_window_and_a_reload_matches(tmp_path, c
 
 def test_a_step_failing_on_one_of_two_ranks_is_finished_there_and_both_match(tmp_path):
     cases = {"reference": {}, "optimizer-write-rank1": dict(fail_rank=1),
-             "params-write-rank0": dict(fail_rank=0, which="params"),
+             "reference-bf16": dict(precision="bf16"),
+             "params-write-rank0": dict(fail_rank=0, which="params", precision="bf16"),
              "optimizer-read-rank1": dict(fail_rank=1, op="read")}
     ranks = run_ranks(2, [(name, scenario_step_fails_on_one_rank, kwargs) for name, kwargs in cases.items()],
                       tmp_path)
     for rank, results in enumerate(ranks):
         for name, got in results.items():
             assert "error" not in got, got["error"]
-            expected = ranks[rank]["reference"]
+            expected = ranks[rank]["reference-bf16" if cases[name].get("precision") else "reference"]
             assert got["losses"] == expected["losses"] and got["weights"] == expected["weights"], (name, rank)
             if rank == cases[name].get("fail_rank"):
                 assert got["refused"].startswith(f"{errno.EIO}: ") and "Input/output error" in got["refused"]
@@ -232,9 +250,10 @@ def test_io_failing_on_one_of_two_ranks_in_forward_or_backward_fails_on_both_and
 
 
 @pytest.mark.parametrize("which,nth", [("optimizer", 1), ("optimizer", 4), ("params", 2)])
-def test_a_write_failing_while_backward_steps_refuses_use_until_a_checkpoint_is_loaded(tmp_path, reference,
+def test_a_write_failing_while_backward_steps_refuses_use_until_a_checkpoint_is_loaded(tmp_path, request,
                                                                                       which, nth):
-    engine = make_engine(tmp_path / "swap", step_in_backward=True)
+    reference = request.getfixturevalue("bf16_reference" if which == "params" else "reference")
+    engine = make_engine(tmp_path / "swap", step_in_backward=True, precision=precision_for(which))
     train_engine(engine, BATCHES[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     loss = engine(*BATCHES[1])

@@ -1,11 +1,12 @@
 """NVMe offload really puts the model states on disk, in fp32 when training in fp32.
 
-The swap files hold exactly the partitions: one file per parameter unit of
-``shard_numel × 4`` bytes, one per optimizer sub-group of master, exp_avg and
-exp_avg_sq (each region 4096-aligned). The parameter files hold the fp32
-values bit for bit (DeepSpeed 0.19.8 stores fp32 parameters offloaded to NVMe
-as bf16). And a process training a model with everything on NVMe stays below
-the size of the model states in memory.
+One swap file per optimizer sub-group holds its master, exp_avg and
+exp_avg_sq (each region 4096-aligned). Training in fp32, the parameter shards
+are read from the master region (no parameter swap files: param_store.py
+[Note]), which holds the fp32 values bit for bit (DeepSpeed 0.19.8 stores fp32
+parameters offloaded to NVMe as bf16). In bf16 each parameter unit has a file
+of ``shard_numel × 2`` bytes. And a process training a model with everything
+on NVMe stays below the size of the model states in memory.
 """
 import json
 import os
@@ -35,16 +36,12 @@ def test_swap_files_hold_exactly_the_partitions_in_fp32(tmp_path):
     engine, _, _, _ = zero.initialize(model=model, config=config)
     try:
         train_engine(engine, make_batches(CFG, 3, 4), 3)
-        engine.parts.param_store.flush()
+        engine.parts.optimizer_store.swapper.synchronize()
         layout = engine.parts.rank_layout
         param_dir = engine.parts.param_store.swap_dir
         opt_dir = engine.parts.optimizer_store.swap_dir
         assert param_dir.startswith(str(tmp_path)) and opt_dir.startswith(str(tmp_path))
-
-        expected = {swap_file_name(unit_id(u)): u.shard_numel * 4 for u in layout.units}
-        actual = {f: os.path.getsize(os.path.join(param_dir, f)) for f in os.listdir(param_dir)}
-        assert actual == expected
-        assert sum(actual.values()) == layout.numel * 4 == sum(p.ds_numel for p in model.parameters()) * 4
+        assert os.listdir(param_dir) == []  # the shards live in the optimizer's master
 
         # a header page, master, exp_avg, exp_avg_sq (each 4096-aligned); no gradient file: each
         # sub-group was stepped during backward, its gradient never written
@@ -52,17 +49,39 @@ def test_swap_files_hold_exactly_the_partitions_in_fp32(tmp_path):
         opt_actual = {f: os.path.getsize(os.path.join(opt_dir, f)) for f in os.listdir(opt_dir)}
         assert opt_actual == opt_expected and len(opt_expected) > 1
 
-        # The bytes on disk are the fp32 parameters, bit for bit.
-        unit = engine.parts.units[1]
-        on_disk = torch.from_file(os.path.join(param_dir, swap_file_name(unit_id(unit.layout))),
-                                  size=unit.layout.shard_numel, dtype=torch.float32)
-        with zero.GatheredParameters(unit.params):
-            flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
-        assert torch.equal(on_disk, flat)
+        # The master region holds every unit's fp32 parameters, bit for bit, where the store reads them.
+        for unit in engine.parts.units:
+            path, offset = engine.parts.optimizer_store.master_home(unit.index)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                on_disk = torch.frombuffer(bytearray(f.read(unit.layout.shard_numel * 4)), dtype=torch.float32)
+            with zero.GatheredParameters(unit.params):
+                flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
+            assert path.startswith(opt_dir) and torch.equal(on_disk, flat), unit.layout.module_name
         assert all(p.dtype == torch.float32 for p in model.parameters())
     finally:
         engine.destroy()
     assert not os.listdir(tmp_path)  # destroy() removed the swap files
+
+
+def test_bf16_parameters_have_swap_files_of_their_own(tmp_path):
+    torch.manual_seed(0)
+    config = base_config("nvme", "nvme", tmp_path, lr=1e-2, sub_group_size=3000, precision="bf16")
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    try:
+        train_engine(engine, make_batches(CFG, 2, 4), 2)
+        engine.parts.param_store.flush()
+        layout, param_dir = engine.parts.rank_layout, engine.parts.param_store.swap_dir
+        expected = {swap_file_name(unit_id(u)): u.shard_numel * 2 for u in layout.units}
+        actual = {f: os.path.getsize(os.path.join(param_dir, f)) for f in os.listdir(param_dir)}
+        assert actual == expected
+        unit = engine.parts.units[1]
+        on_disk = torch.from_file(os.path.join(param_dir, swap_file_name(unit_id(unit.layout))),
+                                  size=unit.layout.shard_numel, dtype=torch.bfloat16)
+        with zero.GatheredParameters(unit.params):
+            assert torch.equal(on_disk, torch.cat([p.detach().reshape(-1) for p in unit.params]))
+    finally:
+        engine.destroy()
 
 
 MEMORY_SCRIPT = textwrap.dedent("""

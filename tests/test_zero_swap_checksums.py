@@ -3,6 +3,7 @@ config turns on (``offload_param.checksum`` / ``offload_optimizer.checksum``, de
 the error names the file and the unit, and resuming from the last checkpoint works."""
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -16,9 +17,9 @@ from helpers import base_config, train_engine
 CFG = GPTConfig()
 
 
-def make_engine(nvme, checksum=None):
+def make_engine(nvme, checksum=None, precision="fp32"):
     torch.manual_seed(0)
-    config = base_config("nvme", "nvme", nvme, lr=1e-2)
+    config = base_config("nvme", "nvme", nvme, lr=1e-2, precision=precision)
     if checksum is not None:
         for key in ("offload_param", "offload_optimizer"):
             config["zero_optimization"][key]["checksum"] = checksum
@@ -26,8 +27,8 @@ def make_engine(nvme, checksum=None):
     return engine
 
 
-def damage(path, how):
-    size = os.path.getsize(path)
+def damage(path, how, offset=0):
+    size = os.path.getsize(path) - offset
     n = min(size, 1 << 16)
     if how == "zeros":
         data = bytes(n)
@@ -36,16 +37,24 @@ def damage(path, how):
     else:
         data = np.full(n // 4, np.nan, dtype=np.float32).tobytes()
     with open(path, "r+b") as f:
+        f.seek(offset)
         f.write(data)
         os.fsync(f.fileno())
 
 
+def exp_avg_offset(engine, sub_group):
+    return engine.parts.optimizer_store.swapper.stored_file(sub_group)[1]["exp_avg"]
+
+
+# params: a bf16 parameter's own swap file. master: the fp32 master region of an optimizer swap
+# file, which the forward reads the parameter shards from (param_store.py [Note]). optimizer: the
+# Adam states of that file, which only the optimizer's swap-in reads.
 @pytest.mark.parametrize("how", ["zeros", "random", "nans"])
-@pytest.mark.parametrize("target", ["params", "optimizer"])
+@pytest.mark.parametrize("target", ["params", "master", "optimizer"])
 def test_damaged_swap_files_raise_naming_file_and_unit_and_resume_works(tmp_path, target, how):
     batches = make_batches(CFG, 4, 4)
     (tmp_path / "swap").mkdir()
-    engine = make_engine(tmp_path / "swap")
+    engine = make_engine(tmp_path / "swap", precision="bf16" if target == "params" else "fp32")
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     expected = train_engine(engine, batches[1:3], 2)  # what the resumed run must reproduce
@@ -57,13 +66,17 @@ def test_damaged_swap_files_raise_naming_file_and_unit_and_resume_works(tmp_path
     store = engine.parts.param_store if target == "params" else engine.parts.optimizer_store
     name = sorted(n for n in os.listdir(store.swap_dir) if n.endswith(".swp"))[1]
     path = os.path.join(store.swap_dir, name)
-    damage(path, how)
+    damage(path, how, exp_avg_offset(engine, 1) if target == "optimizer" else 0)
     with pytest.raises(SwapCorruptionError) as info:
         train_engine(engine, batches[2:3], 1)
     message = str(info.value)
     assert path in message and "changed since it was written" in message
     if target == "params":
         assert message.startswith("partition 'unit") and name[len("param_"):-len(".swp")] in message
+    elif target == "master":
+        sub_group = engine.parts.rank_layout.sub_groups[1]
+        assert name == "subgroup1.swp" and re.match(r"partition 'unit(\d+)\.", message)
+        assert int(re.match(r"partition 'unit(\d+)\.", message).group(1)) in sub_group.units
     else:
         assert message.startswith(f"sub-group {name[len('subgroup'):-len('.swp')]}:")
 
@@ -103,13 +116,14 @@ def test_a_damaged_swap_file_saved_into_a_checkpoint_is_refused_by_its_load(tmp_
     engine.save_checkpoint(tmp_path / "ckpt", tag="good")
     train_engine(engine, batches[1:2], 1)  # the swap files are new files again, not good's
     store = engine.parts.optimizer_store
-    damage(os.path.join(store.swap_dir, "subgroup1.swp"), "nans")
+    # The Adam state: a save of a damaged master refuses already, gathering the module's weights.
+    damage(os.path.join(store.swap_dir, "subgroup1.swp"), "nans", exp_avg_offset(engine, 1))
     engine.save_checkpoint(tmp_path / "ckpt", tag="bad")
     shard = tmp_path / "ckpt" / "bad" / "rank00000" / "subgroup00001.safetensors"
     assert os.stat(shard).st_nlink == 2  # linked: no byte was read or moved
     with zero.GatheredParameters(list(engine.module.parameters())):
         before = [p.detach().clone() for p in engine.module.parameters()]
-    with pytest.raises(zero.CheckpointCorruptionError, match=f"{shard}.*'master'"):
+    with pytest.raises(zero.CheckpointCorruptionError, match=f"{shard}.*'exp_avg'"):
         engine.load_checkpoint(tmp_path / "ckpt", tag="bad")
     with zero.GatheredParameters(list(engine.module.parameters())):
         assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
