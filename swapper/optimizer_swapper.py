@@ -609,11 +609,11 @@ class PartitionedOptimizerSwapper(SwapperBase):
         raw = g.buffer.bytes()
         for i in range(1 + len(lay.state_names)):  # filler after each region: zeros, not a stale buffer's bytes
             raw[lay.offset(i) + lay.tensor_bytes:lay.offset(i + 1)].zero_()
+        digests = None  # computed while the write is in flight (checksum.py [Note: digests off ...])
         if self._checksums is not None:
             tensors = self._tensors(g, with_grad=False)
-            self._checksums.record(path, lay.offset(0), tensors.master)
-            for i, t in enumerate(tensors.states.values()):
-                self._checksums.record(path, lay.offset(1 + i), t)
+            digests = self._checksums.record_later(path, [(lay.offset(0), tensors.master)] + [
+                (lay.offset(1 + i), t) for i, t in enumerate(tensors.states.values())])
         g.state = SubGroupState.WRITING
         # A step read the gradient with the state: this write consumes exactly the gradient
         # pieces written before it. A gradient written while this write is in flight (the next
@@ -621,6 +621,8 @@ class PartitionedOptimizerSwapper(SwapperBase):
         consumed = (len(g.grad_ranges), len(g.grad_tickets)) if g.read_grad else None
 
         def on_done(error: Optional[BaseException]) -> None:
+            if digests is not None:
+                digests.wait()  # before the buffer can change
             if error is not None:  # the state is still in the buffer: keep it for a retry
                 g.state = SubGroupState.AVAILABLE
                 return

@@ -47,8 +47,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from dataclasses import dataclass
 import os
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import quote
 
@@ -238,11 +238,10 @@ class PartitionedParamSwapper(SwapperBase):
             self.synchronize()
         for p in parts:
             self._drop_buffer(p)
+            if p.home is not None:
+                self._unhome(p)  # counted on disk again, as below
             if p.cpu_tensor is not None:
                 self._cpu_numel -= p.numel
-            elif p.home is not None:
-                self._unhome(p)
-                self._nvme_bytes -= p.nbytes
             else:
                 self._nvme_bytes -= p.nbytes
             self.swap_dir.remove(p.file_name)

@@ -62,6 +62,33 @@ def test_a_digest_taken_in_pieces_equals_the_one_taken_at_once(algorithm):
     assert digest_chunks(ChecksumAlgorithm(algorithm), []) == table.digest(torch.empty(0))
 
 
+def test_digests_recorded_later_on_a_helper_thread_equal_those_taken_at_once():
+    table, now = ChecksumTable("crc32"), ChecksumTable("crc32")
+    regions = [(4096, torch.randn(5000)), (4096 + 20480, torch.randn(3))]
+    pending = table.record_later("f", regions)
+    for offset, t in regions:
+        now.record("f", offset, t)
+    pending.wait()
+    for offset, t in regions:
+        assert table.recorded("f", offset, t.numel() * 4) == now.recorded("f", offset, t.numel() * 4)
+    table.verify("f", 4096, torch.cat([regions[0][1], torch.zeros(120), regions[1][1]]))
+
+
+@pytest.mark.parametrize("damaged", [0, 1, 2])
+def test_a_read_of_several_large_regions_is_verified_in_parallel_and_any_damage_found(damaged):
+    table = ChecksumTable("crc32")
+    n = 1 << 20  # three 4 MiB regions: above PARALLEL_MIN_BYTES together
+    data = torch.randn(3 * n)
+    for k in range(3):
+        table.record("f", k * n * 4, data[k * n:(k + 1) * n])
+    table.verify("f", 0, data)
+    bad = data.clone()
+    bad[damaged * n + 7] += 1
+    start = damaged * n * 4
+    with pytest.raises(SwapCorruptionError, match=rf"bytes \[{start}, {start + n * 4}\)"):
+        table.verify("f", 0, bad)
+
+
 def test_rewriting_a_region_forgets_the_old_digest():
     table = ChecksumTable("crc32")
     table.record("f", 0, torch.zeros(100))
