@@ -251,7 +251,8 @@ def table(results: dict) -> list:
         if "error" in r:
             lines.append(f"| {name} | | failed: {r['error'][:90]} | | | |")
             continue
-        ratio = f"{r['median_s'] / base:.2f}" if base else "-"
+        own = results.get(r.get("baseline"), {}).get("median_s", base)  # merged runs: their own torch
+        ratio = f"{r['median_s'] / own:.2f}" if own else "-"
         steps = ", ".join(map(str, r["times_s"]))
         if "round_medians_s" in r:
             paired = paired_ratio(results, name)
@@ -317,8 +318,8 @@ def verdicts(results: dict) -> list:
 def markdown(results: dict, meta: dict, png: str | None, notes=()) -> str:
     rows = table(results) + [""] + verdicts(results) + [f"- {n}" for n in notes]
     body = [f"Latest run: {meta['started']}, `{meta['command']}`; load average {meta['load_start']} at start, "
-            f"{meta['load_end']} at end (2 CPUs shared with other engineers' work: absolute times are noisy, "
-            f"ratios within one run are the figures to read); {meta['elapsed_s']:.0f} s in all.", "",
+            f"{meta['load_end']} at end (2 CPUs: absolute times vary by 10% and more from run to run, so the "
+            f"figures to read are ratios within one run or round); {meta['elapsed_s']:.0f} s in all.", "",
             __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "", *rows, ""]
     if png:
         body += [f"![step times]({os.path.basename(png)})", ""]

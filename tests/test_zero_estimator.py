@@ -59,3 +59,10 @@ def test_terms(param, opt):
     assert e.nvme_bytes == pytest.approx(nvme_rank * R)
     cold = estimate_zero3(P, L, param, opt, False, R, N, additional_buffer_factor=1.0, sub_group_size=10 ** 8)
     assert cold.cpu_bytes == pytest.approx(max(cpu_rank * R, 4 * P * R))
+
+
+@pytest.mark.parametrize("opt", ["nvme", "cpu"])
+def test_fp32_parameters_on_nvme_take_no_bytes_beside_an_nvme_master(opt):
+    P, L = 1_000_000_000, 10_000_000
+    e = estimate_zero3(P, L, "nvme", opt, bytes_per_param=4, additional_buffer_factor=1.0)
+    assert e.nvme_bytes == pytest.approx(16 * P if opt == "nvme" else 4 * P)

@@ -5,7 +5,9 @@ the NVMe bytes and the pinned staging buffers counted (DeepSpeed's estimator
 leaves both out). Per rank, with ``P`` parameters, ``L`` in the largest layer
 (a module's own parameters), ``W`` ranks, ``b`` bytes per 16-bit value:
 
-- parameter shard ``b·P/W`` at ``offload_param`` (GPU, host or NVMe);
+- parameter shard ``b·P/W`` at ``offload_param`` (GPU, host or NVMe; nothing
+  more when fp32 parameters and the optimizer are both on NVMe: the shards are
+  read from the fp32 master, see zero/param_store.py);
 - fp32 master, exp_avg, exp_avg_sq ``12·P/W`` at ``offload_optimizer``;
 - fp32 gradient partition ``4·P/W``: on the GPU without optimizer offload, in
   host memory with ``cpu``, on NVMe with ``nvme`` (written sub-group by
@@ -64,7 +66,8 @@ def estimate_zero3(total_params: int, largest_layer_params: int, offload_param: 
     cpu = nvme = 0.0
     homes = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}
     per = {"gpu": 0.0, "cpu": 0.0, "nvme": 0.0}
-    per[homes[offload_param]] += b * shard
+    if not (b == 4 and offload_param == offload_optimizer == "nvme"):
+        per[homes[offload_param]] += b * shard
     per[homes[offload_optimizer]] += 16 * shard  # fp32 master, exp_avg, exp_avg_sq, gradient
     if offload_param == "nvme":
         per["cpu"] += param_buffer_count * b * -(-largest_layer_params // world)
