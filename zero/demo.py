@@ -47,7 +47,7 @@ MODEL = GPTConfig(vocab=256, d_model=128, heads=4, layers=4, seq=128)
 BATCH = 8
 LR = 2e-3
 LR_BIG = 3e-5  # Adam's first steps move every weight by about lr: 2e-3 blows up a 2048-wide, 40-layer model
-STATE_BYTES_PER_PARAM = 16  # fp32 parameter + fp32 master + exp_avg + exp_avg_sq
+STATE_BYTES_PER_PARAM = 16  # fp32 parameter (its own master) + gradient + exp_avg + exp_avg_sq
 
 
 def ds_config(offload: str, nvme_dir: str, batch: int = BATCH, sub_group_size: int = 200_000,
