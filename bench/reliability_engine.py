@@ -31,16 +31,18 @@ def _kit():
     return reliability
 
 
-def _engine(nvme: str, step_in_backward: bool = False, **zero_extra):
+def _engine(nvme: str, step_in_backward: bool = False, precision: str = "fp32", **zero_extra):
     """Without ``step_in_backward`` the optimizer's I/O happens in step() (what the step cases
-    fail); with it, sub-groups are stepped during backward (what the in-backward cases fail)."""
+    fail); with it, sub-groups are stepped during backward (what the in-backward cases fail).
+    Parameters have swap files of their own in bf16 only (fp32 shards are read from the
+    optimizer's master, zero/param_store.py): the cases aimed at parameter files use bf16."""
     import zero
     from helpers import base_config
     from zero.examples import GPT, GPTConfig
 
     os.makedirs(nvme, exist_ok=True)
     torch.manual_seed(0)
-    config = base_config("nvme", "nvme", nvme, lr=1e-2, **zero_extra)
+    config = base_config("nvme", "nvme", nvme, lr=1e-2, precision=precision, **zero_extra)
     config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
     engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
     return engine
@@ -59,10 +61,14 @@ def _weights(engine):
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
-def _reference(d: str):
+def _precision(which: str) -> str:
+    return "bf16" if which == "params" else "fp32"
+
+
+def _reference(d: str, precision: str = "fp32"):
     from helpers import train_engine
 
-    engine = _engine(os.path.join(d, "ref"))
+    engine = _engine(os.path.join(d, "ref"), precision=precision)
     try:
         return train_engine(engine, _batches(), BATCHES_N), _weights(engine)
     finally:
@@ -88,7 +94,9 @@ def _failed_write_step(which: str, error: str):
         from nvmeio import faults
 
         k = _kit()
-        engine = _engine(os.path.join(d, "swap"))
+        if which == "params":
+            reference = _reference(d, "bf16")
+        engine = _engine(os.path.join(d, "swap"), precision=_precision(which))
         batches = _batches()
         losses = train_engine(engine, batches[:1], 1)
         loss = engine(*batches[1])
@@ -116,25 +124,35 @@ def _failed_write_step(which: str, error: str):
 
 
 def _failed_read(which: str):
+    """``params`` (bf16: parameter files) and ``master`` (fp32: parameters read from the
+    optimizer's master): a forward read fails, the batch is run again. ``optimizer``: a read of
+    the step fails, the step is finished."""
     def case(d, row, reference):
-        from helpers import train_engine
+        from helpers import parameter_read_dir, train_engine
         from nvmeio import faults
 
         k = _kit()
-        engine = _engine(os.path.join(d, "swap"))
+        if which == "params":
+            reference = _reference(d, "bf16")
+        engine = _engine(os.path.join(d, "swap"), precision=_precision(which))
         batches = _batches()
         losses = train_engine(engine, batches[:1], 1)
-        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=_swap_dir(engine, which),
-                           op="read"):
+        where = parameter_read_dir(engine) if which != "optimizer" else _swap_dir(engine, which)
+        if which == "optimizer":  # forward and backward first: the fault hits the step's reads
+            loss = engine(*batches[1])
+            losses.append(loss.item())
+            engine.backward(loss)
+        with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=where, op="read"):
             try:
-                train_engine(engine, batches[1:2], 1)
+                engine.step() if which == "optimizer" else train_engine(engine, batches[1:2], 1)
                 raise k.Expectation("no error raised")
             except OSError as e:
-                k.expect(e.errno == errno.EIO and _swap_dir(engine, which) in str(e), f"unclear error: {e}")
-        if engine.optimizer.step_in_progress:
+                k.expect(e.errno == errno.EIO and where in str(e), f"unclear error: {e}")
+        if which == "optimizer":
+            k.expect(engine.optimizer.step_in_progress, "the failed step is not marked in progress")
             engine.step()
-            losses.append(reference[0][1])
         else:
+            k.expect(not engine.optimizer.step_in_progress, "a forward read failure touched the step")
             losses += train_engine(engine, batches[1:2], 1)
         losses += train_engine(engine, batches[2:], 2)
         k.expect(losses == reference[0], "losses differ from the run without faults")
@@ -155,7 +173,9 @@ def _damaged_swap_file(which: str, how: str, linked: bool = False):
         from swapper import SwapCorruptionError
 
         k = _kit()
-        engine = _engine(os.path.join(d, "swap"))
+        if which == "params":
+            reference = _reference(d, "bf16")
+        engine = _engine(os.path.join(d, "swap"), precision=_precision(which))
         batches = _batches()
         ckpt = os.path.join(d, "ckpt")
         losses = train_engine(engine, batches[:1], 1)
@@ -199,7 +219,7 @@ def _failed_backward(fault: str, accumulation: int = 1):
     engine refuses all use until a checkpoint is loaded, then matches a run without the fault.
     Clipping keeps the gradients going to NVMe during backward (zero/grad_stash.py)."""
     def case(d, row, _reference):
-        from helpers import train_engine
+        from helpers import parameter_read_dir, train_engine
         from nvmeio import faults
 
         k = _kit()
@@ -215,7 +235,7 @@ def _failed_backward(fault: str, accumulation: int = 1):
             engine.backward(engine(*batch))
             engine.step()
         loss = engine(*batches[2 * accumulation - 1])
-        where = _swap_dir(engine, "params" if fault == "parameter read" else "optimizer")
+        where = parameter_read_dir(engine) if fault == "parameter read" else _swap_dir(engine, "optimizer")
         path = os.path.join(where, "subgroup0.") if fault == "last gradient write" else where
         with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=path,
                            op="read" if fault == "parameter read" else "write"):
@@ -256,10 +276,10 @@ def _failed_in_backward_step(which: str, op: str):
 
         k = _kit()
         batches = _batches()
-        ref = _engine(os.path.join(d, "ref"), step_in_backward=True)
+        ref = _engine(os.path.join(d, "ref"), step_in_backward=True, precision=_precision(which))
         reference = train_engine(ref, batches, BATCHES_N), _weights(ref)
         ref.destroy()
-        engine = _engine(os.path.join(d, "swap"), step_in_backward=True)
+        engine = _engine(os.path.join(d, "swap"), step_in_backward=True, precision=_precision(which))
         train_engine(engine, batches[:1], 1)
         engine.save_checkpoint(os.path.join(d, "ckpt"))
         loss = engine(*batches[1])
@@ -280,17 +300,19 @@ def _two_ranks_step(d, row, _reference):
 
     k = _kit()
     cases = {"reference": {}, "optimizer-write-rank1": dict(fail_rank=1),
-             "params-write-rank0": dict(fail_rank=0, which="params"),
+             "reference-bf16": dict(precision="bf16"),
+             "params-write-rank0": dict(fail_rank=0, which="params", precision="bf16"),
              "optimizer-read-rank1": dict(fail_rank=1, op="read")}
     ranks = run_ranks(2, [(n, scenario_step_fails_on_one_rank, kw) for n, kw in cases.items()], d)
-    row.cases = len(cases) - 1
+    row.cases = len(cases) - 2
     for rank, results in enumerate(ranks):
         for name, got in results.items():
             k.expect("error" not in got, f"{name} rank {rank}: {got.get('error')}")
             if rank == cases[name].get("fail_rank"):
                 k.expect("Input/output error" in got["refused"] and "engine.step() again" in got["refused"],
                          f"{name}: unclear error or refusal: {got['refused']!r}")
-            same = got["losses"] == results["reference"]["losses"] and got["weights"] == results["reference"]["weights"]
+            expected = results["reference-bf16" if cases[name].get("precision") else "reference"]
+            same = got["losses"] == expected["losses"] and got["weights"] == expected["weights"]
             k.expect(same, f"{name} rank {rank}: losses or weights differ from the run without faults")
 
 
@@ -327,8 +349,9 @@ def _two_ranks_io(d, row, _reference):
 ENGINE_CASES = {
     "optimizer swap-out fails (EROFS) for one step; step finished": _failed_write_step("optimizer", "EROFS"),
     "optimizer swap-out fails (ENOSPC) for one step; step finished": _failed_write_step("optimizer", "ENOSPC"),
-    "parameter swap-out fails (EACCES) for one step; step finished": _failed_write_step("params", "EACCES"),
-    "parameter swap-in fails (EIO); batch run again": _failed_read("params"),
+    "parameter swap-out fails (EACCES) for one step (bf16); step finished": _failed_write_step("params", "EACCES"),
+    "parameter swap-in fails (EIO, bf16); batch run again": _failed_read("params"),
+    "parameter read from the fp32 master fails (EIO); batch run again": _failed_read("master"),
     "optimizer swap-in fails (EIO); step finished": _failed_read("optimizer"),
     **{f"{which} swap file {how} between steps; checkpoint loaded": _damaged_swap_file(which, how)
        for which in ("params", "optimizer") for how in ("zeros", "random", "nans")},
@@ -343,7 +366,7 @@ ENGINE_CASES = {
     "parameter swap-in fails in backward (EIO); checkpoint reloaded": _failed_backward("parameter read"),
     "optimizer write fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
         "optimizer", "write"),
-    "parameter write fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
+    "parameter write fails while backward steps sub-groups (EIO, bf16); checkpoint reloaded": _failed_in_backward_step(
         "params", "write"),
     "optimizer read fails while backward steps sub-groups (EIO); checkpoint reloaded": _failed_in_backward_step(
         "optimizer", "read"),
