@@ -307,4 +307,6 @@ class NvmeParamStore(ParamStore):
 
     def close(self) -> None:
         self._lent.clear()  # the pool's memory lives on in the views of units still gathered
+        if self.master is not None:
+            self.master.swapper.on_rewrite = None  # its last writes have no reads of ours to wait for
         self.swapper.cleanup()
