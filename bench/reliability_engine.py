@@ -511,7 +511,7 @@ def ck_modes(d):
 
 
 def ck_resave_cut(d):
-    import zero.checkpoint as checkpoint_module
+    import zero.checkpoint.publish as checkpoint_module
 
     k = _kit()
     with _engine_saved(d) as (engine, ckpt):

@@ -169,7 +169,7 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
            "median_s": statistics.median(times[warmup:]), "times_s": [round(t, 2) for t in times],
            "peak_rss_bytes": _vm("VmHWM"), "losses": losses}
     if scale:
-        from zero.estimator import estimate_zero3
+        from zero.stores.estimator import estimate_zero3
 
         total, largest = params, max(sum(int(getattr(p, "ds_numel", p.numel())) for p in m.parameters(False))
                                      for m in model.modules())

@@ -7,7 +7,7 @@ import sys
 
 import nvmeio.demo
 import zero.demo
-from zero.stdlib_corpus import ByteBatches, stdlib_source_bytes
+from zero.demo.stdlib_corpus import ByteBatches, stdlib_source_bytes
 
 
 def test_zero_demo_matches_torch_with_nvme_offload(tmp_path, capsys):

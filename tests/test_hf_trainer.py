@@ -16,7 +16,7 @@ pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip inst
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from zero.config import ConfigError  # noqa: E402
-from zero.full_state_dict import full_state_dict  # noqa: E402
+from zero.partitioning.full_state_dict import full_state_dict  # noqa: E402
 from zero.hf import ZeroTrainer, resolve_for_trainer  # noqa: E402
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")

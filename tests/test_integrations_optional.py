@@ -8,7 +8,7 @@ CODE = """
 import json, sys
 import nvmeio, swapper, zero
 from zero import initialize, Init, GatheredParameters, get_fp32_state_dict_from_zero_checkpoint
-import zero.engine, zero.demo, zero.full_state_dict, zero.hf
+import zero.engine.zero_engine, zero.demo, zero.partitioning.full_state_dict, zero.hf
 print(json.dumps(sorted(m for m in ("transformers", "accelerate", "lightning", "pytorch_lightning")
                         if m in sys.modules)))
 """

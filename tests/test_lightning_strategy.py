@@ -15,7 +15,7 @@ pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra:
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from zero.examples import GPT, GPTConfig, make_batches  # noqa: E402
-from zero.full_state_dict import full_state_dict  # noqa: E402
+from zero.partitioning.full_state_dict import full_state_dict  # noqa: E402
 from zero.lightning import ZeroStrategy, convert_zero_checkpoint_to_fp32_state_dict  # noqa: E402
 
 CFG = GPTConfig()

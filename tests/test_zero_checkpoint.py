@@ -15,7 +15,7 @@ import torch
 
 import nvmeio
 import zero
-import zero.checkpoint as checkpoint_module
+import zero.checkpoint.save as checkpoint_module
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config, train_engine
 

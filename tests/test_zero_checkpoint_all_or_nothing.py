@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zero
-import zero.checkpoint as checkpoint_module
+import zero.checkpoint.publish as checkpoint_module
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config, train_engine
 

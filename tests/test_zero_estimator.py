@@ -2,7 +2,7 @@
 import pytest
 
 import zero
-from zero.estimator import GB, estimate_zero3, model_sizes
+from zero.stores.estimator import GB, estimate_zero3, model_sizes
 from zero.examples import GPT, GPTConfig
 
 CFG = GPTConfig()

@@ -267,6 +267,6 @@ def test_loading_holds_about_one_tensor(tmp_path):
 
 def test_the_core_imports_neither_transformers_nor_safetensors():
     code = ("import json, sys, nvmeio, swapper, zero\n"
-            "import zero.init_context, zero.pretrained, zero.initialize, zero.build\n"
+            "import zero.partitioning.init_context, zero.checkpoint.pretrained, zero.engine.entry, zero.engine.build\n"
             "print(json.dumps({'loaded': [m for m in ('transformers', 'safetensors') if m in sys.modules]}))\n")
     assert run_child(code)["loaded"] == []

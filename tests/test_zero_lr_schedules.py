@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zero
-from zero.lr_schedules import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR
+from zero.engine.lr_schedules import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config
 

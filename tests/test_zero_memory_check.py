@@ -4,7 +4,7 @@ import torch
 
 import zero
 from swapper.host_memory import HostMemory, format_bytes
-from zero import memory_check
+from zero.stores import memory_check
 from zero.config import ConfigError
 from zero.examples import GPT, GPTConfig
 from helpers import base_config

@@ -17,7 +17,7 @@ import textwrap
 import torch
 
 import zero
-from zero.param_store import unit_id
+from zero.stores.param_store import unit_id
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config, train_engine
 from swapper.param_swapper import swap_file_name

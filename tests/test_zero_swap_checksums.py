@@ -134,7 +134,7 @@ def test_a_damaged_swap_file_saved_into_a_checkpoint_is_refused_by_its_load(tmp_
 
 def test_auto_without_a_fast_package_turns_checksums_off_and_says_so(tmp_path, monkeypatch, caplog):
     import swapper.checksum as checksum_module
-    import zero.param_store as param_store
+    import zero.stores.param_store as param_store
 
     monkeypatch.setattr(checksum_module, "fastest_available", lambda: checksum_module.ChecksumAlgorithm.CRC32)
     monkeypatch.setattr(param_store, "_WARNED_NO_FAST_CHECKSUM", False)

@@ -11,24 +11,29 @@ save_16bit_model``, ``get_fp32_state_dict_from_zero_checkpoint``,
 ``estimate_zero3_model_states_mem_needs_all_live / _all_cold``.
 
 Importing ``zero`` loads only the config layer (:mod:`zero.config`, no torch);
-the engine's modules are imported on first use of their names.
+the engine's modules are imported on first use of their names. The public API is
+this package's ``__all__`` and the modules ``zero.hf``, ``zero.lightning``,
+``zero.zero_to_fp32``, ``zero.examples`` and ``zero.demo``; the sub-packages
+(``config``, ``stores``, ``runtime``, ``partitioning``, ``checkpoint``,
+``engine``, ``integrations``) are the implementation, mapped in
+docs/architecture.md.
 """
 
 from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
 
-_LAZY = {
-    "initialize": "initialize",
-    "ZeroEngine": "engine",
-    "EngineStateError": "engine",
-    "CheckpointTagError": "checkpoint_format",
-    "CheckpointCorruptionError": "checkpoint_format",
-    "UnsafeCheckpointError": "checkpoint_format",
-    "Init": "init_context",
-    "GatheredParameters": "gathered",
-    "load_pretrained": "pretrained",
-    "save_pretrained": "pretrained",
-    "estimate_zero3_model_states_mem_needs_all_live": "estimator",
-    "estimate_zero3_model_states_mem_needs_all_cold": "estimator",
+_LAZY = {  # public name: the module it comes from
+    "initialize": "engine.entry",
+    "ZeroEngine": "engine.zero_engine",
+    "EngineStateError": "engine.zero_engine",
+    "CheckpointTagError": "checkpoint.format",
+    "CheckpointCorruptionError": "checkpoint.format",
+    "UnsafeCheckpointError": "checkpoint.format",
+    "Init": "partitioning.init_context",
+    "GatheredParameters": "partitioning.gathered",
+    "load_pretrained": "checkpoint.pretrained",
+    "save_pretrained": "checkpoint.pretrained",
+    "estimate_zero3_model_states_mem_needs_all_live": "stores.estimator",
+    "estimate_zero3_model_states_mem_needs_all_cold": "stores.estimator",
     "get_fp32_state_dict_from_zero_checkpoint": "zero_to_fp32",
     "load_state_dict_from_zero_checkpoint": "zero_to_fp32",
 }

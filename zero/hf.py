@@ -1,6 +1,6 @@
-"""Hugging Face ``from_pretrained`` under :class:`zero.Init`: weights go straight into partitions.
-
-Two shapes, as DeepSpeed users know them::
+"""Hugging Face on this engine (``pip install "nvmeio[hf]"``). ``from_pretrained`` under
+:class:`zero.Init`: weights go straight into partitions. Two shapes, as DeepSpeed users
+know them::
 
     with zero.Init(config_dict_or_path=ds_config):            # any model class, any config
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -12,128 +12,25 @@ Two shapes, as DeepSpeed users know them::
 Either way each parameter is partitioned (to NVMe with ``offload_param.device:
 nvme``) as its checkpoint tensor arrives, so the model is never whole in
 memory; then ``zero.initialize(model=model, config=ds_config)``.
-Tested with transformers 5.x (5.23); other major versions are refused.
-``zero.hf.ZeroTrainer`` (hf_trainer.py, imported on first use: it needs
-accelerate) is the Trainer on this engine.
-
-[Note: which of transformers' paths we hook]
-transformers decides it runs under ZeRO-3 from a global ``HfDeepSpeedConfig``
-of its own and then imports ``deepspeed`` and calls DeepSpeed's ``zero.Init``
-and ``GatheredParameters``; that path also reads the whole checkpoint into
-memory on rank 0. We do not pretend to be ``deepspeed``. We use its plain path
-instead, which since 5.0 builds the model on the meta device and then assigns
-each checkpoint tensor to its module (``setattr``), one at a time, marking it
-``_is_hf_initialized``. The one hook is a wrapper around
-``PreTrainedModel.from_pretrained`` that runs it inside ``Init.loading``: meta
-parameters wait for their tensor instead of being materialised, each
-assigned tensor marked as loaded is partitioned at once by zero.Init's
-parameter-registration hook, and parameters missing from the checkpoint stay
-whole until transformers has initialised them (``_init_weights``); the wrapper
-partitions those after ``from_pretrained`` returns.
+``ZeroTrainer`` is the Trainer on this engine (imported on first use: it needs
+accelerate); ``resolve_for_trainer`` fills a config's ``"auto"`` values from
+``TrainingArguments``. Tested with transformers 5.x (5.23); other major
+versions are refused.
 """
-from __future__ import annotations
 
-import functools
-import weakref
-from typing import Optional
+from .integrations.hf_config import HfDeepSpeedConfig
+from .partitioning.hf_hook import check_transformers_version
 
-from .init_context import Init, current_context, meta_parameter_names
-
-SUPPORTED = ((5, 0), (6, 0))  # [min, max) transformers versions
-_CONFIG = [None]  # weakref to the live HfDeepSpeedConfig
-_INSTALLED = [False]
-
-
-def _version_tuple(text: str):
-    parts = []
-    for piece in text.split(".")[:2]:
-        digits = "".join(c for c in piece if c.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
-def check_transformers_version(version: str) -> None:
-    low, high = SUPPORTED
-    if not low <= _version_tuple(version) < high:
-        raise ImportError(
-            f"zero's from_pretrained support needs transformers >= {low[0]}.{low[1]}, < {high[0]}.{high[1]} "
-            f"(tested with 5.23); found {version}. Install a supported version "
-            f'(pip install "nvmeio[hf]") or load weights with zero.load_pretrained(model, path)')
-
-
-class HfDeepSpeedConfig:
-    """While this object is alive, ``from_pretrained`` of any transformers model runs under
-    ``zero.Init(config_dict_or_path=config)`` (stage 3 configs; others change nothing).
-
-    The equivalent of ``transformers.integrations.HfDeepSpeedConfig`` for this
-    engine; keep a reference to it for as long as models are loaded.
-    """
-
-    def __init__(self, config_file_or_dict):
-        from .config import load_config
-
-        self.config = config_file_or_dict
-        self.loaded = load_config(config_file_or_dict)
-        import transformers
-
-        check_transformers_version(transformers.__version__)
-        install()
-        _CONFIG[0] = weakref.ref(self)
-
-    def is_zero3(self) -> bool:
-        return self.loaded.zero_optimization.stage == 3
-
-
-def live_config() -> Optional[HfDeepSpeedConfig]:
-    ref = _CONFIG[0]
-    return ref() if ref is not None else None
-
-
-def _loaded_by_transformers(param) -> bool:
-    return bool(getattr(param, "_is_hf_initialized", False))
-
-
-def _load_under(context: Init, original, cls, args, kwargs):
-    with context.loading(accept_assigned=_loaded_by_transformers):
-        result = original(cls, *args, **kwargs)
-    model = result[0] if isinstance(result, tuple) else result
-    for p in model.parameters():  # missing from the checkpoint: initialised by transformers, whole until now
-        context.partition(p)
-    left = meta_parameter_names(model)
-    if left:
-        raise ValueError(f"from_pretrained left {len(left)} parameter(s) without values on the meta device: "
-                         f"{', '.join(left[:5])}")
-    return result
-
-
-def install() -> None:
-    """Wrap ``transformers.PreTrainedModel.from_pretrained`` once (see the module docstring)."""
-    if _INSTALLED[0]:
-        return
-    import transformers
-    from transformers import PreTrainedModel
-
-    original = PreTrainedModel.from_pretrained.__func__
-
-    @functools.wraps(original)
-    def from_pretrained(cls, *args, **kwargs):
-        context = current_context()
-        config = live_config()
-        if context is None and (config is None or not config.is_zero3()):
-            return original(cls, *args, **kwargs)
-        check_transformers_version(transformers.__version__)
-        if context is not None:
-            return _load_under(context, original, cls, args, kwargs)
-        with Init(config_dict_or_path=config.config) as context:
-            return _load_under(context, original, cls, args, kwargs)
-
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
-    _INSTALLED[0] = True
+__all__ = ["HfDeepSpeedConfig", "ZeroTrainer", "check_transformers_version", "resolve_for_trainer"]
 
 
 def __getattr__(name):
-    if name in ("ZeroTrainer", "resolve_for_trainer"):  # the Trainer imports accelerate: only when asked
-        from . import hf_trainer, hf_trainer_config
+    if name == "ZeroTrainer":  # the Trainer imports accelerate: only when asked
+        from .integrations.hf_trainer import ZeroTrainer
 
-        return hf_trainer.ZeroTrainer if name == "ZeroTrainer" else hf_trainer_config.resolve_for_trainer
+        return ZeroTrainer
+    if name == "resolve_for_trainer":
+        from .integrations.hf_trainer_config import resolve_for_trainer
+
+        return resolve_for_trainer
     raise AttributeError(f"module 'zero.hf' has no attribute {name!r}")

@@ -45,19 +45,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import threading
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from .comm import Comm, compute_device, init_distributed
-from .heap import FreedBytes
+from ..runtime.comm import Comm, compute_device, init_distributed
+from ..stores.malloc_trim import FreedBytes
+from .active_context import current_context, set_current_context
 from .init_store import InitShard, NvmeInitStore
 
-_STATE = threading.local()
 _PATCHED: Dict[type, object] = {}
 _DEPTH = [0]
 _HOOK = [None]
@@ -96,11 +95,6 @@ def store_init_shard(p: torch.Tensor, full: torch.Tensor, comm: Comm) -> None:
     s: InitShard = p._zero_init_shard
     n = s.shard_numel
     s.write(full.reshape(-1)[comm.rank * n:(comm.rank + 1) * n])
-
-
-def meta_parameter_names(module: nn.Module) -> List[str]:
-    """Names of ``module``'s parameters still on the meta device (no values anywhere)."""
-    return [name for name, p in module.named_parameters() if p.is_meta]
 
 
 def _replace_param(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
@@ -142,7 +136,7 @@ def _wrap_init(cls: type) -> None:
         finally:
             if outer:
                 self.__dict__.pop("_zero_init_entered", None)
-        context = getattr(_STATE, "context", None)
+        context = current_context()
         if outer and context is not None:
             if context.materialize:
                 materialize_meta(self)
@@ -158,17 +152,12 @@ def _wrap_init(cls: type) -> None:
 
 def _on_parameter_registered(module: nn.Module, name: str, param: Optional[nn.Parameter]):
     """A parameter assigned to a module built in the context is partitioned at once."""
-    context = getattr(_STATE, "context", None)
+    context = current_context()
     if (context is not None and param is not None and module.__dict__.get("_zero_init_built")
             and "_zero_init_entered" not in module.__dict__
             and (context.accept_assigned is None or context.accept_assigned(param))):
         context.partition(param)
     return None
-
-
-def current_context() -> Optional["Init"]:
-    """The innermost active :class:`Init` context of this thread, if any."""
-    return getattr(_STATE, "context", None)
 
 
 def _all_subclasses(cls: type):
@@ -205,7 +194,7 @@ class Init:
         source = config_dict_or_path if config_dict_or_path is not None else config
         loaded = None
         if source is not None:
-            from .config import load_config
+            from ..config import load_config
 
             loaded = load_config(source, world_size=self.comm.world_size)
             if remote_device is None:
@@ -288,16 +277,16 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        self._previous = getattr(_STATE, "context", None)
-        _STATE.context = self
+        self._previous = current_context()
+        set_current_context(self)
         if _DEPTH[0] == 0:
             for cls in [nn.Module, *_all_subclasses(nn.Module)]:
                 if cls is not nn.Module:
                     _wrap_init(cls)
             nn.Module.__init_subclass__ = _init_subclass
             _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
-            if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf.py)
-                from .hf import install
+            if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf_hook.py)
+                from .hf_hook import install
 
                 install()
         _DEPTH[0] += 1
@@ -307,7 +296,7 @@ class Init:
         if not self.enabled:
             return
         _DEPTH[0] -= 1
-        _STATE.context = self._previous
+        set_current_context(self._previous)
         if _DEPTH[0] == 0:
             for cls, original in _PATCHED.items():
                 cls.__init__ = original

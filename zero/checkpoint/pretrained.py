@@ -33,9 +33,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .comm import init_distributed
-from .heap import FreedBytes
-from .init_context import is_init_partitioned, store_init_shard
+from ..runtime.comm import init_distributed
+from ..stores.malloc_trim import FreedBytes
+from ..partitioning.init_context import is_init_partitioned, store_init_shard
 from .pretrained_files import CheckpointError, TensorEntry, checkpoint_files, open_tensors, tensor_entries
 
 
@@ -129,7 +129,7 @@ def _write(model: nn.Module, target: _Target, value: torch.Tensor, comm) -> None
         elif is_init_partitioned(current):
             store_init_shard(current, value, comm)
         elif getattr(current, "_zero_unit", None) is not None:
-            from .gathered import GatheredParameters
+            from ..partitioning.gathered import GatheredParameters
 
             with GatheredParameters(current, modifier_rank=0):
                 current.data.copy_(value)
@@ -217,7 +217,7 @@ def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = 
     call it; rank 0 writes. A Hugging Face model's config is saved beside. Returns the file or index."""
     from nvmeio import SafetensorsWriter
 
-    from .gathered import GatheredParameters
+    from ..partitioning.gathered import GatheredParameters
 
     module = getattr(model, "module", model) if hasattr(model, "parts") else model
     directory = os.fspath(directory)

@@ -41,7 +41,7 @@ import torch
 
 from nvmeio import SafetensorsReader
 
-from .partition import RankLayout, UnitLayout, build_rank_layout, build_unit_layout
+from ..stores.layouts import RankLayout, UnitLayout, build_rank_layout, build_unit_layout
 
 FORMAT = "nvmeio-zero3/2"  # 2: sub-group shards are safetensors
 META = "zero_meta.json"

@@ -17,9 +17,9 @@ from typing import List
 from swapper.buffer_pool import align_up
 from swapper.host_memory import HostMemory, format_bytes
 
-from .config import ConfigError, DeepSpeedConfig, Problem
+from ..config import ConfigError, DeepSpeedConfig, Problem
 from .param_store import swap_buffer_count
-from .partition import RankLayout
+from .layouts import RankLayout
 
 # Sub-group gradient buffers open at once during backward (grad_stash.py): the one with
 # the tied embedding, whose gradient completes last, and the one being filled.

@@ -5,7 +5,7 @@ any it shares), a post-hook releases them unless they are persistent, and
 registers a hook on the module's outputs that fires when their gradients are
 computed, i.e. just before the module's backward, to gather the units again.
 Backward: each parameter's post-accumulate-grad hook hands its gradient to
-the :class:`~zero.grads.GradReducer`; once a unit has all its gradients it is
+the :class:`~zero.runtime.grad_reducer.GradReducer`; once a unit has all its gradients it is
 reduced and released. A callback queued on the autograd engine finishes the
 units whose gradients did not all arrive and releases everything at the end
 of backward.
@@ -58,10 +58,10 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import linear
-from .grads import GradReducer
-from .logging import Timers, logger
+from .grad_reducer import GradReducer
+from .timers import Timers, logger
 from .param_state import ParamState
-from .param_store import ParamStore
+from ..stores.param_store import ParamStore
 from .unit import ParamUnit
 
 

@@ -20,8 +20,8 @@ import torch.nn as nn
 
 from .comm import Comm
 from .param_state import ParamState
-from .param_store import ParamStore
-from .partition import UnitLayout, build_unit_layout
+from ..stores.param_store import ParamStore
+from ..stores.layouts import UnitLayout, build_unit_layout
 
 _EMPTY: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 

@@ -35,7 +35,7 @@ import torch
 
 from .comm import Comm
 from .grad_stash import GradStash
-from .partition import RankLayout
+from ..stores.layouts import RankLayout
 from .unit import ParamUnit
 
 

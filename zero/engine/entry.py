@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 from .build import OptimizerSpec, check_params_known
-from .comm import compute_device, init_distributed
-from .config import ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
-from .engine import ZeroEngine
+from ..runtime.comm import compute_device, init_distributed
+from ..config import ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
+from .zero_engine import ZeroEngine
 from .lr_schedules import build_scheduler
 from .optimizer import AdamKind
 

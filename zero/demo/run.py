@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import zero
 from zero.examples import GPT, GPTConfig, relative_error, train_reference
-from zero.stdlib_corpus import ByteBatches, stdlib_source_bytes
+from zero.demo.stdlib_corpus import ByteBatches, stdlib_source_bytes
 
 MODEL = GPTConfig(vocab=256, d_model=128, heads=4, layers=4, seq=128)
 BATCH = 8

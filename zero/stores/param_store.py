@@ -35,8 +35,8 @@ from typing import Iterable, List, Optional, Set
 
 import torch
 
-from .config import ConfigError, Problem
-from .partition import RankLayout, UnitLayout
+from ..config import ConfigError, Problem
+from .layouts import RankLayout, UnitLayout
 
 
 def swap_checksum(setting: str):

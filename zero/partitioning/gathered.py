@@ -19,9 +19,9 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 
-from .comm import init_distributed
+from ..runtime.comm import init_distributed
 from .init_context import full_param_value, is_init_partitioned, store_init_shard
-from .unit import ParamUnit, empty_like_released
+from ..runtime.unit import ParamUnit, empty_like_released
 
 
 def _as_list(params) -> List[torch.Tensor]:

@@ -67,12 +67,12 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch.optim import Optimizer
 
-from .comm import Comm
-from .grads import GradReducer
+from ..runtime.comm import Comm
+from ..runtime.grad_reducer import GradReducer
 from .loss_scaler import LossScaler
-from .optimizer_store import FlatOptimizerStore, OptimizerStore
-from .param_store import ParamStore
-from .partition import RankLayout, SubGroup
+from ..stores.optimizer_store import FlatOptimizerStore, OptimizerStore
+from ..stores.param_store import ParamStore
+from ..stores.layouts import RankLayout, SubGroup
 
 Range = Tuple[int, int]
 

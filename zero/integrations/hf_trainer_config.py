@@ -15,8 +15,8 @@ import copy
 import os
 from typing import Any, Dict, List, Mapping, Optional
 
-from .config import ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
-from .config.load import read_json
+from ..config import ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
+from ..config.load import read_json
 
 # config path -> (resolve_auto keyword, the TrainingArguments name HF reports in a mismatch)
 MATCHED: Dict[str, tuple] = {

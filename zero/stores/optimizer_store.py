@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .partition import RankLayout, SubGroup
+from .layouts import RankLayout, SubGroup
 
 StepFn = Callable[[SubGroup, torch.Tensor, Dict[str, torch.Tensor], torch.Tensor], None]
 

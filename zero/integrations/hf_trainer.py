@@ -1,6 +1,6 @@
 """``ZeroTrainer``: the Hugging Face Trainer on nvmeio's ZeRO-3 engine.
 
-    from zero.hf import ZeroTrainer                          # or zero.hf_trainer
+    from zero.hf import ZeroTrainer                          # or zero.integrations.hf_trainer
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
                           zero_config="ds_config.json")     # was: Trainer(...), args with deepspeed=
     trainer.train()
@@ -36,12 +36,12 @@ import torch
 import transformers
 from transformers import Trainer
 
-import zero  # zero.initialize is the function (the lazy name), not the submodule
 
-from .full_state_dict import full_state_dict
-from .hf import check_transformers_version
+from ..partitioning.full_state_dict import full_state_dict
+from ..engine.entry import initialize
+from ..partitioning.hf_hook import check_transformers_version
 from .hf_trainer_config import read_config, resolve_for_trainer
-from .lr_schedules import build_scheduler
+from ..engine.lr_schedules import build_scheduler
 
 
 class EngineStepsOptimizer:
@@ -129,7 +129,7 @@ class ZeroTrainer(Trainer):
         if "optimizer" not in data:  # HF's rule: the Trainer's own optimizer (AdamW, weight-decay groups)
             self.optimizer = None
             trainer_optimizer = super().create_optimizer()
-        engine, _, _, _ = zero.initialize(model=self.model, config=config, optimizer=trainer_optimizer)
+        engine, _, _, _ = initialize(model=self.model, config=config, optimizer=trainer_optimizer)
         self.zero_engine = engine
         self.optimizer = EngineStepsOptimizer(engine)
 

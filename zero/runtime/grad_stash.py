@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .partition import RankLayout, SubGroup
+from ..stores.layouts import RankLayout, SubGroup
 
 Range = Tuple[int, int]
 

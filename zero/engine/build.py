@@ -19,21 +19,22 @@ from nvmeio import AioSettings
 from nvmeio.env import env_str
 from nvmeio.handle_choice import require_gds
 
-from .comm import Comm
-from .config import ConfigError, DeepSpeedConfig, Problem
-from .coordinator import Coordinator
-from . import memory_check
-from .grad_stash import GradStash
-from .grads import GradReducer
-from .heap import return_freed_heap
-from .init_context import forget_init_shard, full_param_value, meta_parameter_names
-from .logging import Timers
+from ..runtime.comm import Comm
+from ..config import ConfigError, DeepSpeedConfig, Problem
+from ..runtime.hooks import Coordinator
+from ..stores import memory_check
+from ..runtime.grad_stash import GradStash
+from ..runtime.grad_reducer import GradReducer
+from ..stores.malloc_trim import return_freed_heap
+from ..partitioning.active_context import meta_parameter_names
+from ..partitioning.init_context import forget_init_shard, full_param_value
+from ..runtime.timers import Timers
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer
-from .optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
-from .param_store import FlatParamStore, NvmeParamStore, ParamStore
-from .partition import RankLayout, build_rank_layout
-from .unit import ParamUnit, plan_units
+from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
+from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore
+from ..stores.layouts import RankLayout, build_rank_layout
+from ..runtime.unit import ParamUnit, plan_units
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _JOBS_IN_USE: Set[str] = set()  # job ids of this process's live engines

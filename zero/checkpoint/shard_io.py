@@ -50,7 +50,7 @@ from nvmeio.safetensors_file import encode_header
 from nvmeio.plain_writer import PlainFileWriter
 from swapper.checksum import ChecksumAlgorithm, digest_chunks
 
-from .checkpoint_format import CheckpointCorruptionError
+from .format import CheckpointCorruptionError
 
 SHARD_METADATA = {"format": "nvmeio-zero3-subgroup"}
 CHECKSUM = "checksum"  # metadata: the algorithm; "checksum.<name>": each tensor's digest (hex)

@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 
 from .build import EngineParts, OptimizerSpec, build_parts, release_job_id
-from .comm import Comm
-from .config import DeepSpeedConfig, IgnoredSettingWarning
-from .logging import Timers, log_rank0
+from ..runtime.comm import Comm
+from ..config import DeepSpeedConfig, IgnoredSettingWarning
+from ..runtime.timers import Timers, log_rank0
 
 
 class EngineStateError(RuntimeError):
@@ -315,7 +315,7 @@ class ZeroEngine(nn.Module):
 
     # -- checkpoints and model export ---------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-        from .checkpoint import save_checkpoint
+        from ..checkpoint.save import save_checkpoint
 
         self.check_usable()
         return save_checkpoint(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
@@ -323,14 +323,14 @@ class ZeroEngine(nn.Module):
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
-        from .checkpoint import load_checkpoint
+        from ..checkpoint.load import load_checkpoint
 
         return load_checkpoint(self, os.fspath(load_dir), tag, load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states and not load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        from .checkpoint import save_16bit_model
+        from ..checkpoint.model_file import save_16bit_model
 
         self.check_usable()
         return save_16bit_model(self, os.fspath(save_dir), save_filename, exclude_frozen_parameters)

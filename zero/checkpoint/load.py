@@ -1,0 +1,215 @@
+"""``load_checkpoint``: checks everything, on every rank, before changing anything.
+
+A load checks everything first (the tag, the model, every file it will read,
+the counters) and changes the engine only when all of it is there: a
+missing or damaged file (a shard whose bytes differ from the checksums it
+carries included) leaves weights and counters untouched. An I/O error
+while the checked state is written into the stores leaves the engine
+refusing to run until a checkpoint is loaded again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from typing import Optional, Tuple
+
+import torch
+
+from nvmeio import SafetensorsReader
+
+from ..runtime.timers import log_rank0
+from .format import (BUFFERS, LATEST, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
+                     sub_group_file, unsafe_error)
+from .shard_io import CheckpointIO, shard_checksums
+
+
+def _check_same_model(meta: dict, engine) -> None:
+    saved = [[(tuple(p["names"])[0], tuple(p["shape"])) for p in u["params"]] for u in meta["units"]]
+    ours = [[(s.name, s.shape) for s in u.slots] for u in engine.parts.rank_layout.units]
+    if saved != ours:
+        theirs = {n: s for u in saved for n, s in u}
+        mine = {n: s for u in ours for n, s in u}
+        diff = sorted(set(theirs.items()) ^ set(mine.items()))[:5]
+        raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
+
+
+def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_states: bool) -> torch.Tensor:
+    """A sub-group from this rank's own shard file (same layout): the optimizer state is
+    copied file to file into the store's swap file where it has one; returns the master."""
+    store = engine.parts.optimizer_store
+    path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
+    with cio.shard_reader(path) as shard:
+        for k in keys:
+            numel = shard.info(k).shape[0] if shard.info(k).shape else 1
+            if numel != sg.numel:
+                raise ValueError(f"checkpoint shard {path}: {k!r} holds {numel} elements, sub-group "
+                                 f"{sg.index} has {sg.numel}")
+        master = None
+        offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
+        carried = shard_checksums(shard)  # verified by _check_shards; the swapper keeps them
+        if load_states and store.adopt_file(sg, path, offsets, carried):  # the shard becomes the swap file
+            master = shard.get_tensor("master")
+        elif load_states:  # the whole state, read straight into the store's swap buffer
+            master = store.import_state(sg, {k: (path, offset) for k, offset in offsets.items()})
+        if master is None:
+            master = shard.get_tensor("master")
+            if store is not None:
+                store.load(sg, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
+    return master
+
+
+def _check_carried(cio: CheckpointIO, paths, keys) -> None:
+    """Every shard that carries checksums matches them (each file read once, streaming)."""
+    for path in dict.fromkeys(paths):
+        cio.verify_shard(path, keys)
+
+
+def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
+    """A sub-group gathered element range by element range from any rank's shards."""
+    comm, layout, store = engine.comm, engine.parts.rank_layout, engine.parts.optimizer_store
+    values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
+    for index in sg.units:
+        unit = layout.units[index]
+        start, stop = layout.unit_range(index)
+        first = unit.shard_start(comm.rank)
+        for k in keys:
+            values[k][start - sg.start:stop - sg.start].copy_(
+                reader.read(index, first, first + unit.shard_numel, k))
+    master = values.pop("master")
+    if store is not None:
+        store.load(sg, master, values if load_states else None)
+    return master
+
+
+_COUNTERS = ("global_steps", "global_samples", "micro_steps")
+
+
+def _check_engine_state(state, path: str) -> None:
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), int) for k in _COUNTERS):
+        raise ValueError(f"{path} is not an engine state of this format: it lacks the step counters "
+                         f"{', '.join(_COUNTERS)}")
+    for key in ("optimizer", "lr_scheduler", "client_state"):
+        if key not in state:
+            raise ValueError(f"{path} is not an engine state of this format: it lacks {key!r}")
+
+
+def _load_object(cio: CheckpointIO, path: str, checkpoint: str):
+    """A torch.save file of the checkpoint, weights_only (nothing in it runs)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {checkpoint} is incomplete: {path} is missing")
+    try:
+        return cio.load_object(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise unsafe_error(path, error) from None
+
+
+def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReader, own_shards: bool,
+                  keys) -> None:
+    """Every shard file, key and element range the load will read is there, and its bytes
+    match the checksums it carries (see checkpoint_io.py [Note: checksums travel with the
+    state])."""
+    comm, layout = engine.comm, engine.parts.rank_layout
+    paths = []
+    for sg in layout.sub_groups:
+        if own_shards:
+            path = sub_group_file(checkpoint, comm.rank, sg.index)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint {checkpoint} is incomplete: {path} is missing")
+            with SafetensorsReader(path, direct=False) as shard:
+                for k in keys:
+                    info = shard.info(k)
+                    if info.dtype != torch.float32 or list(info.shape) != [sg.numel]:
+                        raise ValueError(f"checkpoint shard {path}: {k!r} is {info.dtype} {list(info.shape)}, "
+                                         f"sub-group {sg.index} has {sg.numel} fp32 elements")
+            paths.append(path)
+            continue
+        for index in sg.units:
+            unit = layout.units[index]
+            first = unit.shard_start(comm.rank)
+            for k in keys:
+                reader.check(index, first, first + unit.shard_numel, k)
+            paths.extend(reader.files(index, first, first + unit.shard_numel))
+    _check_carried(cio, paths, keys)
+
+
+def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool) -> Tuple[Optional[str], Optional[dict]]:
+    """Checks everything, on every rank, before changing anything (see the [Note] above)."""
+    comm, parts = engine.comm, engine.parts
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        log_rank0(comm.rank, f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist",
+                  logging.WARNING)
+        return None, None
+    checkpoint = checkpoint_path(load_dir, tag)
+    cio = CheckpointIO(engine.config.checkpoint.writer)
+    reader = None
+    error = None
+    try:
+        meta = read_meta(checkpoint)
+        _check_same_model(meta, engine)
+        same_layout = meta["world_size"] == comm.world_size
+        # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
+        own_shards = same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
+        store = parts.optimizer_store
+        load_states = (store is not None and load_optimizer_states
+                       and set(store.state_names) <= set(meta.get("state_names", [])))
+        keys = ["master"] + (list(store.state_names) if load_states else [])
+        reader = ShardReader(checkpoint, meta)
+        _check_shards(engine, cio, checkpoint, reader, own_shards, keys)
+        path = engine_file(checkpoint, comm.rank if same_layout else 0)
+        state = _load_object(cio, path, checkpoint)
+        _check_engine_state(state, path)
+        buffers = _load_object(cio, os.path.join(checkpoint, BUFFERS), checkpoint)
+    except Exception as exc:  # every rank must learn that one failed, so that none loads
+        error = exc
+    try:
+        if comm.any(error is not None, engine.device):
+            if error is not None:
+                raise error
+            raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")
+        try:
+            _apply(engine, cio, reader, checkpoint, own_shards, keys, load_states, state, buffers,
+                   load_optimizer_states, load_lr_scheduler_states)
+        except BaseException as exc:
+            engine.mark_unusable(f"load_checkpoint({checkpoint}) failed while writing the checked state into "
+                                 f"the engine ({type(exc).__name__}: {exc}); the engine holds a mix of states. "
+                                 f"Load a checkpoint again (engine.load_checkpoint) before using it")
+            raise
+    finally:
+        if reader is not None:
+            reader.close()
+        cio.close("loaded", comm.rank)
+    engine.mark_usable()
+    log_rank0(comm.rank, f"loaded checkpoint {checkpoint}")
+    return checkpoint, state["client_state"]
+
+
+def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_shards: bool, keys,
+           load_states: bool, state: dict, buffers: dict, load_optimizer_states: bool,
+           load_lr_scheduler_states: bool) -> None:
+    parts = engine.parts
+    layout = parts.rank_layout
+    with torch.no_grad():
+        for sg in layout.sub_groups:
+            if own_shards:
+                master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states)
+            else:
+                master = _load_resharded(engine, reader, sg, keys, load_states)
+            for index in sg.units:
+                start, stop = layout.unit_range(index)
+                parts.param_store.write(layout.units[index], master[start - sg.start:stop - sg.start])
+        parts.param_store.flush()
+    parts.coordinator.release_all()
+    if parts.reducer is not None:
+        parts.reducer.clear()
+    for key in _COUNTERS:
+        setattr(engine, key, state[key])
+    if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:
+        engine.optimizer.load_hyper_state(state["optimizer"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for name, b in engine.module.named_buffers():
+        if name in buffers:
+            b.copy_(buffers[name])

@@ -1,0 +1,79 @@
+"""``save_16bit_model``: the whole model in its compute dtype, one unit gathered at a time."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from nvmeio import FastFileWriter, SafetensorsWriter
+
+from ..runtime.timers import log_rank0
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
+    """Gather every unit (one at a time) and save the module's state_dict in the compute dtype (rank 0).
+
+    A ``save_filename`` ending in ``.safetensors`` is written streaming: each unit's
+    parameters go to the file as soon as they are gathered, so the model is never
+    whole in memory. Otherwise the state_dict is assembled and written with
+    ``torch.save``. Either way through nvmeio's FastFileWriter, atomically.
+    """
+    comm, parts = engine.comm, engine.parts
+    if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        log_rank0(comm.rank, (
+            "did not save the model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
+            "set it to true, or consolidate a checkpoint with zero_to_fp32"), logging.WARNING)
+        return False
+    path = os.path.join(save_dir, save_filename)
+    param_names = {n for u in parts.rank_layout.units for s in u.slots for n in s.names}
+    buffers, writer = {}, None
+    if comm.rank == 0:
+        os.makedirs(save_dir, mode=engine.config.checkpoint.dir_mode, exist_ok=True)
+        buffers = {name: t.detach().cpu() for name, t in engine.module.state_dict(keep_vars=True).items()
+                   if name not in param_names}
+        if save_filename.endswith(".safetensors"):
+            spec = {name: (p.dtype, tuple(slot.shape)) for unit in parts.units
+                    for slot, p in zip(unit.layout.slots, unit.params)
+                    if not (exclude_frozen_parameters and not p.requires_grad) for name in slot.names}
+            spec.update({name: (b.dtype, tuple(b.shape)) for name, b in buffers.items()})
+            writer = SafetensorsWriter(path, spec, {"format": "pt"})
+    values = {}
+    try:
+        with torch.no_grad():
+            for unit in parts.units:
+                unit.hold()
+                unit.gather()
+                if comm.rank == 0:
+                    for slot, p in zip(unit.layout.slots, unit.params):
+                        if exclude_frozen_parameters and not p.requires_grad:
+                            continue
+                        tensor = p.detach().to("cpu", copy=True)
+                        for name in slot.names:
+                            if writer is not None:
+                                writer.write(name, tensor)
+                            else:
+                                values[name] = tensor
+                unit.unhold()
+                parts.coordinator.maybe_release(unit)
+        if writer is not None:
+            for name, b in buffers.items():
+                writer.write(name, b)
+            writer.close()
+        elif comm.rank == 0:
+            state = {}
+            for name in engine.module.state_dict(keep_vars=True):
+                if name in values:
+                    state[name] = values[name]
+                elif name in buffers:
+                    state[name] = buffers[name]
+            with FastFileWriter(path) as f:
+                torch.save(state, f)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if comm.rank == 0 and engine.config.checkpoint.file_mode != 0o600:  # the writers create 0600
+        os.chmod(path, engine.config.checkpoint.file_mode)
+    comm.barrier()
+    return True

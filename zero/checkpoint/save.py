@@ -1,0 +1,178 @@
+"""``save_checkpoint``: every rank writes its part under a partial directory that rank 0
+then publishes (publish.py); load.py reads it back.
+
+NVMe-resident state is part of the checkpoint: each sub-group's swap file
+becomes its shard by a hard link, or is copied file to file where no link
+can be made (see [Note: sub-group shards are safetensors in the swap files'
+layout] in checkpoint_io.py, which moves all the bytes of a save or load).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+from typing import Optional
+
+import torch
+
+from nvmeio.atomic_file import fsync_directory, write_atomically
+
+from ..runtime.timers import log_rank0
+from .format import BUFFERS, LATEST, META, check_tag, engine_file, meta_dict, rank_dir, resolve_tag, sub_group_file
+from .publish import PARTIAL, create_file, make_dir, publish, remove_leftovers, set_file_modes
+from .shard_io import CheckpointIO
+
+
+def _agreed_tag(engine, tag: str) -> str:
+    """Rank 0's tag; ``checkpoint.tag_validation`` says what a rank with another tag does."""
+    comm = engine.comm
+    first = comm.broadcast_object(tag, 0)
+    policy = engine.config.checkpoint.tag_validation
+    if policy == "Ignore":
+        return first
+    if policy == "Fail" and comm.any(first != tag, engine.device):  # every rank raises, none waits
+        raise ValueError(f"ranks save different checkpoint tags (rank {comm.rank}: {tag!r}, rank 0: "
+                         f"{first!r}) and checkpoint.tag_validation is Fail")
+    if first != tag:
+        logging.getLogger("zero").warning("rank %d saves checkpoint tag %r but rank 0 saves %r; using rank 0's",
+                                          comm.rank, tag, first)
+    return first
+
+
+def _check_loadable(client_state: dict) -> None:
+    """Warn at save time when ``client_state`` holds types a load (weights_only) will refuse."""
+    if not client_state:
+        return
+    buffer = io.BytesIO()
+    torch.save(client_state, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        lines = [l.strip() for l in str(error).splitlines() if "GLOBAL" in l or "Unsupported" in l]
+        logging.getLogger("zero").warning(
+            "client_state holds types that load_checkpoint refuses by default (%s): checkpoints are loaded "
+            "with weights_only=True so that they cannot run code; store plain types, or call "
+            "torch.serialization.add_safe_globals([...]) with your types before loading",
+            lines[0] if lines else "not tensors and plain containers")
+
+
+@contextlib.contextmanager
+def _state_of(engine, sg):
+    """(master, states) of one sub-group while the block runs: views of the store's memory
+    (no copy) where it has them; from the parameter shards when there is no optimizer."""
+    store = engine.parts.optimizer_store
+    if store is not None:
+        with store.viewed(sg) as state:
+            yield state
+        return
+    layout = engine.parts.rank_layout
+    master = torch.empty(sg.numel, dtype=torch.float32)
+    for index in sg.units:
+        unit = layout.units[index]
+        start, stop = layout.unit_range(index)
+        master[start - sg.start:stop - sg.start].copy_(engine.parts.param_store.fetch(unit))
+        engine.parts.param_store.fetched(unit)
+    yield master, {}
+
+
+def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
+    """Each sub-group of this rank: copied from its swap file when it has one, else from memory."""
+    comm, parts = engine.comm, engine.parts
+    store = parts.optimizer_store
+    for sg in parts.rank_layout.sub_groups:
+        path = sub_group_file(partial, comm.rank, sg.index)
+        stored = store.stored_file(sg) if store is not None else None
+        if stored is not None:
+            cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored,
+                           link=lambda dest, header, sg=sg: store.link_state(sg, dest, header),
+                           checksums=store.stored_checksums(sg))
+        else:
+            with _state_of(engine, sg) as (master, states):
+                cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
+
+
+def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> None:
+    """Counters, optimizer settings, schedule, client state (every rank); meta and buffers (rank 0)."""
+    comm, parts = engine.comm, engine.parts
+    mine = rank_dir(partial, comm.rank)
+    state = {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "micro_steps": engine.micro_steps,
+        "optimizer": engine.optimizer.hyper_state() if engine.optimizer is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "client_state": client_state,
+    }
+    cio.save_object(state, engine_file(partial, comm.rank))
+    file_mode = engine.config.checkpoint.file_mode
+    set_file_modes(mine, file_mode)
+    fsync_directory(mine)
+    if comm.rank == 0:
+        zc = engine.config.zero_optimization
+        meta = meta_dict(list(parts.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
+        meta["state_names"] = list(parts.optimizer_store.state_names) if parts.optimizer_store else []
+        with create_file(os.path.join(partial, META), file_mode) as f:
+            f.write(json.dumps(meta, indent=1).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        buffers = {name: b.detach().cpu() for name, b in engine.module.named_buffers()}
+        cio.save_object(buffers, os.path.join(partial, BUFFERS))
+        set_file_modes(partial, file_mode)
+        fsync_directory(partial)
+
+
+def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool) -> bool:
+    comm = engine.comm
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = _agreed_tag(engine, tag)
+    file_mode, dir_mode = engine.config.checkpoint.file_mode, engine.config.checkpoint.dir_mode
+    _check_loadable(client_state)
+    name = None
+    if comm.rank == 0:
+        final = os.path.join(save_dir, tag)
+        if os.path.lexists(final) and (os.path.islink(final) or not os.path.isdir(final)):
+            raise FileExistsError(f"cannot save checkpoint {tag!r}: {final} exists and is not a checkpoint "
+                                  f"directory")
+        os.makedirs(save_dir, mode=dir_mode, exist_ok=True)
+        remove_leftovers(save_dir)
+        name = os.path.basename(tempfile.mkdtemp(prefix=f".{tag}{PARTIAL}", dir=save_dir))
+        os.chmod(os.path.join(save_dir, name), dir_mode)
+    partial = os.path.join(save_dir, comm.broadcast_object(name, 0))
+    comm.barrier()
+
+    make_dir(rank_dir(partial, comm.rank), dir_mode)
+    cio = CheckpointIO(engine.config.checkpoint.writer)
+    try:
+        _save_shards(engine, cio, partial)
+        _save_rest(engine, cio, partial, client_state)
+    except BaseException as exc:
+        # Free what this save wrote (a full disk most of all); the checkpoints saved before stay.
+        shutil.rmtree(partial if comm.rank == 0 else rank_dir(partial, comm.rank), ignore_errors=True)
+        if isinstance(exc, OSError):
+            try:
+                latest = repr(resolve_tag(save_dir, None))
+            except ValueError as bad:
+                latest = f"unreadable: {bad}"
+            exc.add_note(f"saving checkpoint {tag!r} into {save_dir} failed on rank {comm.rank}; what it had "
+                         f"written is removed and the checkpoints saved before are untouched (latest: "
+                         f"{latest})")
+        raise
+    finally:
+        cio.close("saved", comm.rank)
+    comm.barrier()
+
+    if comm.rank == 0:
+        publish(save_dir, partial, tag)
+        if save_latest:
+            write_atomically(os.path.join(save_dir, LATEST), tag.encode("utf-8"), mode=file_mode)
+    comm.barrier()
+    log_rank0(comm.rank, f"saved checkpoint {os.path.join(save_dir, tag)}")
+    return True
+
+

@@ -1,0 +1,347 @@
+"""``ZeroStrategy``: Lightning's ``strategy=`` on nvmeio's ZeRO-3 engine (``pip install "nvmeio[lightning]"``).
+
+    import zero.lightning                       # registers the strategy names below
+    trainer = Trainer(strategy="zero_stage_3_offload")                  # or:
+    trainer = Trainer(strategy=zero.lightning.ZeroStrategy(stage=3, offload_optimizer=True,
+        offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
+        offload_optimizer_device="nvme", nvme_path="/local_nvme"))     # DeepSpeedStrategy's arguments
+    zero.lightning.convert_zero_checkpoint_to_fp32_state_dict("epoch=0-step=100.ckpt", "model.ckpt")
+
+Registered names: ``zero_stage_3``, ``zero_stage_3_offload`` (params and
+optimizer on the CPU), ``zero_stage_3_offload_nvme`` (both on NVMe under
+``/local_nvme``). ``configure_model`` runs under ``zero.Init`` (parameters
+partitioned, to NVMe with ``remote_device="nvme"``, as they are built).
+Tested with lightning 2.6.6.
+
+[Note: where the engine enters Lightning]
+Like Lightning's DeepSpeedStrategy, this strategy wraps the LightningModule in
+the engine at ``setup`` (the engine becomes ``strategy.model``; Lightning's
+forward redirection runs ``training_step`` through it, so the hooks gather the
+partitions), takes the optimizer and scheduler from ``configure_optimizers``
+unless the config has its own, and reads accumulation and clipping from the
+Trainer. ``backward`` is the engine's (the loss arrives divided by
+``accumulate_grad_batches`` already, so ``scale_wrt_gas=False``) followed by
+``engine.step()``, which steps the optimizer only at the end of each
+accumulation window; ``optimizer_step`` therefore only runs Lightning's
+closure. Gradient clipping is the engine's (``gradient_clip_val`` becomes
+``gradient_clipping``). A checkpoint is a directory: the engine's checkpoint
+(tag ``checkpoint``) with Lightning's own state as its ``client_state``,
+converted to plain containers so that it loads with ``weights_only``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+from nvmeio.hints import did_you_mean
+
+from ..engine.entry import initialize
+from ..partitioning.init_context import Init
+
+CHECKPOINT_TAG = "checkpoint"
+
+# DeepSpeedStrategy's arguments (lightning 2.6) and their defaults; those marked None below have no
+# equivalent here and are refused when given another value.
+OPTIONS: Dict[str, Any] = {
+    "zero_optimization": True, "stage": 2, "remote_device": None, "offload_optimizer": False,
+    "offload_parameters": False, "offload_params_device": "cpu", "nvme_path": "/local_nvme",
+    "params_buffer_count": 5, "params_buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
+    "offload_optimizer_device": "cpu", "optimizer_buffer_count": 4, "block_size": 1048576, "queue_depth": 8,
+    "single_submit": False, "overlap_events": True, "thread_count": 1, "pin_memory": False,
+    "sub_group_size": 1_000_000_000_000, "contiguous_gradients": True, "overlap_comm": True,
+    "allgather_partitions": True, "reduce_scatter": True, "allgather_bucket_size": 200_000_000,
+    "reduce_bucket_size": 200_000_000, "zero_allow_untested_optimizer": True, "logging_batch_size_per_gpu": "auto",
+    "logging_level": logging.WARN, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+    "hysteresis": 2, "min_loss_scale": 1, "partition_activations": False, "cpu_checkpointing": False,
+    "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
+    "load_full_weights": False, "exclude_frozen_parameters": False,
+}
+ZERO_KEYS = ("sub_group_size", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
+             "allgather_bucket_size", "reduce_bucket_size")
+UNSUPPORTED = {
+    "partition_activations": "activation checkpointing is the module's own (torch.utils.checkpoint)",
+    "cpu_checkpointing": "activation checkpointing is the module's own (torch.utils.checkpoint)",
+    "contiguous_memory_optimization": "activation checkpointing is the module's own (torch.utils.checkpoint)",
+    "synchronize_checkpoint_boundary": "activation checkpointing is the module's own (torch.utils.checkpoint)",
+    "load_full_weights": "resume from the checkpoint directory, or load a converted file with "
+                         "LightningModule.load_from_checkpoint",
+    "exclude_frozen_parameters": "checkpoints hold every parameter",
+}
+
+
+def _config_from_options(o: Dict[str, Any]) -> dict:
+    """The DeepSpeed config DeepSpeedStrategy builds from its arguments."""
+    # Only the ZeRO keys the user gave: DeepSpeedStrategy's defaults are not the engine's (its
+    # sub_group_size of 1e12 would step the whole model's optimizer state at once, in memory).
+    zero_section: Dict[str, Any] = {"stage": o["stage"]}
+    zero_section.update({key: o[key] for key in ZERO_KEYS if o[key] != OPTIONS[key]})
+    if o["offload_optimizer"]:
+        zero_section["offload_optimizer"] = {
+            "device": o["offload_optimizer_device"], "nvme_path": o["nvme_path"],
+            "buffer_count": o["optimizer_buffer_count"], "pin_memory": o["pin_memory"]}
+    if o["offload_parameters"]:
+        zero_section["offload_param"] = {
+            "device": o["offload_params_device"], "nvme_path": o["nvme_path"],
+            "buffer_count": o["params_buffer_count"], "buffer_size": o["params_buffer_size"],
+            "max_in_cpu": o["max_in_cpu"], "pin_memory": o["pin_memory"]}
+    config = {"zero_allow_untested_optimizer": o["zero_allow_untested_optimizer"],
+              "zero_optimization": zero_section,
+              "aio": {"block_size": o["block_size"], "queue_depth": o["queue_depth"],
+                      "single_submit": o["single_submit"], "overlap_events": o["overlap_events"],
+                      "intra_op_parallelism": o["thread_count"]}}
+    if o["logging_batch_size_per_gpu"] != "auto":
+        config["train_micro_batch_size_per_gpu"] = o["logging_batch_size_per_gpu"]
+    return config
+
+
+def _read_config(config) -> dict:
+    if isinstance(config, (str, os.PathLike)):
+        from ..config.load import read_json
+
+        if not os.path.isfile(config):
+            raise FileNotFoundError(f"ZeroStrategy(config=...): no DeepSpeed config file at {os.fspath(config)}")
+        return read_json(os.fspath(config))
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    raise TypeError(f"ZeroStrategy(config=...) takes a path to a DeepSpeed JSON file or a dict, "
+                    f"got {type(config).__name__}")
+
+
+def _plain(value):
+    """Lightning's checkpoint state with its dict subclasses (AttributeDict, ...) as plain dicts."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _mark_steps_for_scheduler(optimizer) -> None:
+    """Let torch's schedulers see this optimizer's steps, as for one they were built with (else each
+    ``scheduler.step()`` warns that ``optimizer.step()`` was overridden)."""
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    @functools.wraps(step)
+    def counted_step(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    counted_step._wrapped_by_lr_sched = True
+    optimizer.step = counted_step
+
+
+class ZeroStrategy(DDPStrategy):
+    """Lightning strategy training through :func:`zero.initialize` (see the module docstring).
+
+    Takes DeepSpeedStrategy's arguments (``stage`` must be 3) or ``config`` (a
+    DeepSpeed JSON path or dict, which then replaces them, as in Lightning).
+    An unknown argument is a TypeError naming the closest known one.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(self, accelerator=None, config=None, parallel_devices=None, cluster_environment=None,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = None,
+                 precision_plugin: Optional[Precision] = None, **options: Any):
+        unknown = [name for name in options if name not in OPTIONS]
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = did_you_mean(name, list(OPTIONS))
+                hints.append(f"'{name}'" + (f" (did you mean '{close}'?)" if close else ""))
+            raise TypeError(f"ZeroStrategy got unknown argument(s) {', '.join(hints)}; it takes "
+                            f"DeepSpeedStrategy's arguments: {', '.join(sorted(OPTIONS))}")
+        o = dict(OPTIONS, **options)
+        if config is None and not o["zero_optimization"]:
+            raise ValueError("ZeroStrategy(zero_optimization=False): this engine is ZeRO stage 3; "
+                             "use Lightning's own strategies without ZeRO")
+        if config is None and o["stage"] != 3:
+            raise ValueError(f"ZeroStrategy(stage={o['stage']}): this engine is ZeRO stage 3 (with offload to "
+                             "none / cpu / nvme); pass stage=3")
+        for name, why in UNSUPPORTED.items():
+            if o[name] != OPTIONS[name]:
+                raise ValueError(f"ZeroStrategy({name}={o[name]!r}) is not supported: {why}")
+        kwargs = {"timeout": timeout} if timeout is not None else {}
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, **kwargs)
+        self.config = _read_config(config) if config is not None else _config_from_options(o)
+        self.options = o
+        self.remote_device = o["remote_device"]
+        logging.getLogger("zero").setLevel(o["logging_level"])
+        self.engine = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("zero_stage_3", cls, description="nvmeio ZeRO stage 3", stage=3)
+        strategy_registry.register("zero_stage_3_offload", cls, description="nvmeio ZeRO-3, params and "
+                                   "optimizer offloaded to the CPU", stage=3, offload_optimizer=True,
+                                   offload_parameters=True)
+        strategy_registry.register("zero_stage_3_offload_nvme", cls, description="nvmeio ZeRO-3, params and "
+                                   "optimizer offloaded to NVMe", stage=3, offload_optimizer=True,
+                                   offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
+                                   offload_optimizer_device="nvme")
+
+    def setup_distributed(self) -> None:
+        if self.num_processes * self.num_nodes > 1:
+            return super().setup_distributed()
+        self.set_world_ranks()  # one process: no process group, no MASTER_* variables left behind
+
+    # -- building the engine ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        with Init(remote_device=self.remote_device, config_dict_or_path=self.config):
+            yield
+
+    def _trainer_config(self, trainer) -> dict:
+        """The config with what the Trainer decides: accumulation, clipping (as DeepSpeedStrategy does)."""
+        config = copy.deepcopy(self.config)
+        if "gradient_accumulation_steps" in config:
+            raise ValueError("do not set gradient_accumulation_steps in the DeepSpeed config: it comes from "
+                             "Trainer(accumulate_grad_batches=...)")
+        config["gradient_accumulation_steps"] = trainer.accumulate_grad_batches
+        config.pop("train_batch_size", None)  # derived from the micro batch and the accumulation
+        if "gradient_clipping" not in config:
+            config["gradient_clipping"] = trainer.gradient_clip_val or 0.0
+        if trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError("ZeroStrategy clips gradients by norm only (gradient_clip_algorithm='norm')")
+        return config
+
+    def setup(self, trainer) -> None:
+        if type(self.precision_plugin) is not Precision:
+            raise ValueError(f"ZeroStrategy trains with precision='32-true' (got {self.precision_plugin.precision!r}): "
+                             "fp16 / bf16 come from the config's fp16 / bf16 sections")
+        self.accelerator.setup(trainer)
+        config = self._trainer_config(trainer)
+        if self.engine is None:
+            self._build_engine(trainer, config)
+        self.model = self.engine
+        self.barrier()
+
+    def _build_engine(self, trainer, config: dict) -> None:
+        module = self.lightning_module
+        optimizer, scheduler_configs = None, []
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and "optimizer" not in config:
+            optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+            if len(optimizers) != 1 or len(scheduler_configs) > 1:
+                raise ValueError(f"ZeroStrategy takes one optimizer and at most one scheduler from "
+                                 f"configure_optimizers, got {len(optimizers)} and {len(scheduler_configs)}")
+            optimizer = optimizers[0]
+        if not fitting:
+            config.pop("optimizer", None)
+            config.pop("scheduler", None)
+        engine, zero_optimizer, _, _ = initialize(model=module, config=config, optimizer=optimizer)
+        for sc in scheduler_configs:  # the script's scheduler now drives the engine's param groups
+            for old, new in zip(optimizer.param_groups, zero_optimizer.param_groups):
+                if "initial_lr" in old:
+                    new["initial_lr"] = old["initial_lr"]
+            sc.scheduler.optimizer = zero_optimizer
+            _mark_steps_for_scheduler(zero_optimizer)
+        if engine.lr_scheduler is not None:  # the config's scheduler, stepped by Lightning (each step)
+            scheduler_configs = [LRSchedulerConfig(engine.lr_scheduler, interval="step")]
+            engine.lr_scheduler = None
+        self.engine = engine
+        self.optimizers = [zero_optimizer] if zero_optimizer is not None else []
+        self.lr_scheduler_configs = scheduler_configs
+
+    def setup_optimizers(self, trainer) -> None:
+        self.optimizers, self.lr_scheduler_configs = [], []  # made with the engine in setup
+
+    def _setup_model(self, model):
+        return model
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return False
+
+    # -- the step -----------------------------------------------------------------------------------
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
+        self.engine.backward(closure_loss, scale_wrt_gas=False)
+        self.engine.step()  # the optimizer steps at the end of each accumulation window
+        return closure_loss
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        return closure()  # training_step and backward; the engine has stepped
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        return {}  # the parameters are in the engine's checkpoint
+
+    def optimizer_state(self, optimizer) -> Dict[str, Any]:
+        return {}  # the optimizer states are in the engine's checkpoint
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy saves through the engine, without CheckpointIO: storage_options is "
+                            "not supported")
+        filepath = self.broadcast(os.fspath(filepath))
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=_plain(state))
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        path = os.fspath(checkpoint_path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (it holds 'latest' and "
+                                    f"'{CHECKPOINT_TAG}/'); a single-file checkpoint loads with "
+                                    "LightningModule.load_from_checkpoint")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.engine.load_checkpoint(path, load_optimizer_states=fitting,
+                                                      load_lr_scheduler_states=False)
+        return client_state
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine, which loads the checkpoint, exists after setup
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the engine restored the optimizer states
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        return None  # the engine restored the parameters
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        return None
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag: Optional[str] = None) -> dict:
+    """A ZeroStrategy checkpoint directory as one Lightning checkpoint file.
+
+    Lightning's own state (epoch, loops, callbacks, hyper-parameters) plus
+    ``state_dict``: the consolidated fp32 weights. The file loads with
+    ``LightningModule.load_from_checkpoint``. Returns what it wrote.
+    """
+    from ..checkpoint.format import checkpoint_path, engine_file, load_state, resolve_tag
+    from ..checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    saved = checkpoint_path(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
+    client_state = load_state(engine_file(saved, 0)).get("client_state") or {}
+    out = dict(client_state, state_dict=state)
+    output_file = os.fspath(output_file)
+    os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
+    tmp = f"{output_file}.tmp-{os.getpid()}"
+    torch.save(out, tmp)
+    os.replace(tmp, output_file)
+    return out
+
+
+ZeroStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ZeroStrategy", "convert_zero_checkpoint_to_fp32_state_dict"]
