@@ -16,6 +16,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+# torch 2.13 names the flat collectives *_single and warns (FutureWarning) on the old names,
+# which older torch has alone.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def compute_device(local_rank: int = 0) -> torch.device:
     """``cuda:<local_rank>`` when CUDA is available, else the CPU."""
@@ -61,14 +66,14 @@ class Comm:
         if not self.distributed:
             full.copy_(shard)
             return
-        dist.all_gather_into_tensor(full, shard, group=self.group)
+        _ALL_GATHER(full, shard, group=self.group)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """``shard`` gets this rank's slice of the sum of every rank's ``full``."""
         if not self.distributed:
             shard.copy_(full)
             return
-        dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+        _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.distributed:
