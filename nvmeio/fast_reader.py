@@ -30,7 +30,7 @@ import time
 from typing import Iterator, Optional
 
 from . import _native
-from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
+from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .file_ops import open_direct, populate
 
 __all__ = ["FastFileReader"]
@@ -53,14 +53,14 @@ class FastFileReader(io.RawIOBase):
     ``close`` behave as for a file opened "rb".
     """
 
-    def __init__(self, path, *, io: Optional[FastIO] = None,
+    def __init__(self, path, *, io: Optional[IOBuffers] = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True,
                  direct_min: int = 1 << 20):
         super().__init__()
         self.name = os.fspath(path)
         self.direct_min = direct_min
         self._own_io = io is None
-        self._io = io if io is not None else FastIO(buffer_size, double_buffer)
+        self._io = io if io is not None else IOBuffers(buffer_size, double_buffer)
         self._fd = -1
         self._done = False
         try:

@@ -23,7 +23,7 @@ from typing import Optional
 
 from . import _native
 from .atomic_file import TempFile
-from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
+from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .file_ops import copy_range, open_direct, preallocate, temp_beside
 
 __all__ = ["FastFileWriter"]
@@ -53,13 +53,13 @@ class FastFileWriter(io.RawIOBase):
     bytes are durable once ``close()`` returns. New files are created 0600.
     """
 
-    def __init__(self, path, *, atomic: bool = True, io: Optional[FastIO] = None,
+    def __init__(self, path, *, atomic: bool = True, io: Optional[IOBuffers] = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True):
         super().__init__()
         self.name = os.fspath(path)
         self.atomic = bool(atomic)
         self._own_io = io is None
-        self._io = io if io is not None else FastIO(buffer_size, double_buffer)
+        self._io = io if io is not None else IOBuffers(buffer_size, double_buffer)
         self._fd = -1
         self._copy_fd = -1
         self._tmp: Optional[TempFile] = None

@@ -31,7 +31,7 @@ import os
 import struct
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from .fast_io import DEFAULT_BUFFER_SIZE, FastIO
+from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .fast_reader import FastFileReader
 from .fast_writer import FastFileWriter
 
@@ -147,7 +147,7 @@ class SafetensorsWriter:
     """
 
     def __init__(self, path, tensors: Mapping[str, Tuple[object, Sequence[int]]],
-                 metadata: Optional[Mapping[str, str]] = None, *, io: Optional[FastIO] = None,
+                 metadata: Optional[Mapping[str, str]] = None, *, io: Optional[IOBuffers] = None,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True, file=None,
                  data_alignment: int = 8):
         try:
@@ -219,7 +219,7 @@ class SafetensorsWriter:
 
 
 def save_file(tensors: Mapping[str, object], path, metadata: Optional[Mapping[str, str]] = None, *,
-              io: Optional[FastIO] = None) -> None:
+              io: Optional[IOBuffers] = None) -> None:
     """``safetensors.torch.save_file`` through the fast writer (atomic, 0600)."""
     spec = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
     with SafetensorsWriter(path, spec, metadata, io=io) as w:
@@ -286,7 +286,7 @@ class SafetensorsReader:
     files: no buffers to set up per file).
     """
 
-    def __init__(self, path, *, io: Optional[FastIO] = None, buffer_size: int = DEFAULT_BUFFER_SIZE,
+    def __init__(self, path, *, io: Optional[IOBuffers] = None, buffer_size: int = DEFAULT_BUFFER_SIZE,
                  double_buffer: bool = True, direct: bool = True):
         if direct:
             self._file = FastFileReader(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
@@ -405,7 +405,7 @@ class SafetensorsReader:
         self.close()
 
 
-def load_file(path, *, io: Optional[FastIO] = None) -> Dict[str, object]:
+def load_file(path, *, io: Optional[IOBuffers] = None) -> Dict[str, object]:
     """``safetensors.torch.load_file`` through the fast reader."""
     with SafetensorsReader(path, io=io) as r:
         return dict(r.tensors())

@@ -1,13 +1,21 @@
-"""The layering holds: native -> nvmeio -> swapper -> zero, no upward import, and the
-import circles that once tied aio_handle/backend_choice/cuda_staging and the config
-models to each other stay broken (imports inside functions count too)."""
+"""The layering holds: native -> nvmeio -> swapper -> zero, no upward import; inside zero
+the sub-areas import only those below them; no module of nvmeio, swapper or zero is in an
+import circle (imports inside functions count too); and no package exports a name equal
+to one of its submodules (``import zero.initialize`` once made ``zero.initialize`` a module)."""
 
 import ast
+import importlib
 import os
+import pkgutil
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = ("nvmeio", "swapper", "zero")  # each may import only those before it
 NATIVE = "nvmeio._native"
+# zero's sub-areas, bottom up; the package root (the public API) and its facades sit on top
+ZERO_AREAS = ("config", "stores", "runtime", "partitioning", "checkpoint", "engine", "integrations")
+ZERO_APPS = ("demo",)  # programs on the public API: they may import anything of zero
 
 
 def _modules() -> dict:
@@ -86,10 +94,64 @@ def test_no_package_imports_a_layer_above_it():
     assert upward == []
 
 
-def test_the_handle_and_config_modules_are_in_no_import_circle():
-    watched = {"nvmeio.aio_handle", "nvmeio.backend_choice", "nvmeio.cuda_staging",
-               "nvmeio.gds_handle", "nvmeio.settings", "zero.config.base", "zero.config.auto",
-               "zero.config.ds_config", "zero.config.aio"}
-    assert watched <= set(_graph())
-    tangled = [c for c in _cycles(_graph()) if watched & set(c)]
-    assert tangled == []
+def test_no_module_is_in_an_import_circle():
+    assert "zero.engine.entry" in _graph() and "nvmeio.fast_io" in _graph()
+    assert _cycles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _area(module: str):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "zero" and parts[1] in ZERO_AREAS else None
+
+
+def test_zero_areas_import_only_the_areas_below_them():
+    upward = []
+    for module, targets in _graph().items():
+        area = _area(module)
+        if area is None:
+            continue
+        for t in targets:
+            if t.startswith("zero") and (_area(t) is None or ZERO_AREAS.index(_area(t)) > ZERO_AREAS.index(area)):
+                upward.append((module, t))
+    assert upward == []
+
+
+def test_zero_root_holds_only_the_public_api():
+    root = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "zero")) if f.endswith(".py"))
+    assert root == ["__init__", "examples", "hf", "lightning", "zero_to_fp32"]
+    folders = sorted(d for d in os.listdir(os.path.join(REPO, "zero"))
+                     if os.path.isfile(os.path.join(REPO, "zero", d, "__init__.py")))
+    assert folders == sorted(ZERO_AREAS + ZERO_APPS)
+
+
+def _packages():
+    for top in LAYERS:
+        package = importlib.import_module(top)
+        yield package
+        for info in pkgutil.walk_packages(package.__path__, f"{top}."):
+            if info.ispkg:
+                yield importlib.import_module(info.name)
+
+
+@pytest.mark.parametrize("package", [p.__name__ for p in _packages()])
+def test_no_exported_name_equals_a_submodule(package):
+    package = importlib.import_module(package)
+    submodules = {info.name for info in pkgutil.iter_modules(package.__path__)}
+    exported = set(getattr(package, "__all__", ())) | {n for n in vars(package) if not n.startswith("_")
+                                                     and not isinstance(vars(package)[n], type(os))}
+    assert sorted(submodules & exported) == []
+
+
+def test_zero_initialize_stays_the_function_after_every_submodule_is_imported():
+    import zero
+
+    for info in pkgutil.walk_packages(zero.__path__, "zero."):
+        if not info.name.endswith("__main__") and not info.name.startswith(("zero.integrations.",)):
+            importlib.import_module(info.name)
+    for name in zero.__all__:
+        assert not isinstance(getattr(zero, name), type(os)), name
+    assert callable(zero.initialize) and zero.initialize.__module__ == "zero.engine.entry"
