@@ -52,7 +52,7 @@ def test_inference_from_nvme_gives_the_plain_logits_forward_after_forward(tmp_pa
             assert not any(u.lent for u in engine.parts.units)
             assert store.swapper.pool.free_count == buffer_count - len(store._prefetched)
             if i >= 1:  # the trace is known: the next forward's first units are on their way
-                assert store._prefetched & set(coord._trace[:3])
+                assert store._prefetched & set(coord.prefetcher.trace[:3])
         assert any(seen), "no unit computed on a lent pool buffer"
         if buffer_count == 4:  # 2 spare buffers: some units must be copied instead
             assert not all(seen)
@@ -71,7 +71,7 @@ def test_a_training_engine_neither_lends_nor_reads_ahead_across_steps(tmp_path):
     try:
         train_engine(engine, make_batches(CFG, 3, 4), 3)
         assert seen and not any(seen)
-        assert not engine.parts.coordinator._ahead
+        assert not engine.parts.coordinator.prefetcher.ahead
     finally:
         engine.destroy()
 

@@ -19,33 +19,8 @@ unavailable parameter's unit while a forward is running, holds it until the
 forward of the module on top of the stack ends, and remembers the pairing so
 that module's backward gathers the unit too.
 
-[Note: prefetch by recorded trace]
-The order units are fetched in during one iteration (forward and backward) is
-recorded; in the next iteration each fetch that matches the recorded order
-starts the NVMe reads of the next units (up to ``stage3_prefetch_bucket_size``
-elements and the free pool buffers). When the order differs, prefetching stops
-for the rest of that iteration and the new order is recorded: no warnings, no
-stale trace.
-
-[Note: inference reads ahead across forwards, into the buffers it computes on]
-With no optimizer (a ZeRO-Inference engine) nothing changes the shards
-between forwards, and ``generate`` runs the same forward once per token. So the
-trace is read ahead cyclically: near the end of a forward the first units of
-the next one are prefetched (kept, not dropped, when it begins), and a
-non-persistent unit fetched from NVMe lends the pool buffer it was read into
-to its parameters (no copy) until it is released, when the store can spare
-the buffer (see ``NvmeParamStore.lend``). A training engine neither lends nor
-wraps: its step rewrites shards after backward.
-
-[Note: live parameters and reuse distance]
-``stage3_max_live_parameters`` bounds the elements of non-persistent units that
-are gathered or being prefetched at once: prefetching stops at the bound, and
-a unit is kept gathered after use (instead of released) only within it. Only
-the units the running modules need right now can push past it. A unit is kept
-when the trace says it is fetched again within ``stage3_max_reuse_distance``
-elements of other fetches (a block used at the end of forward and again at the
-start of backward), which saves reading it from NVMe twice. ``live_numel`` and
-``peak_live_numel`` make the bound observable.
+The prefetch and keep policy (which units to read ahead, which to keep gathered,
+the live-parameter bound) is prefetch.py's.
 """
 from __future__ import annotations
 
@@ -59,7 +34,8 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from . import linear
 from .grad_reducer import GradReducer
-from .timers import Timers, logger
+from .prefetch import LiveBound, Prefetcher
+from .timers import Timers
 from .param_state import ParamState
 from ..stores.param_store import ParamStore
 from .unit import ParamUnit
@@ -121,11 +97,9 @@ class Coordinator:
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
         self.reducer = reducer
         self.store = store
-        self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
-        self.max_reuse_distance = max_reuse_distance
-        self.live_numel = 0  # elements of non-persistent units gathered or being prefetched
-        self.peak_live_numel = 0
+        self.live = LiveBound(max_live_numel)
+        self.inference = reducer is None  # see prefetch.py [Note: inference reads ahead across forwards]
+        self.prefetcher = Prefetcher(units, store, self.live, prefetch_numel, max_reuse_distance, self.inference)
         self.timers = timers
         self.stack: List[_Frame] = []
         self.externals: Dict[nn.Module, Set[ParamUnit]] = {}
@@ -137,15 +111,14 @@ class Coordinator:
         self._linears: List[nn.Module] = []
         self._handles = []
         self._callback_queued = False
-        self._trace: Optional[List[int]] = None
-        self._recording: List[int] = []
-        self._trace_ok = False
-        self._next_use: List[int] = []  # per trace position: where the same unit is fetched next
-        self._trace_numel: List[int] = []  # prefix sums of the fetched units' elements
-        self._last_fetch: Dict[int, int] = {}  # unit -> its latest position in this iteration
-        self._kept: Dict[ParamUnit, None] = {}  # gathered after use for a near reuse, oldest first
-        self.inference = reducer is None  # see [Note: inference reads ahead across forwards]
-        self._ahead: Set[int] = set()  # units prefetched for the next forward (inference)
+
+    @property
+    def live_numel(self) -> int:
+        return self.live.numel
+
+    @property
+    def peak_live_numel(self) -> int:
+        return self.live.peak
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
@@ -183,50 +156,26 @@ class Coordinator:
 
     # -- fetch and release ----------------------------------------------------------------------
     def fetch(self, u: ParamUnit) -> None:
-        self._record(u)
+        self.prefetcher.record(u)
         if u.state is ParamState.AVAILABLE:
             return
         prefetched = u.state is ParamState.INFLIGHT
         if not u.persistent and not prefetched:  # a prefetched unit was counted when its read began
-            self._make_room(u.layout.numel)
+            self.live.make_room(u.layout.numel)
         with self.timers.phase("param fetch"):
             u.gather(lend=self.inference and not u.persistent)
         if not u.persistent and not prefetched:
-            self._count_live(u.layout.numel)
-
-    def _make_room(self, numel: int) -> None:
-        """Release units kept for reuse, oldest first, until ``numel`` more fit the live bound."""
-        while self._kept and self.live_numel + numel > self.max_live_numel:
-            kept = next(iter(self._kept))
-            del self._kept[kept]
-            if kept.state is ParamState.AVAILABLE and kept.releasable:
-                kept.release()
-                self.live_numel -= kept.layout.numel
-
-    def _count_live(self, numel: int) -> None:
-        self.live_numel += numel
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+            self.live.count(u.layout.numel)
 
     def maybe_release(self, u: ParamUnit) -> None:
         if not u.releasable or u.state is not ParamState.AVAILABLE:
             return
-        self._kept.pop(u, None)
-        if self._reused_soon(u):
-            self._kept[u] = None
+        self.live.kept.pop(u, None)
+        if self.prefetcher.reused_soon(u):
+            self.live.kept[u] = None
             return
         u.release()
-        self.live_numel -= u.layout.numel
-
-    def _reused_soon(self, u: ParamUnit) -> bool:
-        """Whether the trace fetches ``u`` again within the reuse distance, with room to keep it."""
-        if not self._trace_ok or self.live_numel > self.max_live_numel:
-            return False
-        now = len(self._recording) - 1
-        last = self._last_fetch.get(u.index, -1)
-        nxt = self._next_use[last] if 0 <= last < len(self._next_use) else -1
-        if nxt <= now:
-            return False
-        return self._trace_numel[nxt] - self._trace_numel[now + 1] <= self.max_reuse_distance
+        self.live.numel -= u.layout.numel
 
     def release_all(self) -> None:
         """Release every non-persistent unit (after a step, every unit whose shard changed)."""
@@ -235,13 +184,13 @@ class Coordinator:
             u.in_backward = False
             if not u.free:
                 u.release()
-        self.live_numel = 0
-        self._kept.clear()
+        self.live.numel = 0
+        self.live.kept.clear()
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
         if not self.stack:
-            self._begin_iteration()
+            self.prefetcher.begin_iteration()
         frame = _Frame(module)
         self.stack.append(frame)
         for u in self.module_units.get(module, ()):
@@ -323,69 +272,3 @@ class Coordinator:
             u.grads_left = u.grad_count
             u.in_backward = False
             self.maybe_release(u)
-
-    # -- trace and prefetch ---------------------------------------------------------------------
-    def _begin_iteration(self) -> None:
-        if self._recording:
-            if self._trace is not None and self._trace != self._recording:
-                logger.debug("zero: the order of parameter fetches changed; recording the new order")
-            self._trace = self._recording
-            self._index_trace()
-        self._recording = []
-        self._last_fetch = {}
-        self._trace_ok = self._trace is not None
-        ahead = {i for i in self._ahead if self._trace_ok and self.units[i].state is ParamState.INFLIGHT}
-        self._ahead = set()
-        self.store.drop_prefetched(keep=ahead)
-        for u in self.units:
-            if u.state is ParamState.INFLIGHT and u.index not in ahead:  # prefetched, never used
-                u.state = ParamState.NOT_AVAILABLE
-        self.live_numel = sum(u.layout.numel for u in self.units if not u.persistent and (
-            u.state is ParamState.AVAILABLE or u.index in ahead))
-
-    def _index_trace(self) -> None:
-        trace = self._trace
-        self._next_use = [-1] * len(trace)
-        last: Dict[int, int] = {}
-        for pos in range(len(trace) - 1, -1, -1):
-            self._next_use[pos] = last.get(trace[pos], -1)
-            last[trace[pos]] = pos
-        self._trace_numel = [0]
-        for index in trace:
-            self._trace_numel.append(self._trace_numel[-1] + self.units[index].layout.numel)
-
-    def _record(self, u: ParamUnit) -> None:
-        pos = len(self._recording)
-        self._recording.append(u.index)
-        self._last_fetch[u.index] = pos
-        if not self._trace_ok:
-            return
-        if pos >= len(self._trace) or self._trace[pos] != u.index:
-            self._trace_ok = False
-            return
-        if self.store.resident:
-            return
-        room = self.store.prefetch_capacity()
-        budget = self.prefetch_numel
-        wanted: Dict[int, object] = {}
-        ahead = self._trace[pos + 1:]
-        if self.inference:
-            ahead = ahead + self._trace[:pos]  # the next forward's (see the note)
-        for at, index in enumerate(ahead):
-            if room <= 0 or budget <= 0:
-                break
-            nxt = self.units[index]
-            if nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or index in wanted:
-                continue
-            if self.live_numel + nxt.layout.numel > self.max_live_numel:
-                break
-            wanted[index] = nxt.layout
-            if at >= len(self._trace) - pos - 1:
-                self._ahead.add(index)
-            nxt.state = ParamState.INFLIGHT
-            room -= 1
-            budget -= nxt.layout.shard_numel
-            if not nxt.persistent:
-                self._count_live(nxt.layout.numel)
-        if wanted:
-            self.store.prefetch(list(wanted.values()))

@@ -1,0 +1,161 @@
+"""The prefetch and keep policy of the hooks (hooks.py): which units to read ahead, which to
+keep gathered after use, and the bound on live parameters.
+
+[Note: prefetch by recorded trace]
+The order units are fetched in during one iteration (forward and backward) is
+recorded; in the next iteration each fetch that matches the recorded order
+starts the NVMe reads of the next units (up to ``stage3_prefetch_bucket_size``
+elements and the free pool buffers). When the order differs, prefetching stops
+for the rest of that iteration and the new order is recorded: no warnings, no
+stale trace.
+
+[Note: inference reads ahead across forwards, into the buffers it computes on]
+With no optimizer (a ZeRO-Inference engine) nothing changes the shards
+between forwards, and ``generate`` runs the same forward once per token. So the
+trace is read ahead cyclically: near the end of a forward the first units of
+the next one are prefetched (kept, not dropped, when it begins), and a
+non-persistent unit fetched from NVMe lends the pool buffer it was read into
+to its parameters (no copy) until it is released, when the store can spare
+the buffer (see ``NvmeParamStore.lend``). A training engine neither lends nor
+wraps: its step rewrites shards after backward.
+
+[Note: live parameters and reuse distance]
+``stage3_max_live_parameters`` bounds the elements of non-persistent units that
+are gathered or being prefetched at once: prefetching stops at the bound, and
+a unit is kept gathered after use (instead of released) only within it. Only
+the units the running modules need right now can push past it. A unit is kept
+when the trace says it is fetched again within ``stage3_max_reuse_distance``
+elements of other fetches (a block used at the end of forward and again at the
+start of backward), which saves reading it from NVMe twice. The coordinator's ``live_numel`` and
+``peak_live_numel`` make the bound observable.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+from ..stores.param_store import ParamStore
+from .param_state import ParamState
+from .timers import logger
+from .unit import ParamUnit
+
+
+class LiveBound:
+    """Elements of non-persistent units gathered or being prefetched (``numel``, its ``peak``),
+    bounded by ``stage3_max_live_parameters`` (``limit``); ``kept``: units gathered after use
+    for a near reuse, oldest first (see [Note: live parameters and reuse distance])."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.numel = 0
+        self.peak = 0
+        self.kept: Dict[ParamUnit, None] = {}
+
+    def count(self, numel: int) -> None:
+        self.numel += numel
+        self.peak = max(self.peak, self.numel)
+
+    def make_room(self, numel: int) -> None:
+        """Release units kept for reuse, oldest first, until ``numel`` more fit the bound."""
+        while self.kept and self.numel + numel > self.limit:
+            kept = next(iter(self.kept))
+            del self.kept[kept]
+            if kept.state is ParamState.AVAILABLE and kept.releasable:
+                kept.release()
+                self.numel -= kept.layout.numel
+
+
+class Prefetcher:
+    """Records the order units are fetched in and, while an iteration follows the recorded
+    order, starts the reads of the next units (see the notes above)."""
+
+    def __init__(self, units: List[ParamUnit], store: ParamStore, live: LiveBound, prefetch_numel: int,
+                 max_reuse_distance: int, inference: bool):
+        self.units = units
+        self.store = store
+        self.live = live
+        self.prefetch_numel = prefetch_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.inference = inference
+        self.trace: Optional[List[int]] = None
+        self.recording: List[int] = []
+        self.trace_ok = False
+        self.next_use: List[int] = []  # per trace position: where the same unit is fetched next
+        self.trace_numel: List[int] = []  # prefix sums of the fetched units' elements
+        self.last_fetch: Dict[int, int] = {}  # unit -> its latest position in this iteration
+        self.ahead: Set[int] = set()  # units prefetched for the next forward (inference)
+
+    def reused_soon(self, u: ParamUnit) -> bool:
+        """Whether the trace fetches ``u`` again within the reuse distance, with room to keep it."""
+        if not self.trace_ok or self.live.numel > self.live.limit:
+            return False
+        now = len(self.recording) - 1
+        last = self.last_fetch.get(u.index, -1)
+        nxt = self.next_use[last] if 0 <= last < len(self.next_use) else -1
+        if nxt <= now:
+            return False
+        return self.trace_numel[nxt] - self.trace_numel[now + 1] <= self.max_reuse_distance
+
+    def begin_iteration(self) -> None:
+        if self.recording:
+            if self.trace is not None and self.trace != self.recording:
+                logger.debug("zero: the order of parameter fetches changed; recording the new order")
+            self.trace = self.recording
+            self._index_trace()
+        self.recording = []
+        self.last_fetch = {}
+        self.trace_ok = self.trace is not None
+        ahead = {i for i in self.ahead if self.trace_ok and self.units[i].state is ParamState.INFLIGHT}
+        self.ahead = set()
+        self.store.drop_prefetched(keep=ahead)
+        for u in self.units:
+            if u.state is ParamState.INFLIGHT and u.index not in ahead:  # prefetched, never used
+                u.state = ParamState.NOT_AVAILABLE
+        self.live.numel = sum(u.layout.numel for u in self.units if not u.persistent and (
+            u.state is ParamState.AVAILABLE or u.index in ahead))
+
+    def _index_trace(self) -> None:
+        trace = self.trace
+        self.next_use = [-1] * len(trace)
+        last: Dict[int, int] = {}
+        for pos in range(len(trace) - 1, -1, -1):
+            self.next_use[pos] = last.get(trace[pos], -1)
+            last[trace[pos]] = pos
+        self.trace_numel = [0]
+        for index in trace:
+            self.trace_numel.append(self.trace_numel[-1] + self.units[index].layout.numel)
+
+    def record(self, u: ParamUnit) -> None:
+        pos = len(self.recording)
+        self.recording.append(u.index)
+        self.last_fetch[u.index] = pos
+        if not self.trace_ok:
+            return
+        if pos >= len(self.trace) or self.trace[pos] != u.index:
+            self.trace_ok = False
+            return
+        if self.store.resident:
+            return
+        room = self.store.prefetch_capacity()
+        budget = self.prefetch_numel
+        wanted: Dict[int, object] = {}
+        ahead = self.trace[pos + 1:]
+        if self.inference:
+            ahead = ahead + self.trace[:pos]  # the next forward's (see the note)
+        for at, index in enumerate(ahead):
+            if room <= 0 or budget <= 0:
+                break
+            nxt = self.units[index]
+            if nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or index in wanted:
+                continue
+            if self.live.numel + nxt.layout.numel > self.live.limit:
+                break
+            wanted[index] = nxt.layout
+            if at >= len(self.trace) - pos - 1:
+                self.ahead.add(index)
+            nxt.state = ParamState.INFLIGHT
+            room -= 1
+            budget -= nxt.layout.shard_numel
+            if not nxt.persistent:
+                self.live.count(nxt.layout.numel)
+        if wanted:
+            self.store.prefetch(list(wanted.values()))
