@@ -15,7 +15,7 @@ from .auto import resolve_auto
 from .ds_config import DeepSpeedConfig
 from .errors import (ConfigDeprecationWarning, ConfigError, IgnoredSettingWarning, Problem,
                      UnresolvedAutoError)
-from .extras import CheckpointConfig
+from .checkpoint import CheckpointConfig
 from .load import load_config
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
 from .optimizer import AdamParams, OptimizerConfig

@@ -19,11 +19,11 @@ from .aio import AioConfig
 from .base import StrictModel, join, problems_from, raise_problems, sections
 from .batch import ACCUM, MICRO, TRAIN, derive_batch_sizes
 from .errors import ConfigDeprecationWarning, ConfigError, IgnoredSettingWarning, Problem, short
-from .extras import (ActivationCheckpointingConfig, CheckpointConfig, CommsLoggerConfig,
-                     CSVMonitorConfig, DataType, DataTypesConfig, FlopsProfilerConfig,
-                     TensorBoardConfig, WandbConfig)
+from .activation_checkpointing import ActivationCheckpointingConfig
+from .checkpoint import CheckpointConfig
+from .monitoring import CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig
 from .optimizer import OptimizerConfig
-from .precision import BF16Config, FP16Config
+from .precision import BF16Config, DataType, DataTypesConfig, FP16Config
 from .scheduler import SchedulerConfig
 from .values import AUTO, Flag, Int, Real, whole_number
 from .zero_section import ZeroConfig

@@ -1,4 +1,5 @@
-"""``fp16`` and ``bf16``: the precision of compute and the fp16 loss scaler.
+"""``fp16``, ``bf16`` and ``data_types``: the precision of compute, the fp16 loss scaler and
+the dtype of gradient accumulation.
 
 fp32 master weights always live in the optimizer; these sections choose the
 dtype of the parameters the model computes with. ``fp16.loss_scale: 0``
@@ -7,10 +8,12 @@ means dynamic loss scaling starting at ``2**initial_scale_power``.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from .base import StrictModel
-from .values import AutoFlag, Flag, Int, Real
+from .values import AutoFlag, Choice, Flag, Int, Real
+
+DataType = Choice("fp16", "bf16", "fp32", what="data type", aliases={"bfp16": "bf16"})
 
 
 class FP16Config(StrictModel):
@@ -52,3 +55,8 @@ class BF16Config(StrictModel):
     immediate_grad_update: Flag = False
     check_grad_overflow: Flag = False
 
+
+class DataTypesConfig(StrictModel):
+    """``data_types``: dtype of gradient accumulation (None: the compute dtype)."""
+
+    grad_accum_dtype: Optional[DataType] = None
