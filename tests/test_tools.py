@@ -66,3 +66,19 @@ def test_fio_job_line_and_huge_page_need():
     split = fio.FioJob("write", 1 << 30, bs=4 << 20, numjobs=4, split=True).argv("/d/f.bin")
     assert "--size=268435456" in split and "--offset_increment=268435456" in split  # 1 GiB in all
     assert "--offset_increment" not in " ".join(fio.FioJob("write", 1 << 30, numjobs=4).argv("/d/f.bin"))
+
+
+def test_fio_io_size_wraps_a_smaller_file_and_jobs_run_together_in_one_process(tmp_path):
+    job = fio.FioJob("read", 8 << 20, bs=4 << 20, io_size=32 << 20)
+    assert "--io_size=33554432" in job.argv("/d/f.bin") and "--size=8388608" in job.argv("/d/f.bin")
+    assert "--io_size" not in " ".join(fio.FioJob("read", 8 << 20).argv("/d/f.bin"))
+    if not fio.available():
+        pytest.skip("fio is not installed")
+    out = fio.read_write_together(20 << 20, 6 << 20, str(tmp_path), runs=2, mem="malloc", file_cap=8 << 20)
+    # byte counts rounded up to the block; the read wraps around a file of file_cap bytes
+    assert (out["read_bytes"], out["write_bytes"]) == (20 << 20, 8 << 20)
+    assert os.path.getsize(tmp_path / "fio-read.bin") == 8 << 20
+    assert len(out["runs"]) == 2 and out["seconds"] == min(r["seconds"] for r in out["runs"])
+    for run in out["runs"]:
+        assert {j["rw"]: j["bytes"] for j in run["jobs"]} == {"read": 20 << 20, "write": 8 << 20}
+        assert run["seconds"] == max(j["seconds"] for j in run["jobs"])
