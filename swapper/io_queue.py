@@ -155,16 +155,56 @@ class WriteRing:
             raise
 
     def drain(self) -> int:
-        done, error = 0, None
-        for queue in self.queues:
-            try:
-                done += queue.drain()
-            except BaseException as exc:  # noqa: BLE001 - every queue is drained, the first error raised
-                error = error or exc
-        if error is not None:
-            raise error
-        return done
+        return _drain_all(self.queues)
 
     def close(self) -> None:
         for queue in self.queues:
             queue.handle.close()
+
+
+class ReadRing:
+    """Reads spread over up to ``size`` queues (each its own handle), one batch of reads per
+    queue, so that a fetch waits for its own batch only, not for every read in flight (a
+    prefetch of later units). Queues beyond the first are made at first need with
+    ``make_queue``; ``size`` 1 is one queue, where completing any read completes them all."""
+
+    def __init__(self, first: IoQueue, make_queue: Callable[[], IoQueue], size: int):
+        self.queues: List[IoQueue] = [first]
+        self.size = size
+        self._make_queue = make_queue
+        self._next = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues)
+
+    def next_queue(self) -> IoQueue:
+        """The queue for the next batch of reads: an idle one, else the next in turn."""
+        for queue in self.queues:
+            if not len(queue):
+                return queue
+        if len(self.queues) < self.size:
+            self.queues.append(self._make_queue())
+            return self.queues[-1]
+        self._next = (self._next + 1) % len(self.queues)
+        return self.queues[self._next]
+
+    def drain(self) -> int:
+        return _drain_all(self.queues)
+
+    def close_extra(self) -> None:
+        """Close the queues made beyond the first (the first belongs to whoever gave it)."""
+        for queue in self.queues[1:]:
+            queue.handle.close()
+
+
+def _drain_all(queues: List[IoQueue]) -> int:
+    """Complete every queue's ops; the first error is raised once all are done."""
+    done, error = 0, None
+    for queue in queues:
+        try:
+            done += queue.drain()
+        except BaseException as exc:  # noqa: BLE001 - every queue is drained, the first error raised
+            error = error or exc
+    if error is not None:
+        raise error
+    return done

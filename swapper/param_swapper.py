@@ -59,7 +59,7 @@ from nvmeio import AioSettings, new_handle
 from .buffer_pool import PAGE_BYTES, PoolBuffer, align_up, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapFileTruncatedError, SwapStateError, add_note
-from .io_queue import IoKind, IoQueue, WriteRing
+from .io_queue import IoKind, IoQueue, ReadRing, WriteRing
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
 
@@ -182,10 +182,7 @@ class PartitionedParamSwapper(SwapperBase):
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
         self._writes = WriteRing(self._writes, lambda: IoQueue(new_handle(config)), write_queues)
-        self._ring = [self._reads]  # the read queues (see the note); more made at first use
-        self._ring_size = read_queues
-        self._ring_next = 0
-        self._aio_config = config
+        self._read_ring = ReadRing(self._reads, lambda: IoQueue(new_handle(config)), read_queues)
         if self.buffer_size is not None:
             try:
                 self._pool = self._make_pool(self.buffer_size)
@@ -318,7 +315,7 @@ class PartitionedParamSwapper(SwapperBase):
             if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
                 raise SwapStateError(f"partition {p.param_id!r} has no data to swap out; use get_buffer first")
         if any(p.state is PartitionState.READING for p in parts):
-            self._drain_reads()
+            self._read_ring.drain()
         self._check_space()
         for p in parts:
             if p.state is PartitionState.AVAILABLE and p.home is not None:
@@ -347,7 +344,7 @@ class PartitionedParamSwapper(SwapperBase):
         for p in wanted:
             self._check_stored_size(p)
         buffers = self._acquire(len(wanted), wanted, "swap_in") if wanted else []
-        queue = self._read_queue() if wanted else None
+        queue = self._read_ring.next_queue() if wanted else None
         for p, buf in zip(wanted, buffers):
             p.buffer, p.state, p.queue = buf, PartitionState.READING, queue
         submitted = 0
@@ -428,7 +425,7 @@ class PartitionedParamSwapper(SwapperBase):
         """Complete the I/O in flight of ``parts``: every op when there is one read queue (as
         :meth:`synchronize`), else only the queues holding their reads and, if one is being
         written, the writes (see the note)."""
-        if self._ring_size == 1:  # (the ring grows at first use: its length says nothing here)
+        if self._read_ring.size == 1:  # (the ring grows at first use: its length says nothing here)
             self.synchronize()
             return
         try:
@@ -438,7 +435,7 @@ class PartitionedParamSwapper(SwapperBase):
             # As with one queue, a failure completes every read in flight (a failed prefetch
             # leaves its partition on NVMe now, not at some later, unrelated call).
             try:
-                self._drain_reads()
+                self._read_ring.drain()
             except BaseException as other:  # noqa: BLE001 - noted on the first error
                 add_note(exc, f"also: {other!r}")
             raise
@@ -446,31 +443,10 @@ class PartitionedParamSwapper(SwapperBase):
             if any(p.state is PartitionState.WRITING for p in parts):
                 self._writes.drain()
 
-    def _read_queue(self) -> IoQueue:
-        """The queue for the next batch of reads: an idle one, else the next in turn."""
-        for queue in self._ring:
-            if not len(queue):
-                return queue
-        if len(self._ring) < self._ring_size:
-            self._ring.append(IoQueue(new_handle(self._aio_config)))
-            return self._ring[-1]
-        self._ring_next = (self._ring_next + 1) % len(self._ring)
-        return self._ring[self._ring_next]
-
-    def _drain_reads(self) -> None:
-        error: Optional[BaseException] = None
-        for queue in self._ring:
-            try:
-                queue.drain()
-            except BaseException as exc:  # noqa: BLE001 - every queue is drained, the first error raised
-                error = error or exc
-        if error is not None:
-            raise error
-
     def synchronize(self) -> None:
         """Complete every read and write in flight; raise the first error after all are done."""
         try:
-            self._drain_reads()
+            self._read_ring.drain()
         finally:
             self._writes.drain()
 
@@ -480,8 +456,7 @@ class PartitionedParamSwapper(SwapperBase):
             super().cleanup()
         finally:
             if not closed:
-                for queue in self._ring[1:]:
-                    queue.handle.close()
+                self._read_ring.close_extra()
 
     def release(self, param_ids: Iterable[ParamId]) -> None:
         """Give the buffers of swapped-in partitions back without writing them.
@@ -492,7 +467,7 @@ class PartitionedParamSwapper(SwapperBase):
         """
         parts = self._lookup(param_ids)
         if any(p.state is PartitionState.READING for p in parts):
-            self._drain_reads()
+            self._read_ring.drain()
         for p in parts:
             if p.state is PartitionState.WRITING:
                 p.keep_after_write = False
@@ -509,7 +484,7 @@ class PartitionedParamSwapper(SwapperBase):
         this is its retry)."""
         parts = self._lookup(param_ids)
         if any(p.state is PartitionState.READING for p in parts):
-            self._drain_reads()
+            self._read_ring.drain()
         unsaved = [p.param_id for p in parts if p.state is PartitionState.AVAILABLE and not p.on_nvme]
         self.release([p.param_id for p in parts if p.param_id not in set(unsaved)])
         if unsaved:
