@@ -1,0 +1,171 @@
+"""File-to-file operations on the optimizer swapper's sub-group state files, for
+checkpoints: the current file and its digests, linking it into a checkpoint, adopting a
+checkpoint's shard as the swap file, importing a shard's bytes through the pool. Kept
+apart from the swap state machine (optimizer_swapper.py), whose states and queues they
+use; mixed into :class:`~swapper.PartitionedOptimizerSwapper`.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from typing import Dict, Mapping, Optional, Tuple
+
+from .errors import SwapStateError
+from .io_queue import IoKind
+from .sub_group import HEADER_BYTES, SubGroupState, SubGroupTensors
+
+
+def _hard_link(src: str, dst: str) -> bool:
+    """``os.link``; False where the file system cannot link these two (another device, no
+    hard links, too many links): the caller copies instead."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise
+    return True
+
+
+class SubGroupFiles:
+    """Checkpoint operations of :class:`~swapper.PartitionedOptimizerSwapper` (see the module
+    docstring); every method works on the swapper's own entries, queues and checksums."""
+
+    def stored_file(self, sub_group_id: int) -> Tuple[str, Dict[str, int]]:
+        """The swap file holding a sub-group's state, and the byte offset of each of its
+        tensors there (``"master"`` and the state names; ``numel * itemsize`` bytes each),
+        so that a checkpoint can copy them file to file.
+
+        The file is made current first: a read or write in flight completes, and a
+        sub-group held in host memory is written out (its buffer returns to the pool).
+        """
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.UNWRITTEN:
+            raise SwapStateError(f"sub-group {sub_group_id} was never initialized")
+        if g.state is SubGroupState.READING:
+            self._wait(self._reads, None)
+        if g.state is SubGroupState.AVAILABLE:
+            self._begin_write(g)
+        if g.state is SubGroupState.WRITING:
+            self._wait(self._writes, None)
+        return self.swap_dir.file(g.file_name), self._offsets(g.layout)
+
+    def stored_checksums(self, sub_group_id: int) -> Optional[Dict[str, int]]:
+        """The digests recorded when the sub-group's state was written (of ``"master"`` and
+        each state's ``numel * itemsize`` bytes, algorithm :attr:`checksum`), for a checkpoint
+        to carry with the bytes it links or copies; None with checksums off (or where one is
+        missing). Call it after :meth:`stored_file`, which makes the file current."""
+        g = self._group(sub_group_id)
+        if self._checksums is None or g.state is not SubGroupState.ON_NVME:
+            return None
+        path = self.swap_dir.file(g.file_name)
+        out = {name: self._checksums.recorded(path, offset, g.layout.tensor_bytes)
+               for name, offset in self._offsets(g.layout).items()}
+        return None if any(d is None for d in out.values()) else out
+
+    def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
+        """Makes the sub-group's swap file also ``dest`` (a hard link: no byte is copied),
+        after writing ``header`` into its header page (see [Note: the header page]); the
+        next swap-out writes a new file, so ``dest`` keeps this state. False, changing
+        nothing, where that cannot be done (another file system, a header of another
+        size, a file linked already whose header page holds another header): the caller
+        copies instead."""
+        g = self._group(sub_group_id)
+        if len(header) != HEADER_BYTES:
+            return False
+        path, _ = self.stored_file(sub_group_id)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if g.linked:  # a checkpoint's file already: never written again, only linked once more
+                if os.pread(fd, HEADER_BYTES, 0) != header:
+                    return False
+            elif os.pwrite(fd, header, 0) != HEADER_BYTES:
+                raise OSError(f"short write of the header page of {path}")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if not _hard_link(path, dest):
+            return False
+        g.linked = True
+        return True
+
+    def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int],
+                   checksums: Optional[Tuple[str, Mapping[str, int]]] = None) -> bool:
+        """Makes the file ``path`` (a checkpoint shard in this very layout: ``offsets`` of
+        "master" and every state equal this swapper's) the sub-group's swap file, by a hard
+        link: no byte is copied, and the next swap-out writes a new file, so ``path`` is
+        never changed. With checksums on, ``checksums`` = (algorithm name, digest of each
+        tensor) that the file carries become the ones its swap-ins verify. False, changing
+        nothing, where that cannot be done (another file system or layout; checksums on
+        and none carried, or of another algorithm)."""
+        g = self._group(sub_group_id)
+        if self._checksums is not None and (
+                checksums is None or checksums[0] != self._checksums.algorithm.value
+                or set(checksums[1]) != set(offsets)):
+            return False
+        if (dict(offsets) != self._offsets(g.layout)
+                or os.path.getsize(path) < g.layout.written_bytes):
+            return False
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        target = self.swap_dir.file(g.file_name)
+        if self.on_rewrite is not None:
+            self.on_rewrite(sub_group_id)
+        same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
+        if not same:
+            tmp = f"{target}.adopt-{os.getpid()}"
+            if not _hard_link(path, tmp):
+                return False
+            os.replace(tmp, target)  # (a rename between two links of one file would do nothing)
+        self.swap_dir.create(g.file_name)  # tracked for cleanup (the name, not the checkpoint's)
+        if self._checksums is not None:
+            self._checksums.forget(target)
+            for name, offset in offsets.items():
+                self._checksums.assign(target, offset, g.layout.tensor_bytes, checksums[1][name])
+        if g.state is SubGroupState.AVAILABLE:
+            self._evict(g)
+        g.state, g.linked = SubGroupState.ON_NVME, True
+        g.grad_ranges.clear()
+        g.grad_tickets.clear()
+        return True
+
+    @property
+    def can_import(self) -> bool:
+        """Whether :meth:`import_state` may be used (always: the state is written through
+        the pool like any swap-out, checksums included)."""
+        return True
+
+    def import_state(self, sub_group_id: int, sources: Mapping[str, Tuple[str, int]],
+                     write: bool = True) -> SubGroupTensors:
+        """Replaces a sub-group's state with bytes of other files (a checkpoint's tensor
+        data), never through torch tensors: ``sources`` maps ``"master"`` and every state
+        name to ``(path, byte offset)`` of its ``numel * itemsize`` bytes. They are read
+        straight into the sub-group's pool buffer (O_DIRECT, one op each, in parallel)
+        and written out as one swap-out; ``write=False`` leaves the sub-group in host
+        memory instead (the returned tensors; :meth:`swap_out` it when done)."""
+        g = self._group(sub_group_id)
+        wanted = {"master", *self.state_names}
+        if set(sources) != wanted:
+            raise ValueError(f"import_state needs sources for exactly {sorted(wanted)}, got {sorted(sources)}")
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        if g.buffer is None:
+            g.buffer = self._acquire(g)
+        lay, offsets = g.layout, self._offsets(g.layout)
+        g.state, g.read_grad = SubGroupState.READING, False
+        for name, (src_path, src_offset) in sources.items():
+            view = g.buffer.bytes()[offsets[name]:offsets[name] + lay.tensor_bytes]
+            self._reads.submit(IoKind.READ, view, os.fspath(src_path), src_offset, lambda error: None)
+        try:
+            self._wait(self._reads, None)
+        except BaseException:
+            self._evict(g)  # the swap file still holds the previous state
+            raise
+        g.state = SubGroupState.AVAILABLE
+        g.grad_ranges.clear()
+        g.grad_tickets.clear()
+        tensors = self._tensors(g, with_grad=False)
+        if write:
+            self._begin_write(g)
+            self._wait(self._writes, None)
+        return tensors
