@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from nvmeio.atomic_file import write_atomically
+
 from ..runtime.comm import init_distributed
 from ..stores.malloc_trim import FreedBytes
 from ..partitioning.init_context import is_init_partitioned, store_init_shard
@@ -267,8 +269,8 @@ def save_pretrained(model: nn.Module, directory, dtype: Optional[torch.dtype] = 
         result = os.path.join(directory, "model.safetensors.index.json")
         index = {"metadata": {"total_size": sum(nbytes(t) for t in tensors.values())},
                  "weight_map": {n: f for f, shard in zip(names, shards) for n in shard}}
-        with open(result, "w") as f:
-            json.dump(index, f, indent=2)
+        shard_mode = os.stat(os.path.join(directory, names[0])).st_mode & 0o777  # as its shards
+        write_atomically(result, json.dumps(index, indent=2).encode("utf-8"), mode=shard_mode)
     config = getattr(module, "config", None)
     if comm.rank == 0 and hasattr(config, "save_pretrained"):
         config.save_pretrained(directory)
