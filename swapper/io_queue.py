@@ -47,11 +47,22 @@ class IoOp:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-class IoQueue:
-    """Submits reads or writes on one handle and completes them in batches."""
+@dataclass
+class IoBytes:
+    """Bytes a swapper's queues submitted to read and to write (what a benchmark or a test
+    counts per iteration; the swapper's own count, not the process's)."""
 
-    def __init__(self, handle):
+    read: int = 0
+    written: int = 0
+
+
+class IoQueue:
+    """Submits reads or writes on one handle and completes them in batches; ``counts`` (shared
+    by a swapper's queues) adds up the bytes submitted."""
+
+    def __init__(self, handle, counts: Optional[IoBytes] = None):
         self.handle = handle
+        self.counts = counts if counts is not None else IoBytes()
         self._ops: List[IoOp] = []
 
     def __len__(self) -> int:
@@ -63,8 +74,10 @@ class IoQueue:
         try:
             if kind is IoKind.READ:
                 self.handle.async_pread(buffer, path, offset)
+                self.counts.read += op.nbytes
             else:
                 self.handle.async_pwrite(buffer, path, offset)
+                self.counts.written += op.nbytes
         except BaseException as exc:
             op.on_done(exc)
             raise

@@ -181,8 +181,8 @@ class PartitionedParamSwapper(SwapperBase):
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
-        self._writes = WriteRing(self._writes, lambda: IoQueue(new_handle(config)), write_queues)
-        self._read_ring = ReadRing(self._reads, lambda: IoQueue(new_handle(config)), read_queues)
+        self._writes = WriteRing(self._writes, lambda: IoQueue(new_handle(config), self.io_bytes), write_queues)
+        self._read_ring = ReadRing(self._reads, lambda: IoQueue(new_handle(config), self.io_bytes), read_queues)
         if self.buffer_size is not None:
             try:
                 self._pool = self._make_pool(self.buffer_size)

@@ -24,7 +24,7 @@ from nvmeio import AioSettings, new_handle
 from .buffer_pool import PinnedBufferPool, PoolBuffer
 from .checksum import checksum_table
 from .errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
-from .io_queue import IoQueue
+from .io_queue import IoBytes, IoQueue
 from .swap_dir import SwapDirectory
 
 
@@ -52,8 +52,9 @@ class SwapperBase(abc.ABC):
         self.dtype = dtype
         self.pin_memory = pin_memory
         self._checksums = checksum_table(checksum)
-        self._reads = IoQueue(new_handle(config))
-        self._writes = IoQueue(new_handle(config))
+        self.io_bytes = IoBytes()  # what this swapper's queues moved (tests and benchmarks read it)
+        self._reads = IoQueue(new_handle(config), self.io_bytes)
+        self._writes = IoQueue(new_handle(config), self.io_bytes)
         self._pool: Optional[PinnedBufferPool] = None
         self._space_checked = 0
         self._closed = False

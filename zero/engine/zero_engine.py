@@ -158,9 +158,7 @@ class ZeroEngine(nn.Module):
     # -- forward, backward, step ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.check_usable()
-        cast = torch.float16 if self.config.fp16.enabled and self.config.fp16.auto_cast else None
-        args = _to_device(args, self.device, cast)
-        kwargs = _to_device(kwargs, self.device, cast)
+        args, kwargs = self.inputs_on_device(args, kwargs)
         coordinator = self.parts.coordinator
         self.comm.deferring = self._defer_reads
         try:
@@ -177,20 +175,45 @@ class ZeroEngine(nn.Module):
         finally:
             self.comm.deferring = False
 
+    def inputs_on_device(self, args: tuple, kwargs: dict):
+        """Tensors in a forward's inputs on the compute device (cast to fp16 with ``fp16.auto_cast``)."""
+        cast = torch.float16 if self.config.fp16.enabled and self.config.fp16.auto_cast else None
+        return _to_device(args, self.device, cast), _to_device(kwargs, self.device, cast)
+
+    def train_batch(self, micro_batches) -> torch.Tensor:
+        """One accumulation window: forward, backward and step of ``gradient_accumulation_steps``
+        micro-batches (an iterable; from an iterator, the next that many), each unit's parameters
+        read once for the window's forwards and once for its backwards; returns the mean loss.
+        Results are bit-identical to the micro-batch loop (engine/train_batch.py)."""
+        from .train_batch import train_batch
+
+        return train_batch(self, micro_batches)
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps (DeepSpeed's ``scale_wrt_gas``;
         False when the caller divided it already, as the Hugging Face Trainer does)."""
+        self._check_can_train()
+        scaled = self._scaled(loss, scale_wrt_gas)
+        self._backward(lambda: scaled.backward(retain_graph=retain_graph), self.is_gradient_accumulation_boundary())
+        return loss
+
+    def _check_can_train(self) -> None:
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer: pass one to zero.initialize or add an "
                                "optimizer section to the config")
         self.check_usable()
+
+    def _scaled(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         scaled = loss
         gas = self.gradient_accumulation_steps()
         if gas > 1 and scale_wrt_gas:
             scaled = scaled / gas
         if self.optimizer.loss_scale != 1.0:
             scaled = scaled * self.optimizer.loss_scale
-        boundary = self.is_gradient_accumulation_boundary()
+        return scaled
+
+    def _backward(self, run_autograd, boundary: bool) -> None:
+        """``run_autograd()`` between the step-in-backward / gradient-stash set-up and wrap-up."""
         store = self.parts.optimizer_store
         optimizer = self.optimizer
         if self.parts.reducer.stash is not None:
@@ -204,7 +227,7 @@ class ZeroEngine(nn.Module):
         self.comm.deferring = self._defer_reads
         try:
             with self.timers.phase("backward"):
-                scaled.backward(retain_graph=retain_graph)
+                run_autograd()
                 if boundary and store.stash_gradients and not in_backward:
                     # a failed gradient write surfaces here, not in the step
                     stash.run(store.wait_gradients) if stash is not None else store.wait_gradients()
@@ -223,7 +246,6 @@ class ZeroEngine(nn.Module):
             optimizer.end_backward()
         elif boundary and store.stash_gradients:
             store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
-        return loss
 
     def _raise_if_failed_anywhere(self, what: str, error: Optional[BaseException]) -> None:
         """Several ranks: a rank whose I/O failed in forward or backward kept the error and went

@@ -99,11 +99,15 @@ class GradReducer:
                                                             device=self.device)
         buf[slot.offset:slot.stop].copy_(grad.reshape(-1))
 
+    def reduce(self, unit: ParamUnit) -> None:
+        """One micro-batch's gradients of ``unit`` are in: reduce-scatter them (several ranks)."""
+        if self.comm.world_size > 1:
+            self._reduce_scatter(unit)
+
     def finish(self, unit: ParamUnit) -> None:
         """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks);
         with a stash, write its sub-group out when this was the sub-group's last unit."""
-        if self.comm.world_size > 1:
-            self._reduce_scatter(unit)
+        self.reduce(unit)
         if self.stash is not None:
             sg = self.stash.unit_done(unit.layout.index)
             if sg is not None:

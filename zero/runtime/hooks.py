@@ -25,6 +25,7 @@ the live-parameter bound) is prefetch.py's.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
@@ -39,6 +40,7 @@ from .timers import Timers
 from .param_state import ParamState
 from ..stores.param_store import ParamStore
 from .unit import ParamUnit
+from .window import MicroBatchWindow
 
 
 def output_tensors(value) -> List[torch.Tensor]:
@@ -70,6 +72,8 @@ class _ZeroParams(dict):
         c = self.coordinator
         if c is not None and c.stack and p is not None:
             c.on_param_access(p)
+        if c is not None and c.window is not None and c.window.index is not None and p in c.slot_of:
+            return c.window.alias(p, c.slot_of[p][0], c.window_grad)  # see window.py
         return p
 
     def __deepcopy__(self, memo):
@@ -101,7 +105,8 @@ class Coordinator:
         self.inference = reducer is None  # see prefetch.py [Note: inference reads ahead across forwards]
         self.prefetcher = Prefetcher(units, store, self.live, prefetch_numel, max_reuse_distance, self.inference)
         self.timers = timers
-        self.stack: List[_Frame] = []
+        self._local = threading.local()  # each thread's stack of forwards (window.py runs k at once)
+        self.window: Optional[MicroBatchWindow] = None
         self.externals: Dict[nn.Module, Set[ParamUnit]] = {}
         self.slot_of: Dict[nn.Parameter, tuple] = {}
         for u in units:
@@ -111,6 +116,14 @@ class Coordinator:
         self._linears: List[nn.Module] = []
         self._handles = []
         self._callback_queued = False
+
+    @property
+    def stack(self) -> List[_Frame]:
+        """The modules whose forward is running on this thread, innermost last."""
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     @property
     def live_numel(self) -> int:
@@ -156,7 +169,8 @@ class Coordinator:
 
     # -- fetch and release ----------------------------------------------------------------------
     def fetch(self, u: ParamUnit) -> None:
-        self.prefetcher.record(u)
+        if self.window is None or self.window.first:  # a window's trace is its first micro-batch's
+            self.prefetcher.record(u)
         if u.state is ParamState.AVAILABLE:
             return
         prefetched = u.state is ParamState.INFLIGHT
@@ -189,8 +203,11 @@ class Coordinator:
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
-        if not self.stack:
+        window = self.window
+        if not self.stack and (window is None or window.first):
             self.prefetcher.begin_iteration()
+        if window is not None and module in self.module_units:
+            window.reached(module)
         frame = _Frame(module)
         self.stack.append(frame)
         for u in self.module_units.get(module, ()):
@@ -200,9 +217,11 @@ class Coordinator:
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         frame = self.stack.pop()
+        last = self.window is None or self.window.last  # a window releases after its last micro-batch
         for u in frame.units:
             u.unhold()
-            self.maybe_release(u)
+            if last:
+                self.maybe_release(u)
         if torch.is_grad_enabled() and self.reducer is not None:
             tensors = output_tensors(output)
             if tensors:
@@ -242,6 +261,27 @@ class Coordinator:
             if u.grads_left == 0:
                 self._finish_unit(u)
 
+    def window_grad(self, p: nn.Parameter, i: int, grad: torch.Tensor) -> None:
+        """Micro-batch ``i``'s gradient of ``p`` (window.py): kept until the unit has all k."""
+        u = self.slot_of[p][0]
+        self.window.take(p, i, grad)
+        u.grads_left -= 1
+        if u.grads_left == 0:
+            self._finish_window_unit(u)
+
+    def _finish_window_unit(self, u: ParamUnit) -> None:
+        """The reducer gets the unit's gradients micro-batch by micro-batch, as in the loop."""
+        window = self.window
+        with self.timers.phase("grad reduce"):
+            for i in range(window.k):
+                for slot, p in enumerate(u.params):
+                    grad = window.pop_grad(p, i)
+                    if grad is not None:
+                        self.reducer.add(u, slot, grad)
+                if i < window.k - 1:
+                    self.reducer.reduce(u)
+            self._finish_unit(u)
+
     def _finish_unit(self, u: ParamUnit) -> None:
         self.reducer.finish(u)
         u.reduced = True
@@ -266,7 +306,7 @@ class Coordinator:
         with self.timers.phase("grad reduce"):
             for u in self.units:  # in unit order on every rank (see grads.py)
                 if u.grad_count and not u.reduced:
-                    self._finish_unit(u)
+                    self._finish_window_unit(u) if self.window is not None else self._finish_unit(u)
         for u in self.units:
             u.reduced = False
             u.grads_left = u.grad_count

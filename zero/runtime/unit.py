@@ -56,6 +56,7 @@ class ParamUnit:
         self.grad_count = sum(1 for p in params if p.requires_grad)
         self.grads_left = self.grad_count
         self.reduced = False  # gradients reduce-scattered during the current backward
+        self.aliases: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (param, alias) of a window (window.py)
 
     @property
     def index(self) -> int:
@@ -119,6 +120,8 @@ class ParamUnit:
                 self.store.fetched(self.layout)
         for slot, p in zip(self.layout.slots, self.params):
             p.data = full[slot.offset:slot.stop].view(slot.shape)
+        for p, alias in self.aliases:
+            alias.data = p.data
         self.full = full
         self.lent = lent
         self.state = ParamState.AVAILABLE
@@ -130,6 +133,8 @@ class ParamUnit:
         empty = empty_like_released(self.dtype, self.device)
         for p in self.params:
             p.data = empty
+        for _, alias in self.aliases:
+            alias.data = empty
         self.full = None
         if self.lent:
             self.lent = False

@@ -1,0 +1,163 @@
+"""``engine.train_batch(micro_batches)``: one accumulation window, run unit-major.
+
+Each unit's parameters are read once for the forward of the window's k micro-batches
+and once for their backward, instead of k times each (runtime/window.py, [Note:
+unit-major micro-batches]); the gradients are summed in memory in the micro-batch
+loop's order, so losses and weights are bit-identical to k calls of forward, backward
+and step. A model whose micro-batches take different paths, or that recomputes its
+forward during backward (activation checkpointing), gets the micro-batch loop, with
+one log line saying why.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Iterable, List
+
+import torch
+
+from ..runtime.timers import log_rank0
+from ..runtime.window import MicroBatchWindow, PathsDiffer
+
+_TOLD = set()  # reasons already logged (once per process each)
+
+
+def _call(engine, micro_batch):
+    """The module on one micro-batch: a dict as keyword arguments, a tuple or list as
+    positional ones, anything else as the one argument."""
+    if isinstance(micro_batch, dict):
+        return engine(**micro_batch)
+    if isinstance(micro_batch, (tuple, list)):
+        return engine(*micro_batch)
+    return engine(micro_batch)
+
+
+def _loss_of(output) -> torch.Tensor:
+    """The loss in a module's output: the tensor itself, ``.loss`` (Hugging Face) or ``["loss"]``."""
+    loss = output
+    if not isinstance(loss, torch.Tensor):
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(f"train_batch needs the model to return its loss (a one-element tensor, or an output "
+                        f"with .loss or ['loss']); it returned {type(output).__name__}")
+    return loss
+
+
+def _take(engine, micro_batches: Iterable) -> List:
+    gas = engine.gradient_accumulation_steps()
+    if micro_batches is None:
+        raise TypeError("train_batch needs the window's micro-batches: an iterable of "
+                        "gradient_accumulation_steps micro-batches")
+    if isinstance(micro_batches, (list, tuple)):
+        items = list(micro_batches)
+        if len(items) != gas:
+            raise ValueError(f"train_batch got {len(items)} micro-batches; the config's "
+                             f"gradient_accumulation_steps is {gas}")
+        return items
+    items = list(itertools.islice(iter(micro_batches), gas))  # an iterator: the next window, as DeepSpeed's
+    if len(items) != gas:
+        raise ValueError(f"train_batch took {len(items)} micro-batches from the iterator before it ended; "
+                         f"the config's gradient_accumulation_steps is {gas}")
+    return items
+
+
+def _why_not_unit_major(engine) -> str:
+    if getattr(engine.module, "is_gradient_checkpointing", False):
+        return "the model recomputes its forward during backward (gradient checkpointing)"
+    return ""
+
+
+def _tell(engine, why: str) -> None:
+    if why not in _TOLD:
+        _TOLD.add(why)
+        log_rank0(engine.comm.rank, f"[zero] train_batch runs the micro-batch loop: {why}", logging.INFO)
+
+
+def _loop(engine, items: List) -> torch.Tensor:
+    losses = []
+    for mb in items:
+        loss = _loss_of(_call(engine, mb))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    return torch.stack([l.reshape(()).float() for l in losses]).mean()
+
+
+def _forward_window(engine, items: List) -> List[torch.Tensor]:
+    coordinator = engine.parts.coordinator
+    window = MicroBatchWindow(len(items))
+    for u in coordinator.units:
+        u.grads_left = u.grad_count * window.k
+    coordinator.window = window
+    engine.comm.deferring = engine._defer_reads
+    try:
+        with engine.timers.phase("forward"):
+            losses = window.run(lambda i: _loss_of(_run_module(engine, items[i])))
+        if engine._defer_reads:
+            engine._raise_if_failed_anywhere("forward", engine.comm.take_deferred())
+        return losses
+    except BaseException:
+        _end_window(engine, failed=True)
+        raise
+    finally:
+        engine.comm.deferring = False
+
+
+def _run_module(engine, micro_batch):
+    """The module on one micro-batch, its inputs moved (and cast) as ``engine.forward`` does."""
+    args, kwargs = (), {}
+    if isinstance(micro_batch, dict):
+        kwargs = micro_batch
+    elif isinstance(micro_batch, (tuple, list)):
+        args = tuple(micro_batch)
+    else:
+        args = (micro_batch,)
+    args, kwargs = engine.inputs_on_device(args, kwargs)
+    return engine.module(*args, **kwargs)
+
+
+def _end_window(engine, failed: bool) -> None:
+    """Forget the window's aliases; after a failure also its kept gradients and holds."""
+    coordinator = engine.parts.coordinator
+    coordinator.window = None
+    for u in coordinator.units:
+        u.aliases.clear()
+        if failed:
+            u.grads_left = u.grad_count
+            u.fwd_refs = 0
+    if failed:
+        coordinator.stack.clear()
+        coordinator.release_all()
+
+
+def train_batch(engine, micro_batches) -> torch.Tensor:
+    engine._check_can_train()
+    items = _take(engine, micro_batches)
+    if engine.micro_steps % engine.gradient_accumulation_steps():
+        raise ValueError(f"train_batch runs a whole accumulation window, but this one is "
+                         f"{engine.micro_steps % engine.gradient_accumulation_steps()} micro-batch(es) in "
+                         f"(forward/backward/step calls since the last step); finish it with step() first")
+    if len(items) == 1:
+        return _loop(engine, items)
+    why = _why_not_unit_major(engine)
+    if why:
+        _tell(engine, why)
+        return _loop(engine, items)
+    try:
+        losses = _forward_window(engine, items)
+    except PathsDiffer as error:
+        _tell(engine, f"its micro-batches take different paths through the model ({error})")
+        return _loop(engine, items)
+    try:
+        scaled = [engine._scaled(loss) for loss in losses]
+        engine.micro_steps += len(items) - 1  # the backward ends the window
+        engine._backward(lambda: torch.autograd.backward(scaled), boundary=True)
+    except BaseException:
+        engine.micro_steps -= len(items) - 1
+        _end_window(engine, failed=True)
+        raise
+    _end_window(engine, failed=False)
+    engine.step()
+    return torch.stack([l.detach().reshape(()).float() for l in losses]).mean()

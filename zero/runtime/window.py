@@ -1,0 +1,162 @@
+"""An accumulation window run unit-major: each unit's parameters are gathered once for the
+forward of all k micro-batches and once for their backward (``engine.train_batch``).
+
+[Note: unit-major micro-batches]
+The k forwards run on k threads that take turns (a baton passed round-robin): a thread
+runs until its forward reaches the next unit (a module owning parameters), then hands
+over, so every micro-batch passes a unit before any goes on to the next one. Only one
+thread runs at a time, in a fixed order, so the computation is the same as the
+micro-batch loop's, only reordered. The first thread fetches and records the trace (the
+prefetcher sees one forward); the last one releases. A thread that reaches another unit
+than the first thread did at the same step (data-dependent paths) stops the window
+(:class:`PathsDiffer`), and the engine runs the micro-batch loop instead.
+
+Backward is one call over the k losses. To keep each micro-batch's gradient apart, as
+the loop's ``p.grad`` is, thread i reads every parameter through its own alias, a leaf
+that shares the parameter's data (the unit re-points aliases when it gathers or
+releases: :meth:`ParamUnit.gather`), so autograd accumulates a gradient per alias. A
+unit's gradients go to the reducer once all k micro-batches' have arrived, micro-batch 1
+first, so every sum is the loop's sum in the loop's order: results are bit-identical.
+A recomputed forward during backward (activation checkpointing) runs on no window
+thread; it has no alias to use, so such models get the loop (the engine checks first).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+
+class PathsDiffer(RuntimeError):
+    """Micro-batches of one window reached different units: they cannot run unit-major."""
+
+
+class _Stopped(BaseException):
+    """Raised in a waiting thread when another thread ended the window early."""
+
+
+class MicroBatchWindow:
+    """The k threads of one window's forward, their aliases and their gradients."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._local = threading.local()
+        self._turn = 0
+        self._alive = [True] * k
+        self._cond = threading.Condition()
+        self._events: List[nn.Module] = []  # the first thread's units, in forward order
+        self._count = [0] * k
+        self.stopped: Optional[BaseException] = None
+        self.aliases: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
+        self.grads: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
+
+    # -- which thread is this --------------------------------------------------------------------
+    @property
+    def index(self) -> Optional[int]:
+        """This thread's micro-batch (0-based); None outside the window's forward threads."""
+        return getattr(self._local, "index", None)
+
+    @property
+    def first(self) -> bool:
+        return self.index in (None, 0)
+
+    @property
+    def last(self) -> bool:
+        return self.index in (None, self.k - 1)
+
+    # -- taking turns ----------------------------------------------------------------------------
+    def _wait_turn(self, i: int) -> None:
+        with self._cond:
+            while self._turn != i and self.stopped is None:
+                self._cond.wait()
+            if self.stopped is not None:
+                raise _Stopped()
+
+    def _pass_turn(self, i: int) -> None:
+        """Hand the baton to the next live thread after ``i``."""
+        with self._cond:
+            for step in range(1, self.k + 1):
+                j = (i + step) % self.k
+                if self._alive[j]:
+                    self._turn = j
+                    break
+            self._cond.notify_all()
+
+    def reached(self, module: nn.Module) -> None:
+        """This thread's forward reached ``module``'s units: let the others catch up first."""
+        i = self.index
+        if i is None:
+            return
+        n = self._count[i]
+        self._count[i] += 1
+        if i == 0:
+            self._events.append(module)
+        elif n >= len(self._events) or self._events[n] is not module:
+            raise PathsDiffer(f"micro-batch {i + 1} of the window reached {type(module).__name__} where "
+                              f"micro-batch 1 reached "
+                              f"{type(self._events[n]).__name__ if n < len(self._events) else 'the end'}")
+        if self.k > 1:
+            self._pass_turn(i)
+            self._wait_turn(i)
+
+    def _stop(self, error: BaseException) -> None:
+        with self._cond:
+            if self.stopped is None:
+                self.stopped = error
+            self._cond.notify_all()
+
+    def run(self, fn: Callable[[int], object]) -> List[object]:
+        """``fn(i)`` on k threads taking turns; their results, or the first error raised."""
+        results: List[object] = [None] * self.k
+
+        def body(i: int) -> None:
+            self._local.index = i
+            try:
+                self._wait_turn(i)
+                results[i] = fn(i)
+                if i > 0 and self._count[i] != len(self._events):
+                    raise PathsDiffer(f"micro-batch {i + 1} of the window reached {self._count[i]} units where "
+                                      f"micro-batch 1 reached {len(self._events)}")
+            except _Stopped:
+                pass
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                self._stop(error)
+            finally:
+                with self._cond:
+                    self._alive[i] = False
+                self._pass_turn(i)
+
+        threads = [threading.Thread(target=body, args=(i,), name=f"zero-microbatch-{i}", daemon=True)
+                   for i in range(self.k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.stopped is not None:
+            raise self.stopped
+        return results
+
+    # -- aliases and gradients -------------------------------------------------------------------
+    def alias(self, p: nn.Parameter, unit, on_grad: Callable[[nn.Parameter, int, torch.Tensor], None]):
+        """Micro-batch ``index``'s alias of ``p``: a leaf sharing ``p``'s data (see the note)."""
+        i = self.index
+        key = (p, i)
+        a = self.aliases.get(key)
+        if a is None:
+            a = p.detach().requires_grad_(p.requires_grad)
+            if p.requires_grad:
+                def hook(t, p=p, i=i):
+                    grad, t.grad = t.grad, None
+                    on_grad(p, i, grad)
+                a.register_post_accumulate_grad_hook(hook)
+            self.aliases[key] = a
+            unit.aliases.append((p, a))
+        return a
+
+    def take(self, p: nn.Parameter, i: int, grad: torch.Tensor) -> None:
+        self.grads[(p, i)] = grad
+
+    def pop_grad(self, p: nn.Parameter, i: int) -> Optional[torch.Tensor]:
+        return self.grads.pop((p, i), None)
