@@ -330,9 +330,13 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         """A 1-D CPU tensor of ``example_tensor.dtype``, page-aligned and mlock'ed."""
         return self._locked.new(num_elem, example_tensor)
 
-    def free_cpu_locked_tensor(self, tensor) -> None:
-        """Unlocks a tensor from ``new_cpu_locked_tensor`` (see [Note: freeing a locked tensor])."""
-        self._locked.free(tensor)
+    def free_cpu_locked_tensor(self, tensor) -> bool:
+        """Unlocks a tensor from ``new_cpu_locked_tensor`` (see [Note: freeing a locked tensor]).
+
+        Returns True when it did; False, changing nothing, for a tensor this handle did not
+        allocate or freed already (as DeepSpeed does).
+        """
+        return self._locked.free(tensor)
 
     def is_pinned(self, tensor) -> bool:
         """True when ``tensor`` is torch-pinned or inside a locked region of this handle."""

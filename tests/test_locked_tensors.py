@@ -31,16 +31,21 @@ def test_memory_stays_valid_after_free():
     assert torch.all(t == 3.5)
 
 
-def test_double_free_and_foreign_tensor_are_errors():
+def test_free_returns_true_when_it_freed_the_tensor():
+    h = nvmeio.aio_handle()
+    t = h.new_cpu_locked_tensor(100, torch.empty(0))
+    assert h.free_cpu_locked_tensor(t) is True
+    assert not h.is_pinned(t)
+
+
+def test_free_of_a_tensor_the_handle_did_not_allocate_returns_false_as_deepspeed_does():
     h, other = nvmeio.aio_handle(), nvmeio.aio_handle()
     t = h.new_cpu_locked_tensor(100, torch.empty(0))
-    with pytest.raises(ValueError, match="not allocated by this handle"):
-        other.free_cpu_locked_tensor(t)
-    h.free_cpu_locked_tensor(t)
-    with pytest.raises(ValueError, match="freed already"):
-        h.free_cpu_locked_tensor(t)
-    with pytest.raises(ValueError, match="not allocated by this handle"):
-        h.free_cpu_locked_tensor(torch.empty(100))
+    assert other.free_cpu_locked_tensor(t) is False         # another handle's
+    assert h.is_pinned(t)                                    # ... left locked
+    assert h.free_cpu_locked_tensor(torch.empty(100)) is False
+    assert h.free_cpu_locked_tensor(t) is True
+    assert h.free_cpu_locked_tensor(t) is False              # freed already
 
 
 def test_bad_arguments():
