@@ -9,6 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
+import socket
+import stat
+import subprocess
+import threading
 from typing import List, Sequence
 
 import numpy as np
@@ -49,6 +54,74 @@ def file_size_limit(nbytes):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# -- special files, made inside a test's own directory (never touching /dev) -----------------------------
+
+NULL_DEVICE = os.makedev(1, 3)  # the numbers of /dev/null
+FULL_DEVICE = os.makedev(1, 7)  # ... and of /dev/full: every write fails with ENOSPC
+
+
+def char_device_node(path, numbers=NULL_DEVICE):
+    """A character device node at ``path`` (skips without the right to make one)."""
+    import pytest
+
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o600, numbers)
+    except PermissionError:
+        pytest.skip("making a device node needs root (CAP_MKNOD)")
+    return path
+
+
+def special_file(path, kind: str):
+    """A FIFO (``kind="fifo"``) or a Unix socket (``"socket"``) at ``path``."""
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(os.fspath(path))  # the socket file stays after close
+    return path
+
+
+@contextlib.contextmanager
+def fifo_unblocked_after(path, seconds: float = 10.0):
+    """Should something block opening the FIFO ``path`` (waiting for a peer), its other
+    end is opened and closed after ``seconds``: a regression then fails, never hangs."""
+    def peer():
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+    timer = threading.Timer(seconds, peer)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
+def loop_device_node(directory, data: bytes):
+    """A loop device over the file ``directory/backing.img`` (holding ``data``) and a block
+    device node of it at ``directory/loop``: tests write through that node, never through
+    /dev. Yields (node, backing file); skips where no loop device can be set up."""
+    import pytest
+
+    if not is_root() or shutil.which("losetup") is None:
+        pytest.skip("a loop device needs root and losetup")
+    backing = directory / "backing.img"
+    backing.write_bytes(data)
+    made = subprocess.run(["losetup", "--find", "--show", str(backing)], capture_output=True,
+                          text=True, timeout=60)
+    if made.returncode != 0:
+        pytest.skip(f"no loop device can be set up here: {made.stderr.strip()}")
+    device = made.stdout.strip()
+    try:
+        node = directory / "loop"
+        os.mknod(node, stat.S_IFBLK | 0o600, os.stat(device).st_rdev)
+        yield node, backing
+    finally:
+        subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=60)
 
 
 def train_engine(engine, batches: Sequence, steps: int, accumulation: int = 1, rank: int = 0,
