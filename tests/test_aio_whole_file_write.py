@@ -12,7 +12,6 @@ import pathlib
 import shutil
 import signal
 import stat
-import subprocess
 import sys
 import tempfile
 
@@ -21,7 +20,7 @@ import pytest
 
 import nvmeio
 from helpers import (FULL_DEVICE, NULL_DEVICE, char_device_node, fifo_unblocked_after, file_bytes,
-                     is_root, loop_device_node, random_bytes, special_file)
+                     is_root, loop_device_node, random_bytes, run_process, special_file)
 from nvmeio import atomic_file, faults
 
 
@@ -153,7 +152,7 @@ def test_sigterm_during_write_leaves_no_temporary_file(nvme_dir):
             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
             f"h.write(numpy.ones(200 << 20, numpy.uint8), {str(nvme_dir / 'big.bin')!r})\n"
             "print('finished')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = run_process([sys.executable, "-c", code], timeout=60)
     assert r.returncode == -signal.SIGTERM, r.stderr
     assert "finished" not in r.stdout
     assert os.listdir(nvme_dir) == []

@@ -1,13 +1,12 @@
 """new_cpu_locked_tensor / free_cpu_locked_tensor / is_pinned."""
 
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import nvmeio
-from helpers import is_root
+from helpers import is_root, run_process
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
@@ -73,8 +72,8 @@ def test_mlock_refused_falls_back_visibly():
         "print('pinned', h.is_pinned(t), 'sum', int(t.sum()))\n"
         "print('warning', w[0].message)\n"
     )
-    out = subprocess.run(["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
-                          sys.executable, "-c", code], capture_output=True, text=True)
+    out = run_process(["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
+                       sys.executable, "-c", code])
     if out.returncode and "setpriv" in out.stderr:
         pytest.skip(f"setpriv cannot drop capabilities here: {out.stderr.strip()}")
     assert out.returncode == 0, out.stderr
