@@ -269,6 +269,7 @@ def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, time
     os.dup2(log, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    faulthandler.disable()  # installed afresh: an imported library may have replaced its handler
     faulthandler.enable(sys.stderr, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
