@@ -76,6 +76,13 @@ PYBIND11_MODULE(_native, m) {
     return out;
   }, "Backends this build compiled and this kernel accepts, fastest first.");
   m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));
+  m.def("in_pseudo_file_system", &in_pseudo_file_system, py::arg("path"),
+        "True for a file of /proc, /sys and the like (they report a size of 0).");
+  m.def("file_kind", [](unsigned mode) { return file_kind(static_cast<mode_t>(mode)); },
+        py::arg("mode"), "What st_mode is, in words: 'a FIFO (named pipe)', ...");
+  m.def("refuse_without_offsets", &refuse_without_offsets, py::arg("mode"), py::arg("path"),
+        py::arg("offset"), py::arg("length"), py::arg("step"),
+        "Raises AioError (ESPIPE) naming the file type when st_mode is a FIFO's or a socket's.");
 
   // Fault injection (nvmeio.faults is the API): see native/faults.h.
   py::module_ fm = m.def_submodule("faults", "fault injection for tests (see nvmeio.faults)");
@@ -136,7 +143,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("direct_io"))
       .def("submit",
            [](Handle& h, bool write, uintptr_t ptr, int64_t nbytes, const std::string& path,
-              int64_t offset) { h.submit(write, as_ptr(ptr), nbytes, path, offset); },
+              int64_t offset) { return h.submit(write, as_ptr(ptr), nbytes, path, offset); },
            py::call_guard<py::gil_scoped_release>())
       .def("submit_fd",
            [](Handle& h, bool write, uintptr_t ptr, int64_t nbytes, int fd, int64_t offset) {

@@ -19,6 +19,9 @@
 // any byte is written. A failed op restores the old size.
 #pragma once
 
+#include <sys/stat.h>
+#include <sys/types.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -31,10 +34,21 @@ constexpr int64_t kDirectAlign = 4096;
 
 enum class OpenMode { kRead, kWrite };
 
+// What a file is, in the words of an error message: "a FIFO (named pipe)".
+std::string file_kind(mode_t mode);
+// True for a file of /proc, /sys and the like, which report a size of 0 whatever they hold.
+bool in_pseudo_file_system(const std::string& path);
+// Throws IoError(ESPIPE) naming the file type for a FIFO or a socket: `step` ("open
+// for reading") refused, with path, offset and length.
+void refuse_without_offsets(mode_t mode, const std::string& path, int64_t offset, int64_t nbytes,
+                            const std::string& step);
+
 class File {
  public:
   // Opens `path` for one op covering [offset, offset + nbytes).
-  //  - reads: the file must exist, be a regular file and hold the whole range.
+  //  - FIFOs and sockets are refused (ESPIPE) before they are opened.
+  //  - reads: the file must exist and hold the whole range, where it has a size
+  //    to check (a regular file, a block device; see short_read_message).
   //  - writes: created with mode 0600 if missing (and removed again if the op
   //    fails, so a failed write never leaves a half-written new file).
   // `want_direct`: try O_DIRECT; a file system that refuses it (EINVAL) gives
@@ -42,8 +56,9 @@ class File {
   // `need_buffered`: also open the buffered descriptor for unaligned parts.
   static std::shared_ptr<File> open(const std::string& path, OpenMode mode, int64_t offset,
                                     int64_t nbytes, bool want_direct, bool need_buffered);
-  // Wraps a caller's open descriptor (dup'ed, so the caller may close theirs).
-  static std::shared_ptr<File> from_fd(int fd, OpenMode mode);
+  // Wraps a caller's open descriptor (dup'ed, so the caller may close theirs);
+  // a FIFO or socket is refused (ESPIPE).
+  static std::shared_ptr<File> from_fd(int fd, OpenMode mode, int64_t offset, int64_t nbytes);
 
   ~File();
   File(const File&) = delete;
@@ -57,6 +72,8 @@ class File {
   // Descriptor for byte-exact requests (buffered).
   int buffered_fd() const { return buffered_fd_ >= 0 ? buffered_fd_ : direct_fd_; }
   bool created() const { return created_; }
+  // What a read that found no more bytes at `offset` says (see File::open).
+  std::string short_read_message(int64_t offset) const;
 
   // Called once when the op that opened the file failed: removes a file the
   // op created, or gives an existing file back its old size.
@@ -66,6 +83,7 @@ class File {
 
  private:
   File() = default;
+  struct stat opened(int fd, const std::string& step, int64_t offset, int64_t nbytes);
   void preallocate(int64_t offset, int64_t nbytes);
   std::string path_;
   int direct_fd_ = -1;
@@ -74,6 +92,9 @@ class File {
   bool refused_direct_ = false;
   bool created_ = false;
   bool write_ = false;
+  mode_t type_ = 0;           // S_IFREG, S_IFCHR, ... of the open file
+  bool pseudo_ = false;       // in a pseudo file system (reported size 0)
+  bool size_checked_ = false; // a read was checked against the size before it started
   int64_t old_size_ = -1;  // size before an extending write, to restore on failure
 };
 

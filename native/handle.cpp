@@ -64,7 +64,7 @@ bool Handle::closed() {
   return closed_;
 }
 
-void Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset) {
+bool Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset) {
   check_not_forked();
   if (offset < 0) throw IoError(EINVAL, path, offset, nbytes, "negative file offset");
   // A NUL would end the C string early and name another file.
@@ -80,14 +80,16 @@ void Handle::submit(bool write, char* buf, int64_t nbytes, const std::string& pa
   op->buf = buf;
   op->nbytes = nbytes;
   op->offset = offset;
+  bool refused = op->file->refused_direct();
   start(std::move(op));
+  return refused;
 }
 
 void Handle::submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset) {
   check_not_forked();
   if (offset < 0) throw IoError(EINVAL, "<fd>", offset, nbytes, "negative file offset");
   auto op = std::make_shared<Op>();
-  op->file = File::from_fd(fd, write ? OpenMode::kWrite : OpenMode::kRead);
+  op->file = File::from_fd(fd, write ? OpenMode::kWrite : OpenMode::kRead, offset, nbytes);
   op->write = write;
   op->buf = buf;
   op->nbytes = nbytes;

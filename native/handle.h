@@ -45,8 +45,9 @@ class Handle final : public OpSink {
   ~Handle() override;  // waits for ops in flight (their buffers are the caller's)
 
   // Starts one op. Errors found before any I/O (bad path, file too short)
-  // are thrown here and the op is not counted.
-  void submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset);
+  // are thrown here and the op is not counted. Returns true when this op's
+  // file is read or written without O_DIRECT (refused, or turned off).
+  bool submit(bool write, char* buf, int64_t nbytes, const std::string& path, int64_t offset);
   void submit_fd(bool write, char* buf, int64_t nbytes, int fd, int64_t offset);
   WaitResult wait();
   // Like wait(), but gives up after `ms` milliseconds (nullopt) so that the

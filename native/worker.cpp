@@ -156,8 +156,7 @@ void Worker::run_sync(SliceState* s, int fd, int64_t pos, int64_t len, char* mem
     if (r == 0) {
       op.fail(op.write ? make_io_error(EIO, op.file->path(), off, len, "write (no progress)")
                        : IoError(kShortReadErrno, op.file->path(), off, len,
-                                 "short read: the file ended at offset " + std::to_string(off) +
-                                     " (it was shortened while being read)"));
+                                 op.file->short_read_message(off)));
       return;
     }
     pos += r;

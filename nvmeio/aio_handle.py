@@ -29,7 +29,7 @@ from .buffers import DeviceBuffer, IoBuffer, as_io_buffer
 from .cuda_staging import StagingConfig, StagingEngine
 from .env import env_flag
 from .errors import make_error
-from .file_checks import compare_with_file
+from .file_checks import compare_with_file, whole_file_size
 from .locked import LockedTensors
 from .settings import AioSettings
 
@@ -40,6 +40,7 @@ _DEFAULTS = AioSettings()
 _VALIDATE_PIECE = 64 << 20  # bytes compared per step by validate=True
 _MAX_OFFSET = (1 << 63) - 1     # off_t
 _MAX_FD = (1 << 31) - 1
+_warned_no_direct: set = set()  # kinds of file _warn_no_direct has warned of in this process
 
 
 def path_arg(name: str, value: Any) -> str:
@@ -113,7 +114,6 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         self._inflight: list[IoBuffer] = []
         self._checks: list[Callable[[], None]] = []  # validations run by wait()
         self._locked = LockedTensors(self._native)
-        self._warned_buffered = False
 
     def __repr__(self) -> str:
         return (f"aio_handle(block_size={self._block_size}, queue_depth={self._queue_depth}, "
@@ -158,11 +158,12 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
             self._inflight.append(io)
         try:
             if isinstance(target, int):
+                # A descriptor's O_DIRECT is the caller's choice: nothing to warn of.
                 self._native.submit_fd(write, io.ptr, io.nbytes, target, file_offset)
-                path = None
+                path, buffered = None, False
             else:
                 path = target
-                self._native.submit(write, io.ptr, io.nbytes, path, file_offset)
+                buffered = self._native.submit(write, io.ptr, io.nbytes, path, file_offset)
         except BaseException:
             with self._lock:
                 self._inflight.remove(io)
@@ -170,11 +171,8 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         if validate:
             with self._lock:
                 self._checks.append(lambda: _validate(io, path, file_offset))
-        if not self._warned_buffered and self._native.refused_direct():
-            self._warned_buffered = True
-            warnings.warn(f"nvmeio: no O_DIRECT for {path or 'the file'!r} (its file system "
-                          "refuses it, or NVMEIO_DIRECT_IO=0): this handle falls back to "
-                          "buffered I/O + fdatasync", RuntimeWarning, stacklevel=3)
+        if buffered:
+            _warn_no_direct(path, self._direct_io)
 
     def _submit_device(self, write: bool, io: DeviceBuffer, target: "str | int", file_offset: int,
                        validate: bool) -> None:
@@ -237,7 +235,7 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         """Reads a whole file whose size must equal the buffer's; returns 0."""
         path = path_arg("filename", filename)
         io = as_io_buffer(buffer, writable=True)
-        size = os.stat(path).st_size
+        size = whole_file_size(path, io.nbytes)
         if size != io.nbytes:
             raise ValueError(f"read: {path!r} holds {size} bytes but the buffer has {io.nbytes}; "
                              "use pread with file_offset to read part of a file")
@@ -255,9 +253,18 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         ``open(filename, "w")``, it refuses a file this user may not write
         (PermissionError) and a directory (IsADirectoryError). The new file is
         0600.
+
+        A block or character device node is written in place instead, from
+        its first byte, as DeepSpeed does (no rename, no truncation: a failed
+        write leaves it partly written); a FIFO, a socket, or a symlink to one
+        or to a device is refused (AioError naming the file type). See
+        [Note: device nodes are written in place] in nvmeio.atomic_file.
         """
         path = path_arg("filename", filename)
         nbytes = getattr(buffer, "nbytes", 0)
+        if atomic_file.is_device_node(path, nbytes):
+            self.pwrite(buffer, path, validate)
+            return 0
         _check_replaceable(path, nbytes)
         try:
             tmp = atomic_file.create_temp_beside(path)
@@ -330,9 +337,13 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         """A 1-D CPU tensor of ``example_tensor.dtype``, page-aligned and mlock'ed."""
         return self._locked.new(num_elem, example_tensor)
 
-    def free_cpu_locked_tensor(self, tensor) -> None:
-        """Unlocks a tensor from ``new_cpu_locked_tensor`` (see [Note: freeing a locked tensor])."""
-        self._locked.free(tensor)
+    def free_cpu_locked_tensor(self, tensor) -> bool:
+        """Unlocks a tensor from ``new_cpu_locked_tensor`` (see [Note: freeing a locked tensor]).
+
+        Returns True when it did; False, changing nothing, for a tensor this handle did not
+        allocate or freed already (as DeepSpeed does).
+        """
+        return self._locked.free(tensor)
 
     def is_pinned(self, tensor) -> bool:
         """True when ``tensor`` is torch-pinned or inside a locked region of this handle."""
@@ -438,6 +449,27 @@ def _check_replaceable(path: str, nbytes: int) -> None:
         raise make_error(errno.EACCES, "open for writing failed: Permission denied (the file is "
                          "read-only for this user; write() does not replace it: change its mode "
                          "or remove it first)", path, 0, nbytes)
+
+
+def _warn_no_direct(path: str, direct_io: bool) -> None:
+    """Says that an op went without O_DIRECT, once per process for each kind of file:
+    direct I/O turned off, a character device (none has it), each file system refusing it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # gone already: the op's own outcome says the rest
+    if not direct_io:
+        key, why = "off", ("NVMEIO_DIRECT_IO=0 turns it off: every handle falls back to buffered "
+                           "I/O + fdatasync (warned once per process)")
+    elif stat.S_ISCHR(st.st_mode):
+        key, why = "chr", ("character devices refuse it, so its ops use plain reads and writes "
+                           "(warned once per process for all character devices)")
+    else:
+        key, why = st.st_dev, ("its file system refuses it: ops on that file system fall back to "
+                               "buffered I/O + fdatasync (warned once per process per file system)")
+    if key not in _warned_no_direct:
+        _warned_no_direct.add(key)
+        warnings.warn(f"nvmeio: no O_DIRECT for {path!r}: {why}", RuntimeWarning, stacklevel=4)
 
 
 def _async_kwarg(async_op: bool, kwargs: dict) -> bool:

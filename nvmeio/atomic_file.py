@@ -25,6 +25,18 @@ systems.
 ``io_path`` names the open temporary file for APIs that take a path
 (``/proc/self/fd/N``: a magic link to this very file, which nothing can
 redirect).
+
+[Note: device nodes are written in place]
+A rename over a block or character device node would put a regular file
+where the device was (``h.write(t, "/dev/loop0")`` left /dev/loop0 a regular
+file). A device node is therefore written through, in place, as DeepSpeed
+does (open and write: no temporary file, no rename, no truncation), and so
+without the atomicity: a failed write leaves the device partly written. A
+FIFO or socket has no offsets to write at and is no file to replace:
+refused. A symlink is never written through (a link planted at a
+checkpoint's ``latest`` must not aim a write at a disk): one to a device,
+FIFO or socket is refused, naming what to write instead; any other is
+replaced, as a regular file is.
 """
 
 from __future__ import annotations
@@ -33,9 +45,14 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from typing import Iterator, Optional
 
-__all__ = ["TempFile", "create_temp_beside", "replacing", "write_atomically", "fsync_directory",
+from . import _native
+from .errors import make_error
+
+__all__ = ["TempFile", "DeviceFile", "create_temp_beside", "open_for_replacing",
+           "is_device_node", "replacing", "write_atomically", "fsync_file", "fsync_directory",
            "exchange"]
 
 _HAVE_PROC_FD = os.path.isdir("/proc/self/fd")
@@ -124,6 +141,70 @@ class TempFile:
         self.close()
 
 
+class DeviceFile(TempFile):
+    """A block or character device node opened for writing in place (see [Note: device
+    nodes are written in place]): ``publish()`` only syncs it."""
+
+    @classmethod
+    def open(cls, target: str, readable: bool = True) -> "DeviceFile":
+        # O_NONBLOCK: a FIFO put at the name since it was looked at must not block the open.
+        fd = os.open(target, (os.O_RDWR if readable else os.O_WRONLY) | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC)
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISBLK(mode) or stat.S_ISCHR(mode)):
+            os.close(fd)
+            raise make_error(errno.EAGAIN, "open for writing failed: it was replaced by "
+                             f"{_native.file_kind(mode)} while being opened", target, 0, 0)
+        os.set_blocking(fd, True)
+        return cls(fd, target, None)
+
+    @property
+    def io_path(self) -> str:
+        return f"/proc/self/fd/{self.fd}" if _HAVE_PROC_FD else self.target
+
+    def publish(self, durable: bool = True) -> None:
+        if self.published:
+            raise ValueError(f"{self.target!r}: this device was already published")
+        if durable:
+            fsync_file(self.fd)
+        self.published = True
+
+
+def is_device_node(target: "str | os.PathLike[str]", length: int = 0) -> bool:
+    """True when ``target`` is a block or character device node, which a whole-file write
+    writes in place; False for a regular file, a missing one or a symlink to either, which
+    it replaces. A FIFO, a socket, or a symlink to one or to a device is refused
+    (AioError naming the file type; ``length`` is the write's). See [Note: device nodes
+    are written in place]."""
+    target = _checked_path(target)
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return False  # missing, or unreachable: creating the temporary file says why
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            mode = os.stat(target).st_mode
+        except OSError:
+            return False
+        device = stat.S_ISBLK(mode) or stat.S_ISCHR(mode)
+        if device or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            real = os.path.realpath(target)
+            raise make_error(errno.ELOOP, f"open for writing refused: it is a symbolic link to "
+                             f"{_native.file_kind(mode)} ({real!r}); a write neither goes "
+                             "through a symlink nor replaces one to a device, FIFO or socket"
+                             + (f": name {real!r} itself" if device else ""), target, 0, length)
+        return False
+    _native.refuse_without_offsets(st.st_mode, target, 0, length, "open for writing")
+    return stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)
+
+
+def _checked_path(target: "str | os.PathLike[str]") -> str:
+    target = os.fspath(target)
+    if "\0" in target:
+        raise ValueError(f"path contains a NUL byte: {target!r}")
+    return target
+
+
 def _random_name(target: str) -> str:
     head, tail = os.path.split(target)
     return os.path.join(head, f".{tail}.{secrets.token_hex(8)}.tmp")
@@ -144,9 +225,7 @@ def create_temp_beside(target: "str | os.PathLike[str]", mode: int = 0o600,
     ``readable``: opened read-write (else write-only). Raises the OSError of
     the directory (FileNotFoundError, PermissionError, ...) naming it.
     """
-    target = os.fspath(target)
-    if "\0" in target:
-        raise ValueError(f"path contains a NUL byte: {target!r}")
+    target = _checked_path(target)
     directory = os.path.dirname(target) or "."
     access = os.O_RDWR if readable else os.O_WRONLY
     if _HAVE_PROC_FD and hasattr(os, "O_TMPFILE"):
@@ -165,12 +244,25 @@ def create_temp_beside(target: "str | os.PathLike[str]", mode: int = 0o600,
             continue
 
 
+def open_for_replacing(target: "str | os.PathLike[str]", mode: int = 0o600,
+                       readable: bool = True) -> TempFile:
+    """What a whole-file write of ``target`` goes into: a new temporary file to publish
+    over it (:func:`create_temp_beside`) or, for a device node, the device itself
+    (:class:`DeviceFile`, written in place). A FIFO, a socket or a symlink to one or to a
+    device is refused (see :func:`is_device_node`)."""
+    if is_device_node(target):
+        return DeviceFile.open(os.fspath(target), readable)
+    return create_temp_beside(target, mode, readable)
+
+
 @contextlib.contextmanager
 def replacing(target: "str | os.PathLike[str]", mode: int = 0o600,
               durable: bool = True) -> Iterator[TempFile]:
     """Yields a TempFile; when the block ends normally it replaces ``target``,
-    when it raises, ``target`` is left as it was and no temporary file remains."""
-    tmp = create_temp_beside(target, mode)
+    when it raises, ``target`` is left as it was and no temporary file remains.
+    A device node is written in place instead (see [Note: device nodes are
+    written in place]); a FIFO or socket is refused."""
+    tmp = open_for_replacing(target, mode)
     try:
         yield tmp
         if not tmp.published:
@@ -186,6 +278,16 @@ def write_atomically(target: "str | os.PathLike[str]", data: bytes, mode: int = 
         view = memoryview(data)
         while view:
             view = view[os.write(tmp.fd, view):]
+
+
+def fsync_file(fd: int) -> None:
+    """``os.fsync``, except where the file cannot be synced at all (EINVAL: a character
+    device, a /proc or /sys file): its bytes went through when ``write`` returned."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
 
 
 def fsync_directory(directory: "str | os.PathLike[str]") -> None:

@@ -10,7 +10,9 @@ written byte-exact. Atomic by default (see [Note: atomic replacement of a
 file] in file_ops): nothing appears under ``path`` until ``close()`` has
 written and fsynced every byte; a writer left by an exception (the ``with``
 block raised) or dropped without ``close()`` removes its temporary file and
-leaves whatever was under ``path`` untouched.
+leaves whatever was under ``path`` untouched. A device node is written in
+place and a FIFO or socket refused (see [Note: device nodes are written in
+place] in atomic_file).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import warnings
 from typing import Optional
 
 from . import _native
-from .atomic_file import TempFile
+from .atomic_file import TempFile, fsync_file, is_device_node
 from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .file_ops import copy_range, open_direct, preallocate, temp_beside
 
@@ -70,6 +72,7 @@ class FastFileWriter(io.RawIOBase):
             if self.atomic:
                 self._tmp, self._fd, self.direct = temp_beside(self.name)
             else:
+                is_device_node(self.name)  # refuses a FIFO or socket (its open would block)
                 self._fd, self.direct = open_direct(
                     self.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
         except BaseException:
@@ -213,7 +216,7 @@ class FastFileWriter(io.RawIOBase):
             if self._pending:
                 self._io.handle.wait()
                 self._pending = False
-            os.fsync(self._fd)
+            fsync_file(self._fd)
             self._close_fds()
             if self._tmp is not None:
                 self._tmp.publish()  # fsync, rename (or link) over the target, fsync the directory

@@ -2,9 +2,10 @@
 
 Device ops (CUDA tensors, staged or through cuFile) run later on a background
 thread; :func:`prepare_target` makes at submission the checks the native core
-would make (missing file, directory, short file, permissions) so that they
-fail at once, as host ops do, and returns what undoes a failed write.
-:func:`compare_with_file` is ``validate=True`` for them.
+would make (missing file, directory, FIFO or socket, short file, permissions)
+so that they fail at once, as host ops do, and returns what undoes a failed
+write. :func:`compare_with_file` is ``validate=True`` for them;
+:func:`whole_file_size` is what ``read()`` checks the buffer against.
 """
 
 from __future__ import annotations
@@ -15,9 +16,34 @@ import os
 import stat
 from typing import Any, Callable
 
+from . import _native
 from .errors import ValidationError, make_error
 
-__all__ = ["prepare_target", "compare_with_file"]
+__all__ = ["prepare_target", "compare_with_file", "whole_file_size"]
+
+
+def whole_file_size(path: str, nbytes: int) -> int:
+    """The size ``read()`` checks a buffer of ``nbytes`` against: a regular file's or a
+    block device's. A FIFO or socket is refused as any op on it is (AioError, ESPIPE);
+    what has no size to check is a ValueError saying so: a character device, and a file
+    of /proc, /sys or another pseudo file system (it reports 0 whatever it holds)."""
+    st = os.stat(path)
+    _native.refuse_without_offsets(st.st_mode, path, 0, nbytes, "open for reading")
+    if stat.S_ISBLK(st.st_mode):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
+    if stat.S_ISCHR(st.st_mode):
+        raise ValueError(f"read: {path!r} is a character device, which has no size to check the "
+                         f"buffer's {nbytes} bytes against; use pread to read {nbytes} bytes from it")
+    if stat.S_ISREG(st.st_mode) and _reports_no_size(st, path):
+        raise ValueError(f"read: {path!r} reports a size of 0 bytes, as files of /proc, /sys and "
+                         "other pseudo file systems do whatever they hold, so there is no size to "
+                         f"check the buffer's {nbytes} bytes against; use pread to read {nbytes} "
+                         "bytes from it")
+    return st.st_size
 
 
 def compare_with_file(path: str, file_offset: int, nbytes: int, fetch: Callable[[int, int], Any],
@@ -65,6 +91,8 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
             st = os.fstat(target)
         except OSError as e:
             fail(e.errno, f"fstat failed: {e.strerror}")
+        _native.refuse_without_offsets(st.st_mode, where, file_offset, nbytes,
+                                       "writing" if write else "reading")
     elif write:
         try:
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -73,6 +101,8 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
                 st = os.stat(target)
             except OSError as e:
                 fail(e.errno, f"open for writing failed: {e.strerror}")
+            _native.refuse_without_offsets(st.st_mode, where, file_offset, nbytes,
+                                           "open for writing")
             if stat.S_ISDIR(st.st_mode):
                 fail(errno.EISDIR, "open for writing failed: Is a directory")
             if not os.access(target, os.W_OK):
@@ -92,12 +122,20 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
             st = os.stat(target)
         except OSError as e:
             fail(e.errno, f"open for reading failed: {e.strerror}")
+        _native.refuse_without_offsets(st.st_mode, where, file_offset, nbytes, "open for reading")
     if stat.S_ISDIR(st.st_mode):
         fail(errno.EISDIR, f"open for {'writing' if write else 'reading'} failed: Is a directory")
-    if not write and stat.S_ISREG(st.st_mode) and nbytes and file_offset + nbytes > st.st_size:
+    if (not write and stat.S_ISREG(st.st_mode) and nbytes and file_offset + nbytes > st.st_size
+            and not _reports_no_size(st, target)):
         fail(errno.ENODATA, f"short read: the file holds {st.st_size} bytes, but reading {nbytes} "
                             f"bytes at offset {file_offset} needs {file_offset + nbytes}")
     return _nothing
+
+
+def _reports_no_size(st: os.stat_result, target: "str | int") -> bool:
+    """A file of /proc, /sys and the like: its reported size is 0 whatever it holds."""
+    return st.st_size == 0 and _native.in_pseudo_file_system(
+        f"/proc/self/fd/{target}" if isinstance(target, int) else target)
 
 
 def _nothing() -> None:

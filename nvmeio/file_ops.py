@@ -8,7 +8,9 @@ random name created O_EXCL|O_NOFOLLOW; either way nothing planted there is
 opened or followed; mode 0600). Only once every byte is written and fsynced
 is it put in place of the target, and the directory fsynced, so that a crash
 at any moment leaves either the old file or the complete new one under the
-target's name, and no temporary behind.
+target's name, and no temporary behind. A device node is written in place
+instead, and a FIFO or socket refused (see [Note: device nodes are written in
+place] there).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import errno
 import os
 from typing import Tuple
 
-from .atomic_file import TempFile, create_temp_beside
+from .atomic_file import TempFile, open_for_replacing
 
 __all__ = ["temp_beside", "open_direct", "preallocate", "populate", "copy_range"]
 
@@ -47,13 +49,14 @@ def temp_beside(path: str, direct: bool = True) -> Tuple[TempFile, int, bool]:
     """An exclusive temporary file for replacing ``path`` (nvmeio.atomic_file: anonymous where
     the file system allows, never through a planted symlink, 0600), and a descriptor to write
     it through, O_DIRECT when ``direct`` and allowed; returns (TempFile, fd, direct).
-    ``TempFile.publish()`` puts it in place; ``TempFile.close()`` alone discards it."""
+    ``TempFile.publish()`` puts it in place; ``TempFile.close()`` alone discards it. For a
+    device node, the device itself (atomic_file.DeviceFile: written in place)."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(errno.ENOENT, f"directory {directory!r} does not exist", path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "is a directory, not a file to write", path)
-    tmp = create_temp_beside(path, readable=False)
+    tmp = open_for_replacing(path, readable=False)
     if not direct:
         return tmp, os.dup(tmp.fd), False
     try:
@@ -77,7 +80,8 @@ def preallocate(fd: int, offset: int, length: int, name: str) -> None:
         return
     if _libc.fallocate(fd, 0, offset, length) != 0:
         err = ctypes.get_errno()
-        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        # ENODEV: a character device, which has no blocks to allocate.
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENODEV):
             return
         raise OSError(err, f"cannot allocate {length} bytes at offset {offset}: "
                            f"{os.strerror(err)}", name)

@@ -77,16 +77,18 @@ class LockedTensors:
                 region, _remove_region, self._native, region.ptr)
         return t
 
-    def free(self, t) -> None:
+    def free(self, t) -> bool:
+        """True when ``t`` was a region of this handle and is now unlocked; False for any
+        other tensor, or one freed already (DeepSpeed's answers). An empty tensor holds no
+        memory: freeing it always succeeds."""
         if t.numel() == 0:
-            return
+            return True
         region = self._regions.pop(t.data_ptr(), None)
         if region is None:
-            raise ValueError(
-                "free_cpu_locked_tensor: this tensor was not allocated by this handle's "
-                "new_cpu_locked_tensor (or was freed already)")
+            return False
         self._unregister.pop(t.data_ptr())()
         region.unlock()
+        return True
 
     def contains(self, t) -> bool:
         """True when ``t`` lies inside a region of this handle that is locked."""

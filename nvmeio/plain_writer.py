@@ -13,7 +13,7 @@ import time
 import warnings
 from typing import Optional
 
-from .atomic_file import TempFile
+from .atomic_file import TempFile, fsync_file, is_device_node
 from .fast_buffers import FastIOStats
 from .file_ops import copy_range, temp_beside
 
@@ -32,6 +32,7 @@ class PlainFileWriter(io.RawIOBase):
         if self.atomic:
             self._tmp, self._fd, _ = temp_beside(self.name, direct=False)
         else:
+            is_device_node(self.name)  # refuses a FIFO or socket (its open would block)
             self._fd = os.open(self.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                                | os.O_CLOEXEC, 0o600)
         self._pos = 0
@@ -88,7 +89,7 @@ class PlainFileWriter(io.RawIOBase):
             return
         if not self._done:
             try:
-                os.fsync(self._fd)
+                fsync_file(self._fd)
                 os.close(self._fd)
                 self._fd = -1
                 if self._tmp is not None:

@@ -10,9 +10,18 @@ os.environ["PYTHONSAFEPATH"] = "1"
 _here = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ.get("PYTHONPATH")) if p)
 
+import importlib
+
 import pytest
 
 from helpers import BACKENDS
+
+
+@pytest.fixture(autouse=True)
+def fresh_direct_io_warnings(monkeypatch):
+    """The "no O_DIRECT" warning comes once per process per kind of file: each test
+    starts as a fresh process would, so that a test expecting it sees it."""
+    monkeypatch.setattr(importlib.import_module("nvmeio.aio_handle"), "_warned_no_direct", set())
 
 
 @pytest.fixture

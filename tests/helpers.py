@@ -9,6 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
 from typing import List, Sequence
 
 import numpy as np
@@ -49,6 +56,74 @@ def file_size_limit(nbytes):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# -- special files, made inside a test's own directory (never touching /dev) -----------------------------
+
+NULL_DEVICE = os.makedev(1, 3)  # the numbers of /dev/null
+FULL_DEVICE = os.makedev(1, 7)  # ... and of /dev/full: every write fails with ENOSPC
+
+
+def char_device_node(path, numbers=NULL_DEVICE):
+    """A character device node at ``path`` (skips without the right to make one)."""
+    import pytest
+
+    try:
+        os.mknod(path, stat.S_IFCHR | 0o600, numbers)
+    except PermissionError:
+        pytest.skip("making a device node needs root (CAP_MKNOD)")
+    return path
+
+
+def special_file(path, kind: str):
+    """A FIFO (``kind="fifo"``) or a Unix socket (``"socket"``) at ``path``."""
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(os.fspath(path))  # the socket file stays after close
+    return path
+
+
+@contextlib.contextmanager
+def fifo_unblocked_after(path, seconds: float = 10.0):
+    """Should something block opening the FIFO ``path`` (waiting for a peer), its other
+    end is opened and closed after ``seconds``: a regression then fails, never hangs."""
+    def peer():
+        with contextlib.suppress(OSError):
+            os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+
+    timer = threading.Timer(seconds, peer)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
+def loop_device_node(directory, data: bytes):
+    """A loop device over the file ``directory/backing.img`` (holding ``data``) and a block
+    device node of it at ``directory/loop``: tests write through that node, never through
+    /dev. Yields (node, backing file); skips where no loop device can be set up."""
+    import pytest
+
+    if not is_root() or shutil.which("losetup") is None:
+        pytest.skip("a loop device needs root and losetup")
+    backing = directory / "backing.img"
+    backing.write_bytes(data)
+    made = subprocess.run(["losetup", "--find", "--show", str(backing)], capture_output=True,
+                          text=True, timeout=60)
+    if made.returncode != 0:
+        pytest.skip(f"no loop device can be set up here: {made.stderr.strip()}")
+    device = made.stdout.strip()
+    try:
+        node = directory / "loop"
+        os.mknod(node, stat.S_IFBLK | 0o600, os.stat(device).st_rdev)
+        yield node, backing
+    finally:
+        subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=60)
 
 
 def train_engine(engine, batches: Sequence, steps: int, accumulation: int = 1, rank: int = 0,
@@ -95,6 +170,75 @@ def base_config(offload_param: str = "none", offload_optimizer: str = "none", nv
     return config
 
 
+# -- processes a test starts: never waited for longer than a timeout ------------------------------------
+
+# [Note: timeouts of multi-process tests]
+# A process that hangs (a rank in a collective whose peer died or went another way, a
+# child stuck in I/O) would hold its test for gloo's default of 30 minutes, or for ever.
+# Every process a test starts is waited for through the helpers below: after `timeout`
+# seconds it gets SIGABRT (a Python child then prints every thread's stack, faulthandler
+# being on) and then SIGKILL, and the test fails with everything the process printed.
+# run_ranks builds the process group itself with the same timeout, so that a collective
+# waiting for a lost peer gives up no later than the test does.
+PROCESS_TIMEOUT_S = 600.0
+_STACK_DUMP_S = 5.0  # how long a process is given to print its stacks before SIGKILL
+
+
+def _stop(pids, group: bool) -> None:
+    """SIGABRT, a moment to print stacks, then SIGKILL: to each pid (its process group
+    with ``group``: any process it started too)."""
+    send = os.killpg if group else os.kill
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                send(pid, sig)
+        if sig == signal.SIGABRT:
+            time.sleep(_STACK_DUMP_S)
+
+
+def finish_process(proc: "subprocess.Popen", timeout: float = PROCESS_TIMEOUT_S):
+    """``proc.communicate()`` within ``timeout`` seconds; past it, the process is stopped
+    (see [Note: timeouts of multi-process tests]) and an AssertionError carries its output."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            own_group = os.getpgid(proc.pid) == proc.pid
+        except ProcessLookupError:
+            own_group = False
+        _stop([proc.pid], group=own_group)
+        out, err = proc.communicate()
+        raise AssertionError(f"{proc.args!r} did not finish within {timeout:g} s and was killed; "
+                             f"it printed:\n{out or ''}{err or ''}") from None
+
+
+def run_process(args, timeout: float = PROCESS_TIMEOUT_S, check: bool = False,
+                **kwargs) -> "subprocess.CompletedProcess":
+    """``subprocess.run(args, capture_output=True, text=True, **kwargs)`` bounded by
+    ``timeout`` (see [Note: timeouts of multi-process tests]); ``check``: a non-zero exit
+    fails the test with the output. The process gets a session of its own, so that what
+    it starts is stopped with it."""
+    env = dict(kwargs.pop("env", None) or os.environ, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True, **kwargs)
+    out, err = finish_process(proc, timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args!r} failed ({proc.returncode}):\n{out}{err}")
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def wait_for_line(proc: "subprocess.Popen", timeout: float = PROCESS_TIMEOUT_S) -> str:
+    """The next line of ``proc``'s stdout (a text pipe); should none come within
+    ``timeout``, the process is stopped and the test fails with what it printed."""
+    line = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        finish_process(proc, timeout=0)
+    return line[0]
+
+
 # -- several ranks in one test: gloo processes started by torch.multiprocessing ------------------------
 
 def free_port() -> int:
@@ -105,46 +249,94 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str) -> None:
+def _rank_log(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.log")
+
+
+def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, timeout: float) -> None:
+    import datetime
+    import faulthandler
     import json
-    import os
+    import sys
     import traceback
 
     import torch.distributed as dist
 
+    # Everything this rank prints goes to its log, for the test to show should it fail;
+    # SIGABRT (see [Note: timeouts of multi-process tests]) prints every thread's stack there.
+    log = os.open(_rank_log(out_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    faulthandler.disable()  # installed afresh: an imported library may have replaced its handler
+    faulthandler.enable(sys.stderr, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    # The group zero.initialize would make (the same backend), with the test's timeout.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            timeout=datetime.timedelta(seconds=timeout))
     results = {}
     for name, fn, kwargs in scenarios:
         try:
             results[name] = fn(rank, world_size, os.path.join(out_dir, name), **kwargs)
         except Exception:  # reported to the test, which fails with the traceback
             results[name] = {"error": traceback.format_exc()}
+            traceback.print_exc()  # and into the rank's log, for a failure after it
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, scenarios, out_dir) -> List[dict]:
+def run_ranks(world_size: int, scenarios, out_dir, timeout: float = PROCESS_TIMEOUT_S) -> List[dict]:
     """Run ``scenarios`` (``(name, fn, kwargs)``; ``fn(rank, world_size, scratch_dir, **kwargs)``
-    returns something JSON-able) in ``world_size`` gloo processes; one result dict per rank."""
+    returns something JSON-able) in ``world_size`` gloo processes; one result dict per rank.
+    Ranks not done within ``timeout`` seconds are stopped and the test fails with what each
+    printed (see [Note: timeouts of multi-process tests]), as it does when a rank dies."""
     import json
-    import os
 
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     out_dir = os.fspath(out_dir)
     for name, _, _ in scenarios:
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
-    mp.start_processes(_worker, args=(world_size, free_port(), scenarios, out_dir), nprocs=world_size,
-                       start_method="fork")
+    ranks = mp.start_processes(_worker, args=(world_size, free_port(), scenarios, out_dir, timeout),
+                               nprocs=world_size, start_method="fork", join=False)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                _stop([p.pid for p in ranks.processes if p.is_alive()], group=False)
+                raise AssertionError(f"the {world_size} ranks did not finish within {timeout:g} s "
+                                     "and were killed" + _rank_logs(out_dir, world_size))
+    except ProcessException as e:
+        raise AssertionError(f"a rank failed: {e}" + _rank_logs(out_dir, world_size)) from None
+    finally:
+        for p in ranks.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
     results = []
     for rank in range(world_size):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+def _rank_logs(out_dir: str, world_size: int) -> str:
+    """What each rank printed, for a failure message."""
+    text = ""
+    for rank in range(world_size):
+        try:
+            with open(_rank_log(out_dir, rank), errors="replace") as f:
+                printed = f.read()
+        except FileNotFoundError:
+            printed = "(nothing: it did not start)"
+        text += f"\n--- rank {rank} printed:\n{printed}"
+    return text
 
 
 def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str = "none",
@@ -278,12 +470,10 @@ def run_child(code: str, *args: str, timeout: float = 300) -> dict:
     """Run ``code`` in a fresh Python (the installed packages, never the source tree) with
     ``sys.argv[1:] == args``; it prints one JSON object last, which is returned."""
     import json
-    import subprocess
     import sys
 
     env = dict(os.environ, PYTHONSAFEPATH="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                         env=env)
+    out = run_process([sys.executable, "-c", code, *args], timeout=timeout, env=env)
     if out.returncode != 0:
         raise AssertionError(f"child Python failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])

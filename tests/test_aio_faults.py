@@ -5,7 +5,6 @@ never hangs, nothing leaks, and the handle stays usable."""
 import errno
 import gc
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import nvmeio
-from helpers import file_bytes, random_bytes, unaligned_view
+from helpers import file_bytes, random_bytes, run_process, unaligned_view
 from nvmeio import faults, resources
 
 BLOCK = 64 << 10
@@ -234,14 +233,12 @@ def test_environment_variable_arms_a_plan_and_says_so(tmp_path):
             "h = nvmeio.aio_handle(backend='psync')\n"
             f"h.sync_pwrite(numpy.ones(10000, numpy.uint8), {str(tmp_path / 'x.bin')!r})\n")
     env = dict(os.environ, NVMEIO_FAULTS="fail_nth=1, errno=ENOSPC, op=write, path_contains=x.bin")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=60)
+    r = run_process([sys.executable, "-c", code], env=env, timeout=60)
     assert r.returncode == 1
     assert "nvmeio: fault injection is ON (NVMEIO_FAULTS=" in r.stderr
     assert "No space left on device" in r.stderr
     env["NVMEIO_FAULTS"] = "fail_nth=x"
-    r = subprocess.run([sys.executable, "-c", "import nvmeio"], env=env, capture_output=True,
-                       text=True, timeout=60)
+    r = run_process([sys.executable, "-c", "import nvmeio"], env=env, timeout=60)
     assert r.returncode == 1 and "NVMEIO_FAULTS: fail_nth must be an int, got 'x'" in r.stderr
 
 

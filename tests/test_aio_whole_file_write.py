@@ -1,13 +1,17 @@
 """aio_handle.write(): the whole file is replaced atomically through a
 temporary file nobody can plant anything at; what open(path, "w") refuses it
-refuses; a failure, a refusal or SIGTERM leaves no file behind."""
+refuses; a failure, a refusal or SIGTERM leaves no file behind. A device node
+is written in place (a rename would put a regular file where it was); a FIFO
+or socket is refused."""
 
+import contextlib
+import errno
 import itertools
 import os
 import pathlib
 import shutil
 import signal
-import subprocess
+import stat
 import sys
 import tempfile
 
@@ -15,7 +19,8 @@ import numpy as np
 import pytest
 
 import nvmeio
-from helpers import file_bytes, is_root, random_bytes
+from helpers import (FULL_DEVICE, NULL_DEVICE, char_device_node, fifo_unblocked_after, file_bytes,
+                     is_root, loop_device_node, random_bytes, run_process, special_file)
 from nvmeio import atomic_file, faults
 
 
@@ -147,7 +152,71 @@ def test_sigterm_during_write_leaves_no_temporary_file(nvme_dir):
             "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
             f"h.write(numpy.ones(200 << 20, numpy.uint8), {str(nvme_dir / 'big.bin')!r})\n"
             "print('finished')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = run_process([sys.executable, "-c", code], timeout=60)
     assert r.returncode == -signal.SIGTERM, r.stderr
     assert "finished" not in r.stdout
     assert os.listdir(nvme_dir) == []
+
+
+@pytest.mark.filterwarnings("ignore:nvmeio. no O_DIRECT")
+def test_a_character_device_is_written_through_in_place_not_replaced(h, nvme_dir):
+    null = char_device_node(nvme_dir / "null", NULL_DEVICE)
+    full = char_device_node(nvme_dir / "full", FULL_DEVICE)
+    assert h.write(random_bytes(100_000), null) == 0
+    with pytest.raises(nvmeio.AioError) as e:           # the bytes went to the device itself
+        h.write(random_bytes(100_000), full)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(full)
+    assert [(stat.S_IFMT(os.stat(p).st_mode), os.stat(p).st_rdev) for p in (null, full)] == [
+        (stat.S_IFCHR, NULL_DEVICE), (stat.S_IFCHR, FULL_DEVICE)]
+    assert sorted(os.listdir(nvme_dir)) == ["full", "null"]
+
+
+def test_a_block_device_is_written_in_place_and_not_truncated(h, nvme_dir):
+    old = random_bytes(1 << 20, seed=1).tobytes()
+    src = random_bytes(300_001, seed=2)
+    with loop_device_node(nvme_dir, old) as (node, backing):
+        assert h.write(src, node) == 0
+        assert stat.S_ISBLK(os.stat(node).st_mode)
+        back = np.empty(len(old), np.uint8)
+        h.sync_pread(back, node)
+    assert back.tobytes() == src.tobytes() + old[src.size:]
+    assert file_bytes(backing) == src.tobytes() + old[src.size:]
+
+
+def test_read_checks_the_buffer_against_a_block_devices_size(h, nvme_dir):
+    data = random_bytes(1 << 20, seed=3)
+    with loop_device_node(nvme_dir, data.tobytes()) as (node, _):
+        back = np.empty_like(data)
+        assert h.read(back, node) == 0
+        with pytest.raises(ValueError) as e:
+            h.read(np.empty(1000, np.uint8), node)
+    assert np.array_equal(back, data)
+    assert str(e.value) == (f"read: {str(node)!r} holds {1 << 20} bytes but the buffer has 1000; "
+                            "use pread with file_offset to read part of a file")
+
+
+@pytest.mark.parametrize("kind,what", [("fifo", "a FIFO (named pipe)"), ("socket", "a socket")])
+def test_a_fifo_or_socket_is_refused_and_left_as_it_was(h, nvme_dir, kind, what):
+    path = special_file(nvme_dir / kind, kind)
+    mode = os.stat(path).st_mode
+    with fifo_unblocked_after(path) if kind == "fifo" else contextlib.nullcontext():
+        with pytest.raises(nvmeio.AioError) as e:
+            h.write(random_bytes(1000), path)
+    assert e.value.errno == errno.ESPIPE
+    assert str(e.value) == (f"[Errno {errno.ESPIPE}] open for writing refused: {what} has no file "
+                            "offsets, and nvmeio reads and writes at offsets (regular files, block "
+                            f"and character devices): {str(path)!r} (offset 0, length 1000)")
+    assert os.stat(path).st_mode == mode and os.listdir(nvme_dir) == [kind]
+
+
+def test_a_symlink_to_a_device_is_refused_not_followed_nor_replaced(h, nvme_dir):
+    node = char_device_node(nvme_dir / "null")
+    (nvme_dir / "link").symlink_to(node)
+    with pytest.raises(nvmeio.AioError) as e:
+        h.write(random_bytes(1000), nvme_dir / "link")
+    assert e.value.errno == errno.ELOOP
+    assert e.value.strerror == (f"open for writing refused: it is a symbolic link to a character "
+                                f"device ({str(node)!r}); a write neither goes through a symlink "
+                                f"nor replaces one to a device, FIFO or socket: name {str(node)!r} "
+                                "itself")
+    assert (nvme_dir / "link").is_symlink() and sorted(os.listdir(nvme_dir)) == ["link", "null"]

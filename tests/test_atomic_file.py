@@ -1,13 +1,17 @@
 """nvmeio.atomic_file: a temporary file nobody can plant anything at, published
 over its target atomically; a failure leaves the target as it was and no
-temporary file behind."""
+temporary file behind. A device node is written in place; a FIFO or socket is
+refused."""
 
+import errno
 import itertools
 import os
 import stat
 
 import pytest
 
+import nvmeio
+from helpers import FULL_DEVICE, NULL_DEVICE, char_device_node, fifo_unblocked_after, special_file
 from nvmeio import atomic_file
 
 
@@ -92,3 +96,26 @@ def test_refusals_name_the_problem(tmp_path):
         tmp.publish()
         with pytest.raises(ValueError, match="already published"):
             tmp.publish()
+
+
+def test_a_device_node_is_written_in_place_not_replaced(tmp_path):
+    null = char_device_node(tmp_path / "null", NULL_DEVICE)
+    full = char_device_node(tmp_path / "full", FULL_DEVICE)
+    atomic_file.write_atomically(null, b"global_step2")    # fsync's EINVAL is no error
+    with pytest.raises(OSError) as e:                     # the bytes went to the device itself
+        atomic_file.write_atomically(full, b"global_step2")
+    assert e.value.errno == errno.ENOSPC
+    assert [(stat.S_IFMT(os.stat(p).st_mode), os.stat(p).st_rdev) for p in (null, full)] == [
+        (stat.S_IFCHR, NULL_DEVICE), (stat.S_IFCHR, FULL_DEVICE)]
+    assert sorted(os.listdir(tmp_path)) == ["full", "null"]
+
+
+def test_a_fifo_is_refused_naming_what_it_is(tmp_path):
+    fifo = special_file(tmp_path / "latest", "fifo")
+    with fifo_unblocked_after(fifo), pytest.raises(nvmeio.AioError) as e:
+        atomic_file.write_atomically(fifo, b"global_step2")
+    assert e.value.errno == errno.ESPIPE
+    assert e.value.strerror == ("open for writing refused: a FIFO (named pipe) has no file offsets, "
+                                "and nvmeio reads and writes at offsets (regular files, block and "
+                                "character devices)")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["latest"]

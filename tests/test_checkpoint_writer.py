@@ -18,7 +18,7 @@ import torch
 import zero
 from zero.config import ConfigError
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, file_bytes, train_engine
+from helpers import base_config, file_bytes, train_engine, wait_for_line
 
 CFG = GPTConfig()
 
@@ -206,7 +206,7 @@ def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
         swap.mkdir()
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(swap), tests_dir],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready", child.stderr.read()
+        assert wait_for_line(child).strip() == "ready", child.stderr.read()
         time.sleep(rng.uniform(0.0, 0.6))
         child.send_signal(signal.SIGKILL)
         child.wait()

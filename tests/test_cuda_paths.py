@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nvmeio
-from helpers import file_bytes, random_bytes
+from helpers import fifo_unblocked_after, file_bytes, random_bytes, special_file
 from nvmeio import cuda_staging
 from nvmeio.buffers import DeviceBuffer
 from nvmeio.cuda_staging import FILE_ALIGN, StagingConfig, StagingEngine, plan_chunks
@@ -477,6 +477,20 @@ def test_missing_file_and_short_file_raise_at_submit_and_are_not_counted(fake_cu
     with pytest.raises(IsADirectoryError):
         h.async_pwrite(dst, nvme_dir)
     assert plain(dst).sum().item() == 0
+    assert h.wait() == 0
+
+
+@pytest.mark.parametrize("op", ["async_pread", "async_pwrite"])
+def test_a_fifo_is_refused_at_submit_as_on_the_cpu_path(fake_cuda, nvme_dir, op):
+    h = nvmeio.aio_handle()
+    fifo = special_file(nvme_dir / "fifo", "fifo")
+    errors = []
+    for buf in (on_fake_cuda(torch.zeros(100, dtype=torch.uint8)), np.zeros(100, np.uint8)):
+        with fifo_unblocked_after(fifo), pytest.raises(nvmeio.AioError) as e:
+            getattr(h, op)(buf, fifo)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and f"[Errno {errno.ESPIPE}] open for " in errors[0]
+    assert "a FIFO (named pipe) has no file offsets" in errors[0]
     assert h.wait() == 0
 
 

@@ -2,11 +2,11 @@
 library's source, losses equal to plain PyTorch; ``--big`` beyond RAM) and the I/O demo."""
 import os
 import shutil
-import subprocess
 import sys
 
 import nvmeio.demo
 import zero.demo
+from helpers import run_process
 from zero.demo.stdlib_corpus import ByteBatches, stdlib_source_bytes
 
 
@@ -73,8 +73,7 @@ def test_main_job_command_runs_from_the_repository_root(tmp_path):
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher}  # not a rank of an earlier test's job
     env["XDG_CACHE_HOME"] = str(tmp_path)
-    out = subprocess.run([script, "--steps", "3"], cwd=root, capture_output=True, text=True, timeout=300,
-                         env=env)
+    out = run_process([script, "--steps", "3"], cwd=root, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.rstrip().endswith("OK")
     assert "zero-3 nvme" in out.stderr and "tok_s=" in out.stderr     # the progress bar

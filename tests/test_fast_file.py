@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import nvmeio
-from helpers import all_dtypes, file_bytes, file_size_limit, random_bytes, random_tensor, same_bits
+from helpers import (all_dtypes, char_device_node, file_bytes, file_size_limit, loop_device_node,
+                     random_bytes, random_tensor, same_bits)
 
 SMALL = dict(buffer_size=8192)  # many buffer boundaries in small objects
 
@@ -246,3 +247,22 @@ def test_fast_io_lends_buffers_to_one_file_at_a_time(nvme_dir):
                 assert f.read() == bytes([i]) * 10000
         assert fio.stats.files_written == 4 and fio.stats.bytes_written == 30000
         assert fio.stats.files_read == 3 and fio.stats.bytes_read == 30000
+
+
+def test_a_block_device_is_written_in_place_not_replaced(nvme_dir):
+    old = random_bytes(1 << 20, seed=1).tobytes()
+    data = random_bytes(3 * 8192 + 123, seed=2).tobytes()
+    with loop_device_node(nvme_dir, old) as (node, backing):
+        with nvmeio.FastFileWriter(node, **SMALL) as f:
+            f.write(data)
+        assert stat.S_ISBLK(os.stat(node).st_mode)
+        with open(node, "rb") as dev:
+            assert dev.read() == data + old[len(data):]
+    assert sorted(os.listdir(nvme_dir)) == ["backing.img", "loop"]
+
+
+def test_a_character_device_is_written_in_place_not_replaced(nvme_dir):
+    node = char_device_node(nvme_dir / "null")
+    with nvmeio.FastFileWriter(node, **SMALL) as f:       # fsync's EINVAL is no error
+        torch.save({"w": torch.ones(5000)}, f)
+    assert stat.S_ISCHR(os.stat(node).st_mode) and os.listdir(nvme_dir) == ["null"]

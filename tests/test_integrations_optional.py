@@ -1,8 +1,9 @@
 """The framework integrations are optional: importing the core (nvmeio, swapper, zero and
 its engine) never imports transformers, accelerate or lightning."""
 import json
-import subprocess
 import sys
+
+from helpers import run_process
 
 CODE = """
 import json, sys
@@ -15,6 +16,6 @@ print(json.dumps(sorted(m for m in ("transformers", "accelerate", "lightning", "
 
 
 def test_importing_the_core_imports_no_framework():
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", CODE], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == []

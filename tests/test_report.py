@@ -9,12 +9,11 @@ import sys
 import pytest
 
 import nvmeio
-from helpers import is_root
+from helpers import is_root, run_process
 
 
 def report(*args):
-    return subprocess.run([sys.executable, "-m", "nvmeio.report", *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return run_process([sys.executable, "-m", "nvmeio.report", *map(str, args)], timeout=60)
 
 
 def checks(*args):

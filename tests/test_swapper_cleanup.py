@@ -1,12 +1,12 @@
 """Cleanup: every swapper leaves nothing behind, by cleanup() and at a clean exit."""
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
 
+from helpers import run_process
 from swapper import (
     PartitionedOptimizerSwapper,
     PartitionedParamSwapper,
@@ -66,7 +66,7 @@ def test_a_clean_interpreter_exit_removes_the_swap_files(tmp_path):
         params, optim = _populated_swappers({str(tmp_path)!r})
         print(len(__import__("os").listdir({str(tmp_path / "run1" / "rank2" / "params")!r})))
     """)  # exits without calling cleanup()
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = run_process([sys.executable, "-c", code], cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"  # partitions 1..3 were on NVMe (0 was in CPU memory)
     assert os.listdir(tmp_path) == []

@@ -10,6 +10,7 @@ import pytest
 
 from swapper import InsufficientSwapSpaceError, StaleSwapDirectoryError, SwapDirectoryInUseError
 from swapper.swap_dir import SwapDirectory, disk_free_bytes
+from helpers import wait_for_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +81,7 @@ def test_directory_of_a_dead_job_is_reported_and_left_alone(tmp_path):
         print(os.getpid(), flush=True)
         os._exit(0)  # dies without cleaning up, like a killed job
     """)
-    pid = int(child.stdout.readline())
+    pid = int(wait_for_line(child))
     child.wait()
     with pytest.raises(StaleSwapDirectoryError) as info:
         SwapDirectory(tmp_path, "job", 0, "params")
@@ -137,7 +138,7 @@ def test_directory_of_a_running_job_is_in_use(tmp_path):
         d.cleanup()
     """)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        assert wait_for_line(child).strip() == "ready"
         with pytest.raises(SwapDirectoryInUseError, match=f"in use by process {child.pid}"):
             SwapDirectory(tmp_path, "job", 0, "params", remove_stale=True)
     finally:

@@ -2,10 +2,11 @@
 commands that CI runs, and fio's job lines."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+
+from helpers import run_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -39,8 +40,8 @@ def test_ci_runs_exactly_the_readmes_test_command():
     cmds = readme_commands.commands(readme)
     assert f"```bash\n{cmds['test']}\n```" in readme.split("Tests:", 1)[1]
     assert cmds["test"].endswith("pytest -q tests") and "pip install" in cmds["setup"]
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "readme_commands.py"), "test"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    out = run_process([sys.executable, os.path.join(REPO, "tools", "readme_commands.py"), "test"],
+                      check=True).stdout.strip()
     assert out == cmds["test"]
     with open(os.path.join(REPO, ".ci", "run")) as f:
         last = [line for line in f.read().splitlines() if line.strip()][-1]

@@ -14,7 +14,7 @@ import time
 import pytest
 
 import nvmeio
-from helpers import is_root
+from helpers import finish_process, is_root, run_process
 
 BACKEND = nvmeio.available_backends()[0]
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -24,8 +24,8 @@ SWEEP = {"block_size": ["1M"], "queue_depth": [8, 32], "intra_op_parallelism": [
 
 
 def tune(*args, cwd=None, timeout=60):
-    return subprocess.run([sys.executable, "-m", "nvmeio.tune", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return run_process([sys.executable, "-m", "nvmeio.tune", *map(str, args)], timeout=timeout,
+                       cwd=cwd)
 
 
 @pytest.fixture
@@ -375,7 +375,7 @@ def test_flush_page_cache_without_the_right_says_so(dirs, two_point_sweep):
         probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
         if probe.returncode != 0:
             pytest.skip("root, and unshare cannot make a mount namespace here")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    r = run_process(cmd, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "--flush_page_cache: cannot write /proc/sys/vm/drop_caches" in r.stderr
     assert "the page cache is NOT dropped" in r.stderr
@@ -409,7 +409,7 @@ def test_ctrl_c_removes_the_temporary_files(dirs):
         assert os.listdir(nvme), "the sweep never created its file"
         time.sleep(0.3)  # into the sweep proper
         p.send_signal(sig)
-        _, err = p.communicate(timeout=30)
+        _, err = finish_process(p, timeout=30)
     finally:
         if p.poll() is None:
             p.kill()

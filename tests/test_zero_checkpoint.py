@@ -7,7 +7,6 @@ scaler state is restored), with the LR schedule and client state restored. A
 save that dies half way leaves ``latest`` on the previous complete checkpoint.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,7 +16,7 @@ import nvmeio
 import zero
 import zero.checkpoint.save as checkpoint_module
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, train_engine
+from helpers import base_config, run_process, train_engine
 
 CFG = GPTConfig()
 
@@ -126,8 +125,8 @@ def test_zero_to_fp32_cli_and_functions_give_the_trained_weights(tmp_path):
     engine.destroy()
 
     out = tmp_path / "model.bin"
-    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path / "ckpt"), str(out)],
-                         capture_output=True, text=True, timeout=120)
+    run = run_process([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path / "ckpt"), str(out)],
+                      timeout=120)
     assert run.returncode == 0, run.stderr
     state = torch.load(out, weights_only=True)
     direct = zero.get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
@@ -148,8 +147,8 @@ def test_zero_to_fp32_cli_and_functions_give_the_trained_weights(tmp_path):
 
 
 def test_zero_to_fp32_reports_a_missing_checkpoint(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path), str(tmp_path / "o.bin")],
-                         capture_output=True, text=True, timeout=120)
+    run = run_process([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path), str(tmp_path / "o.bin")],
+                      timeout=120)
     assert run.returncode == 1
     assert f"{tmp_path} has no 'latest' file; pass the tag explicitly" in run.stderr
 
@@ -211,8 +210,8 @@ def test_zero_to_fp32_holds_the_model_once(tmp_path, safe):
     engine.save_checkpoint(tmp_path / "ckpt")
     model_bytes = 4 * engine.parts.rank_layout.numel
     engine.destroy()
-    run = subprocess.run([sys.executable, "-c", CONVERT_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "o.bin"),
-                          "1" if safe else "0"], capture_output=True, text=True, timeout=300)
+    run = run_process([sys.executable, "-c", CONVERT_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "o.bin"),
+                       "1" if safe else "0"], timeout=300)
     assert run.returncode == 0, run.stderr
     growth = int(run.stdout.strip().splitlines()[-1])
     assert model_bytes > 50_000_000
@@ -228,8 +227,8 @@ def test_zero_to_fp32_safe_serialization_streams_the_same_weights(tmp_path):
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.destroy()
     (tmp_path / "out").mkdir()
-    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path / "ckpt"), str(tmp_path / "out"),
-                          "--safe_serialization"], capture_output=True, text=True, timeout=120)
+    run = run_process([sys.executable, "-m", "zero.zero_to_fp32", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                       "--safe_serialization"], timeout=120)
     assert run.returncode == 0, run.stderr
     import safetensors.torch
     state = safetensors.torch.load_file(str(tmp_path / "out" / "model.safetensors"))

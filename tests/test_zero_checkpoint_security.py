@@ -4,7 +4,6 @@ private to the user (0600 files, 0700 directories) unless the config says otherw
 """
 import os
 import stat
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 import zero
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, train_engine
+from helpers import base_config, run_process, train_engine
 
 CFG = GPTConfig()
 
@@ -83,8 +82,8 @@ def test_zero_to_fp32_refuses_a_pickle_that_runs_code(saved, tmp_path):
     buffers = ckpt / "good" / "buffers.pt"
     os.unlink(buffers)
     torch.save({"x": RunsCode(marker)}, buffers)
-    run = subprocess.run([sys.executable, "-m", "zero.zero_to_fp32", str(ckpt), str(tmp_path / "o.bin")],
-                         capture_output=True, text=True, timeout=120)
+    run = run_process([sys.executable, "-m", "zero.zero_to_fp32", str(ckpt), str(tmp_path / "o.bin")],
+                      timeout=120)
     assert run.returncode == 1 and f"refused to load {buffers}" in run.stderr
     assert not marker.exists() and not (tmp_path / "o.bin").exists()
 

@@ -2,13 +2,13 @@
 
 import copy
 import json
-import subprocess
 import sys
 import warnings
 
 import pydantic
 import pytest
 
+from helpers import run_process
 from zero.config import (AioConfig, ConfigError, DeepSpeedConfig, IgnoredSettingWarning,
                          OffloadOptimizerConfig, OffloadParamConfig, load_config)
 
@@ -308,7 +308,7 @@ def test_importing_the_config_layer_pulls_in_neither_torch_nor_numpy():
     # It reads nvmeio's settings type and did-you-mean, which import neither.
     code = ("import sys, zero, zero.config; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run_process([sys.executable, "-c", code], check=True)
     assert out.stdout.strip() == "[]"
 
 

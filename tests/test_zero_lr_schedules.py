@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import subprocess
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch
 import zero
 from zero.engine.lr_schedules import LRRangeTest, OneCycle, WarmupDecayLR, WarmupLR
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config
+from helpers import base_config, run_process
 
 DS_PYTHON = "/opt/dsvenv/bin/python"
 CASES = {
@@ -66,7 +65,7 @@ for name, params in cases.items():
     out[name] = lrs
 print(json.dumps(out))
 """
-    run = subprocess.run([DS_PYTHON, "-c", script], capture_output=True, text=True, timeout=300)
+    run = run_process([DS_PYTHON, "-c", script], timeout=300)
     assert run.returncode == 0, run.stderr
     theirs = json.loads(run.stdout.strip().splitlines()[-1])
     for name, params in CASES.items():

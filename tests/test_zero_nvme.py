@@ -10,7 +10,6 @@ on NVMe stays below the size of the model states in memory.
 """
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -19,7 +18,7 @@ import torch
 import zero
 from zero.stores.param_store import unit_id
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, train_engine
+from helpers import base_config, run_process, train_engine
 from swapper.param_swapper import swap_file_name
 
 CFG = GPTConfig()
@@ -115,8 +114,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 
 def test_process_memory_stays_below_the_model_states(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                         env=env, timeout=300)
+    out = run_process([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path)], env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     model_states = 16 * result["params"]  # fp32 parameter, gradient, exp_avg, exp_avg_sq
