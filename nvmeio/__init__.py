@@ -23,14 +23,14 @@ except ImportError as _e:
     raise
 
 from . import faults
-from .aio_handle import aio_handle
+from .handle import aio_handle
 from .backend_choice import available_backends
 from .errors import AioError, ShortReadError, ValidationError
 from .fast_io import FastIO
 from .fast_reader import FastFileReader
 from .fast_writer import FastFileWriter
 from .safetensors_file import SafetensorsError, SafetensorsReader, SafetensorsWriter
-from .gds_handle import gds_handle, gds_unavailable_reason
+from .gds import gds_handle, gds_unavailable_reason
 from .handle_choice import new_handle
 from .settings import AioSettings
 

@@ -15,7 +15,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from .aio_handle import aio_handle
+from .handle import aio_handle
 
 __all__ = ["IOBuffers", "FastIOStats", "DEFAULT_BUFFER_SIZE"]
 

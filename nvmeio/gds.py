@@ -35,7 +35,7 @@ import threading
 import weakref
 from typing import Any, Optional
 
-from .aio_handle import aio_handle
+from .handle import aio_handle
 from .cuda import cuda_unavailable_reason, stream_fence
 from .device_ops import DeviceOpQueue
 from .errors import AioError, make_error
