@@ -235,13 +235,25 @@ def create_temp_beside(target: "str | os.PathLike[str]", mode: int = 0o600,
         except OSError as e:
             if e.errno not in _NO_TMPFILE or not os.path.isdir(directory):
                 raise
-    flags = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | access | os.O_CLOEXEC
     while True:
         name = _random_name(target)
         try:
-            return TempFile(os.open(name, flags, mode), target, name)
+            return TempFile(create_exclusive(name, mode, access), target, name)
         except FileExistsError:
             continue
+
+
+def create_exclusive(path: "str | os.PathLike[str]", mode: int = 0o600, access: int = os.O_WRONLY) -> int:
+    """A new file at ``path``, created exclusively (an existing file or a symlink there is
+    refused with FileExistsError, never followed), permissions exactly ``mode`` whatever the
+    umask; returns its descriptor. The one way nvmeio, the swappers and zero create a file."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | access | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def open_for_replacing(target: "str | os.PathLike[str]", mode: int = 0o600,

@@ -17,6 +17,7 @@ import stat
 from typing import Any, Callable
 
 from . import _native
+from .atomic_file import create_exclusive
 from .errors import ValidationError, make_error
 
 __all__ = ["prepare_target", "compare_with_file", "whole_file_size"]
@@ -95,7 +96,7 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
                                        "writing" if write else "reading")
     elif write:
         try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = create_exclusive(target)
         except FileExistsError:
             try:
                 st = os.stat(target)

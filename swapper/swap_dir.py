@@ -32,6 +32,8 @@ import warnings
 import weakref
 from typing import Callable, Dict, Optional, Set, Tuple
 
+from nvmeio.atomic_file import create_exclusive
+
 from .errors import (
     InsufficientSwapSpaceError,
     StaleSwapDirectoryError,
@@ -237,16 +239,11 @@ class SwapDirectory:
         if file_name in self._created:
             return path
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.close(create_exclusive(path))
         except FileExistsError:
             if os.path.islink(path):
                 raise FileExistsError(f"swap file {path} is a symbolic link; refusing to write through it")
             os.chmod(path, 0o600)
-        else:
-            try:
-                os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
-            finally:
-                os.close(fd)
         self._created.add(file_name)
         return path
 

@@ -29,7 +29,7 @@ import os
 import secrets
 import shutil
 
-from nvmeio.atomic_file import exchange, fsync_directory
+from nvmeio.atomic_file import create_exclusive, exchange, fsync_directory
 
 from .format import OLD_COPY
 
@@ -38,9 +38,8 @@ PARTIAL = ".partial-"  # in ".<tag>.partial-<random>": a save in progress (or on
 
 def create_file(path: str, mode: int):
     """A new file, created exclusively (an existing file or symlink is refused), ``mode`` exactly."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    fd = create_exclusive(path, mode)
     try:
-        os.fchmod(fd, mode)
         return os.fdopen(fd, "wb")
     except BaseException:
         os.close(fd)
