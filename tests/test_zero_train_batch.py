@@ -1,0 +1,239 @@
+"""engine.train_batch: one accumulation window run unit-major. Losses and weights are
+bit-identical to the micro-batch loop (and so to plain PyTorch with accumulation), each
+unit's parameters are read once per window whatever k is, and a model whose micro-batches
+take different paths gets the loop, with one log line saying why."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zero
+from zero.examples import GPT, GPTConfig, make_batches, train_reference
+from zero.partitioning.gathered import GatheredParameters
+from helpers import base_config, run_ranks, train_engine
+
+STEPS = 2
+
+
+def weights(engine):
+    with GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def window_means(losses, k):
+    """The mean loss of each window, as train_batch computes it (fp32, torch)."""
+    return [torch.tensor(losses[s * k:(s + 1) * k], dtype=torch.float32).mean().item()
+            for s in range(len(losses) // k)]
+
+
+def make_engine(tmp_path, k, offload="nvme", clip=0.0, precision="fp32", **extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    c = GPTConfig()
+    config = base_config(offload, offload, tmp_path, accumulation=k, clip=clip, precision=precision, **extra)
+    engine, _, _, _ = zero.initialize(model=GPT(c), config=config)
+    return engine, make_batches(c, STEPS * k, 4)
+
+
+def io_bytes(engine):
+    stores = [engine.parts.param_store, engine.parts.optimizer_store]
+    counts = [s.swapper.io_bytes for s in stores if getattr(s, "swapper", None) is not None]
+    return sum(c.read for c in counts), sum(c.written for c in counts)
+
+
+def run_loop(tmp_path, k, **kw):
+    engine, batches = make_engine(tmp_path / "loop", k, **kw)
+    losses = train_engine(engine, batches, STEPS, k)
+    out = window_means(losses, k), weights(engine)
+    engine.destroy()
+    return out
+
+
+def run_window(tmp_path, k, **kw):
+    engine, batches = make_engine(tmp_path / "window", k, **kw)
+    means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
+    out = means, weights(engine)
+    engine.destroy()
+    return out
+
+
+def assert_same(a, b):
+    assert a[0] == b[0]
+    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+@pytest.mark.parametrize("offload", ["nvme", "cpu", "none"])
+def test_train_batch_equals_the_micro_batch_loop(tmp_path, k, offload):
+    assert_same(run_window(tmp_path, k, offload=offload), run_loop(tmp_path, k, offload=offload))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_train_batch_equals_the_loop_in_16_bit_compute(tmp_path, precision):
+    assert_same(run_window(tmp_path, 3, precision=precision), run_loop(tmp_path, 3, precision=precision))
+
+
+def test_train_batch_with_clipping_equals_the_loop_and_plain_torch(tmp_path):
+    k = 3
+    window = run_window(tmp_path, k, offload="none", clip=0.5)
+    assert_same(window, run_loop(tmp_path, k, offload="none", clip=0.5))
+    torch.manual_seed(0)
+    c = GPTConfig()
+    model = GPT(c)
+    reference = train_reference(model, make_batches(c, STEPS * k, 4), STEPS, k, clip=0.5)
+    assert window[0] == window_means(reference, k)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_bytes_read_and_written_per_window_do_not_grow_with_k(tmp_path, k):
+    counted = {}
+    for kk in (1, k):
+        engine, batches = make_engine(tmp_path / str(kk), kk)
+        engine.train_batch(batches[:kk])  # the first window records the trace
+        before = io_bytes(engine)
+        engine.train_batch(batches[kk:2 * kk])
+        after = io_bytes(engine)
+        counted[kk] = (after[0] - before[0], after[1] - before[1])
+        engine.destroy()
+    assert counted[1][0] > 0 and counted[1][1] > 0
+    assert counted[k] == counted[1]
+
+
+def test_the_micro_batch_loop_reads_every_parameter_per_micro_batch(tmp_path):
+    """What train_batch saves: the loop's bytes grow with k (the figure it is measured against)."""
+    engine, batches = make_engine(tmp_path, 4)
+    train_engine(engine, batches[:4], 1, 4)
+    before = io_bytes(engine)
+    train_engine(engine, batches[4:], 1, 4)
+    loop = io_bytes(engine)[0] - before[0]
+    engine.destroy()
+    engine, batches = make_engine(tmp_path / "w", 4)
+    engine.train_batch(batches[:4])
+    before = io_bytes(engine)
+    engine.train_batch(batches[4:])
+    window = io_bytes(engine)[0] - before[0]
+    engine.destroy()
+    assert loop > 2 * window
+
+
+class Branchy(nn.Module):
+    """Odd micro-batches (by their first token) go through another layer: different paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = self.a(h) if int(x[0, 0]) % 2 == 0 else self.b(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def branchy_batches(count):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(count):
+        x = torch.randint(0, 16, (2, 4), generator=g)
+        x[0, 0] = i % 16  # micro-batch i takes branch a when i is even
+        out.append((x, torch.randint(0, 16, (2, 4), generator=g)))
+    return out
+
+
+def test_micro_batches_on_different_paths_get_the_loop_with_one_log_line(tmp_path, caplog):
+    k = 2
+    results = []
+    for use_window in (False, True):
+        (tmp_path / str(use_window)).mkdir()
+        torch.manual_seed(0)
+        config = base_config("nvme", "nvme", tmp_path / str(use_window), accumulation=k, micro=2)
+        engine, _, _, _ = zero.initialize(model=Branchy(), config=config)
+        batches = branchy_batches(2 * k)
+        if use_window:
+            with caplog.at_level(logging.INFO, logger="zero"):
+                means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(2)]
+        else:
+            means = window_means(train_engine(engine, batches, 2, k), k)
+        results.append((means, weights(engine)))
+        engine.destroy()
+    assert_same(results[1], results[0])
+    said = [r.getMessage() for r in caplog.records if "train_batch runs the micro-batch loop" in r.getMessage()]
+    assert len(said) == 1 and "different paths" in said[0] and "Linear" in said[0]
+
+
+def test_wrong_number_of_micro_batches_is_refused(tmp_path):
+    engine, batches = make_engine(tmp_path, 3)
+    with pytest.raises(ValueError, match=r"train_batch got 2 micro-batches; the config's "
+                                         r"gradient_accumulation_steps is 3"):
+        engine.train_batch(batches[:2])
+    with pytest.raises(ValueError, match=r"train_batch took 2 micro-batches from the iterator before it ended"):
+        engine.train_batch(iter(batches[:2]))
+    engine.destroy()
+
+
+def test_an_iterator_gives_the_next_window(tmp_path):
+    engine, batches = make_engine(tmp_path, 3)
+    it = iter(batches)
+    means = [engine.train_batch(it).item() for _ in range(STEPS)]
+    assert next(it, None) is None and engine.global_steps == STEPS
+    engine.destroy()
+    assert means == run_loop(tmp_path, 3)[0]
+
+
+def test_train_batch_in_the_middle_of_a_window_is_refused(tmp_path):
+    engine, batches = make_engine(tmp_path, 3)
+    loss = engine(*batches[0])
+    engine.backward(loss)
+    engine.step()
+    with pytest.raises(ValueError, match=r"train_batch runs a whole accumulation window, but this one is 1 "
+                                         r"micro-batch\(es\) in"):
+        engine.train_batch(batches[1:4])
+    engine.destroy()
+
+
+def test_a_model_that_returns_no_loss_is_refused(tmp_path):
+    torch.manual_seed(0)
+    config = base_config("none", "none", tmp_path, accumulation=2, micro=2)
+    engine, _, _, _ = zero.initialize(model=nn.Linear(4, 4), config=config)
+    with pytest.raises(TypeError, match=r"train_batch needs the model to return its loss \(a one-element tensor, "
+                                        r"or an output with .loss or \['loss'\]\); it returned Tensor"):
+        engine.train_batch([torch.randn(2, 4), torch.randn(2, 4)])
+    engine.destroy()
+
+
+def test_no_optimizer_is_refused(tmp_path):
+    config = base_config("none", "none", tmp_path, accumulation=2)
+    del config["optimizer"]
+    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    with pytest.raises(RuntimeError, match="this engine has no optimizer"):
+        engine.train_batch(make_batches(GPTConfig(), 2, 4))
+    engine.destroy()
+
+
+def scenario_window(rank, world_size, scratch, use_window):
+    k = 3
+    config = base_config("nvme", "nvme", scratch, accumulation=k, world_size=world_size, sub_group_size=3000)
+    torch.manual_seed(0)
+    c = GPTConfig()
+    engine, _, _, _ = zero.initialize(model=GPT(c), config=config)
+    batches = [(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
+               for x, y in make_batches(c, STEPS * k, 4 * world_size)]
+    if use_window:
+        means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
+    else:
+        means = window_means(train_engine(engine, batches, STEPS, k), k)
+    w = [t.tolist() for t in weights(engine)]
+    engine.destroy()
+    return {"means": means, "weights": w}
+
+
+def test_two_ranks_train_batch_equals_the_loop(tmp_path):
+    results = run_ranks(2, [("loop", scenario_window, {"use_window": False}),
+                            ("window", scenario_window, {"use_window": True})], tmp_path)
+    for r in results:
+        assert "error" not in r["window"], r["window"].get("error")
+        assert "error" not in r["loop"], r["loop"].get("error")
+        assert r["window"] == r["loop"]
