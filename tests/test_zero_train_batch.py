@@ -237,3 +237,68 @@ def test_two_ranks_train_batch_equals_the_loop(tmp_path):
         assert "error" not in r["window"], r["window"].get("error")
         assert "error" not in r["loop"], r["loop"].get("error")
         assert r["window"] == r["loop"]
+
+
+def hf_model(kind: str, checkpointing: bool):
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the test extra)")
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)  # tied head
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def hf_batches(count):
+    g = torch.Generator().manual_seed(2)
+    return [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 64, (2, 8), generator=g)
+                                                          for _ in range(count))]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_train_batch_equals_the_loop(tmp_path, kind, checkpointing):
+    k, results = 3, []
+    for use_window in (False, True):
+        folder = tmp_path / str(use_window)
+        folder.mkdir()
+        config = base_config("nvme", "nvme", folder, accumulation=k, micro=2)
+        engine, _, _, _ = zero.initialize(model=hf_model(kind, checkpointing), config=config)
+        batches = hf_batches(STEPS * k)
+        if use_window:
+            means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
+        else:
+            losses = []
+            for mb in batches:
+                loss = engine(**mb).loss
+                losses.append(loss.item())
+                engine.backward(loss)
+                engine.step()
+            means = window_means(losses, k)
+        results.append((means, weights(engine)))
+        engine.destroy()
+    assert_same(results[1], results[0])
+
+
+def test_a_checkpoint_function_it_cannot_bind_is_refused_with_a_clear_error(tmp_path):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(GPT):
+        def forward(self, x, y):
+            return checkpoint(super().forward, x, y, use_reentrant=False)
+
+    torch.manual_seed(0)
+    config = base_config("nvme", "nvme", tmp_path, accumulation=2)
+    engine, _, _, _ = zero.initialize(model=Checkpointed(GPTConfig()), config=config)
+    with pytest.raises(RuntimeError, match=r"read a parameter outside the window's micro-batches \(a forward "
+                                           r"recomputed during backward by a checkpoint function"):
+        engine.train_batch(make_batches(GPTConfig(), 2, 4))
+    engine.destroy()

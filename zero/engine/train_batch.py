@@ -4,9 +4,10 @@ Each unit's parameters are read once for the forward of the window's k micro-bat
 and once for their backward, instead of k times each (runtime/window.py, [Note:
 unit-major micro-batches]); the gradients are summed in memory in the micro-batch
 loop's order, so losses and weights are bit-identical to k calls of forward, backward
-and step. A model whose micro-batches take different paths, or that recomputes its
-forward during backward (activation checkpointing), gets the micro-batch loop, with
-one log line saying why.
+and step. A model whose micro-batches take different paths gets the micro-batch loop, with one
+log line saying why. Hugging Face gradient checkpointing works (its checkpoint function
+is bound to each micro-batch for the window); a forward recomputed by another checkpoint
+function is refused with an error that says to use the loop.
 """
 from __future__ import annotations
 
@@ -63,12 +64,6 @@ def _take(engine, micro_batches: Iterable) -> List:
     return items
 
 
-def _why_not_unit_major(engine) -> str:
-    if getattr(engine.module, "is_gradient_checkpointing", False):
-        return "the model recomputes its forward during backward (gradient checkpointing)"
-    return ""
-
-
 def _tell(engine, why: str) -> None:
     if why not in _TOLD:
         _TOLD.add(why)
@@ -91,6 +86,7 @@ def _forward_window(engine, items: List) -> List[torch.Tensor]:
     for u in coordinator.units:
         u.grads_left = u.grad_count * window.k
     coordinator.window = window
+    _bind_checkpointing(engine.module, window)
     engine.comm.deferring = engine._defer_reads
     try:
         with engine.timers.phase("forward"):
@@ -118,10 +114,31 @@ def _run_module(engine, micro_batch):
     return engine.module(*args, **kwargs)
 
 
+_CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # where Hugging Face models keep theirs
+
+
+def _bind_checkpointing(module, window: MicroBatchWindow) -> None:
+    """Hugging Face layers recompute their forward in backward through ``_gradient_checkpointing_func``:
+    for the window, each runs as the micro-batch that called it (window.py)."""
+    for m in module.modules():
+        func = m.__dict__.get(_CHECKPOINT_FUNC)
+        if func is not None:
+            m.__dict__["_zero_unbound_checkpointing"] = func
+            m.__dict__[_CHECKPOINT_FUNC] = window.bind_checkpointing(func)
+
+
+def _unbind_checkpointing(module) -> None:
+    for m in module.modules():
+        func = m.__dict__.pop("_zero_unbound_checkpointing", None)
+        if func is not None:
+            m.__dict__[_CHECKPOINT_FUNC] = func
+
+
 def _end_window(engine, failed: bool) -> None:
     """Forget the window's aliases; after a failure also its kept gradients and holds."""
     coordinator = engine.parts.coordinator
     coordinator.window = None
+    _unbind_checkpointing(engine.module)
     for u in coordinator.units:
         u.aliases.clear()
         if failed:
@@ -140,10 +157,6 @@ def train_batch(engine, micro_batches) -> torch.Tensor:
                          f"{engine.micro_steps % engine.gradient_accumulation_steps()} micro-batch(es) in "
                          f"(forward/backward/step calls since the last step); finish it with step() first")
     if len(items) == 1:
-        return _loop(engine, items)
-    why = _why_not_unit_major(engine)
-    if why:
-        _tell(engine, why)
         return _loop(engine, items)
     try:
         losses = _forward_window(engine, items)

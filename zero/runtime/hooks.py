@@ -72,7 +72,13 @@ class _ZeroParams(dict):
         c = self.coordinator
         if c is not None and c.stack and p is not None:
             c.on_param_access(p)
-        if c is not None and c.window is not None and c.window.index is not None and p in c.slot_of:
+        if c is not None and c.window is not None and p in c.slot_of:
+            if c.window.index is None:
+                raise RuntimeError(
+                    f"train_batch: {c.slot_of[p][0].layout.module_name or 'the model'} read a parameter outside "
+                    f"the window's micro-batches (a forward recomputed during backward by a checkpoint function "
+                    f"train_batch cannot bind, such as torch.utils.checkpoint called directly); run the "
+                    f"micro-batch loop (forward, backward, step) for this model")
             return c.window.alias(p, c.slot_of[p][0], c.window_grad)  # see window.py
         return p
 

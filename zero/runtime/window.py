@@ -17,11 +17,16 @@ that shares the parameter's data (the unit re-points aliases when it gathers or
 releases: :meth:`ParamUnit.gather`), so autograd accumulates a gradient per alias. A
 unit's gradients go to the reducer once all k micro-batches' have arrived, micro-batch 1
 first, so every sum is the loop's sum in the loop's order: results are bit-identical.
-A recomputed forward during backward (activation checkpointing) runs on no window
-thread; it has no alias to use, so such models get the loop (the engine checks first).
+A forward recomputed during backward (activation checkpointing) runs on no window thread:
+a checkpoint function bound by :meth:`MicroBatchWindow.bind_checkpointing` (what
+``train_batch`` does to Hugging Face's) replays it as its micro-batch, aliases included;
+a parameter read outside any micro-batch (another checkpoint function) is refused rather
+than given a gradient that would mix micro-batches.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -59,6 +64,35 @@ class MicroBatchWindow:
         return getattr(self._local, "index", None)
 
     @property
+    def replaying(self) -> bool:
+        """A forward recomputed during backward, as micro-batch :attr:`index`."""
+        return getattr(self._local, "replaying", False)
+
+    @contextlib.contextmanager
+    def acting_as(self, i: int):
+        """Run the block as micro-batch ``i`` (a checkpointed forward, now or replayed later)."""
+        saved = (self.index, self.replaying)
+        self._local.replaying = saved[0] is None
+        self._local.index = i
+        try:
+            yield
+        finally:
+            self._local.index, self._local.replaying = saved
+
+    def bind_checkpointing(self, checkpoint: Callable) -> Callable:
+        """``checkpoint(fn, *args)`` whose ``fn`` runs as the calling thread's micro-batch,
+        also when backward replays it."""
+        @functools.wraps(checkpoint)
+        def checkpointed(fn, *args, **kwargs):
+            i = self.index
+
+            def as_micro_batch(*a, **k):
+                with self.acting_as(i):
+                    return fn(*a, **k)
+            return checkpoint(as_micro_batch, *args, **kwargs) if i is not None else checkpoint(fn, *args, **kwargs)
+        return checkpointed
+
+    @property
     def first(self) -> bool:
         return self.index in (None, 0)
 
@@ -87,7 +121,7 @@ class MicroBatchWindow:
     def reached(self, module: nn.Module) -> None:
         """This thread's forward reached ``module``'s units: let the others catch up first."""
         i = self.index
-        if i is None:
+        if i is None or self.replaying:
             return
         n = self._count[i]
         self._count[i] += 1
