@@ -80,7 +80,8 @@ class AsyncTensorSwapper:
     """Writes tensors to files of ``swap_dir`` asynchronously through ``pool``; reads them back.
 
     ``writes``/``reads`` are the queues to submit on (a swapper that owns this one
-    shares its own); by default each gets a fresh handle from ``aio_config``.
+    shares its own); by default each gets a fresh handle from ``aio_config``, which
+    :meth:`close` closes (the swap directory and the pool are the caller's).
     Not thread-safe: one thread drives a swapper.
     """
 
@@ -98,10 +99,30 @@ class AsyncTensorSwapper:
         self.swap_dir = swap_dir
         self.pool = pool
         self.checksums = checksum_table(checksum)
-        self._writes = writes if writes is not None else IoQueue(new_handle(aio_config))
-        self._reads = reads if reads is not None else IoQueue(new_handle(aio_config))
+        self._owned: List[IoQueue] = []  # the queues made here, closed by close()
+        try:
+            self._writes = writes if writes is not None else self._own(IoQueue(new_handle(aio_config)))
+            self._reads = reads if reads is not None else self._own(IoQueue(new_handle(aio_config)))
+        except BaseException:
+            self.close()
+            raise
         self._holder = holder
         self._current: Optional[_Slot] = None
+
+    def _own(self, queue: IoQueue) -> IoQueue:
+        self._owned.append(queue)
+        return queue
+
+    def close(self) -> None:
+        """Complete the writes in flight, then end the threads and kernel AIO contexts of the
+        handles this swapper made (shared queues are left to their owner). Idempotent."""
+        owned, self._owned = self._owned, []
+        try:
+            if owned:
+                self.synchronize()
+        finally:
+            for queue in owned:
+                queue.close()
 
     @property
     def in_flight(self) -> int:

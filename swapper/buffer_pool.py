@@ -77,6 +77,14 @@ class PoolBuffer:
         return self.bytes()[byte_offset:end].view(dtype)
 
 
+def _free_locked(handle, storage: torch.Tensor, close_handle: bool) -> None:
+    try:
+        handle.free_cpu_locked_tensor(storage)
+    finally:
+        if close_handle:
+            handle.close()
+
+
 class PinnedBufferPool:
     """``buffer_count`` aligned buffers of ``buffer_size`` elements of ``dtype``.
 
@@ -111,14 +119,21 @@ class PinnedBufferPool:
             raise InsufficientHostMemoryError(refusal)
 
         if pin_memory:
-            if handle is None:
+            own_handle = handle is None
+            if own_handle:
                 import nvmeio
 
                 handle = nvmeio.aio_handle()
             example = torch.empty(0, dtype=torch.uint8)
-            self._storage = handle.new_cpu_locked_tensor(self.nbytes, example)
-            # Unlocks the pages; the memory itself lives as long as any view of it (nvmeio.locked).
-            self._finalizer = weakref.finalize(self, handle.free_cpu_locked_tensor, self._storage)
+            try:
+                self._storage = handle.new_cpu_locked_tensor(self.nbytes, example)
+            except BaseException:
+                if own_handle:
+                    handle.close()
+                raise
+            # Unlocks the pages (the memory itself lives as long as any view of it, nvmeio.locked),
+            # and ends the threads of a handle made here only to lock them.
+            self._finalizer = weakref.finalize(self, _free_locked, handle, self._storage, own_handle)
         else:
             raw = torch.empty(self.nbytes + PAGE_BYTES, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % PAGE_BYTES

@@ -187,7 +187,7 @@ class PartitionedParamSwapper(SwapperBase):
             try:
                 self._pool = self._make_pool(self.buffer_size)
             except BaseException:
-                self.swap_dir.cleanup()
+                self.cleanup()  # the directory and the handles' threads, not only the directory
                 raise
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ pool buffer or ``None``), and provides :meth:`_swapped_entries`,
 from __future__ import annotations
 
 import abc
-
+import contextlib
 import math
 from typing import Iterable, List, Optional
 
@@ -53,14 +53,20 @@ class SwapperBase(abc.ABC):
         self.pin_memory = pin_memory
         self._checksums = checksum_table(checksum)
         self.io_bytes = IoBytes()  # what this swapper's queues moved (tests and benchmarks read it)
-        self._reads = IoQueue(new_handle(config), self.io_bytes)
-        self._writes = IoQueue(new_handle(config), self.io_bytes)
         self._pool: Optional[PinnedBufferPool] = None
         self._space_checked = 0
         self._closed = False
-        self.swap_dir = SwapDirectory(
-            nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
-        )
+        # A directory that cannot be claimed (in use, stale) must not leave the handles' threads
+        # and kernel AIO contexts to garbage collection.
+        with contextlib.ExitStack() as undo:
+            self._reads = IoQueue(new_handle(config), self.io_bytes)
+            undo.callback(self._reads.close)
+            self._writes = IoQueue(new_handle(config), self.io_bytes)
+            undo.callback(self._writes.close)
+            self.swap_dir = SwapDirectory(
+                nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+            )
+            undo.pop_all()
 
     # -- what a subclass provides -------------------------------------------------------------
     @abc.abstractmethod
@@ -98,21 +104,34 @@ class SwapperBase(abc.ABC):
             self._writes.drain()
 
     def cleanup(self) -> None:
-        """Finish I/O, free the pool, delete every swap file and the swap directory."""
+        """Finish I/O, free the pool, delete every swap file and the swap directory.
+
+        Every step runs even when one before it raised (a write that failed, a buffer still
+        held); an error is raised once all of them have run."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self.synchronize()
-        finally:
-            for entry in self._swapped_entries():
-                self._drop_buffer(entry)
-            self._forget_entries()
-            if self._pool is not None:
-                self._pool.close()
-            self.swap_dir.cleanup()
+        with contextlib.ExitStack() as steps:  # the steps run last registered first
             for queue in (self._reads, self._writes):  # worker threads and kernel AIO contexts, now
-                queue.close()
+                steps.callback(queue.close)
+            steps.callback(self.swap_dir.cleanup)
+            steps.callback(self._free_pool)
+            self.synchronize()
+
+    def _free_pool(self) -> None:
+        """Give every entry's buffer back, forget the entries, free the pool's memory."""
+        for entry in self._swapped_entries():
+            self._drop_buffer(entry)
+        self._forget_entries()
+        if self._pool is not None:
+            self._pool.close()
+
+    def check_free_space(self) -> None:
+        """Raise :class:`InsufficientSwapSpaceError` now if the file system cannot hold the swap
+        files of every entry registered so far (the first write checks this anyway; a caller
+        that is about to hand over data it cannot get back asks first)."""
+        self._check_open()
+        self._check_space()
 
     close = cleanup
 

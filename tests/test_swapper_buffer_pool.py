@@ -40,6 +40,17 @@ def test_pinned_buffers_are_locked_by_the_handle():
         pool.release([buf])
 
 
+def test_a_pool_pinned_through_a_handle_of_its_own_ends_that_handle_at_close():
+    from nvmeio import resources
+
+    with PinnedBufferPool(1, 4096, torch.uint8, pin_memory=True):
+        pass  # warm: the I/O backend is chosen at the first handle of the process
+    before = resources.snapshot()
+    with PinnedBufferPool(2, 4096, torch.uint8, pin_memory=True) as pool:
+        assert resources.snapshot().threads > before.threads
+    assert pool.closed and resources.grown(before, resources.snapshot()) == {}
+
+
 def test_asking_for_more_buffers_than_exist_errors_at_once_even_when_waiting():
     with PinnedBufferPool(2, 16, pin_memory=False) as pool:
         start = time.monotonic()

@@ -80,3 +80,22 @@ def test_a_failed_construction_leaves_nothing_behind(tmp_path):
     with pytest.raises(InsufficientHostMemoryError):
         PartitionedParamSwapper(tmp_path, None, buffer_count=1, buffer_size=1 << 50, pin_memory=False)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("fails", ["directory in use", "pool too large"])
+def test_a_failed_construction_ends_the_handles_threads_at_once(tmp_path, fails):
+    from nvmeio import resources
+    from swapper import InsufficientHostMemoryError, SwapDirectoryInUseError
+
+    first = PartitionedParamSwapper(tmp_path, None, buffer_size=None, job_id="job")
+    before = resources.snapshot()
+    if fails == "directory in use":  # two swappers of one rank under one name
+        with pytest.raises(SwapDirectoryInUseError) as failed:
+            PartitionedParamSwapper(tmp_path, None, buffer_size=None, job_id="job")
+    else:
+        with pytest.raises(InsufficientHostMemoryError) as failed:
+            PartitionedParamSwapper(tmp_path, None, buffer_size=1 << 50, pin_memory=False, job_id="other")
+    assert failed.value.__traceback__ is not None  # alive, with its frames: nothing was left to them
+    assert resources.grown(before, resources.snapshot()) == {}
+    first.cleanup()
+    assert os.listdir(tmp_path) == []

@@ -6,9 +6,26 @@ store (which may alias the master, see param_store.py); fill both from the
 model's values one unit at a time, releasing each unit's full parameters as
 soon as its shard is stored, so the model is never held twice; then the
 gradient reducer, the optimizer and the hooks.
+
+[Note: a failed build gives back what it took]
+Each step that takes something (a job id, a store with its swap directory,
+files, handles and locked pool, the parameters' link to their units, the
+hooks) pushes its release onto ``EngineParts.release``, an ExitStack, right
+after taking it. A step that raises has the stack closed, last taken first,
+and the error goes on unchanged (a release that fails too is noted on it,
+never raised in its place), so ``zero.initialize`` can be called again in the
+same process with the same ``nvme_path``. A built engine closes the same
+stack when it is destroyed or collected. Everything that can refuse the
+model or the config without I/O runs before the stores are filled, and so
+does the free-space check: a failure there leaves the model as it was given.
+From the fill on, the model's values live only in the stores; a failure then
+says so on the error, and a later ``zero.initialize`` of that model refuses
+its emptied parameters by name (:func:`check_has_values`) instead of
+training zeros.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
@@ -27,7 +44,7 @@ from ..runtime.grad_stash import GradStash
 from ..runtime.grad_reducer import GradReducer
 from ..stores.malloc_trim import return_freed_heap
 from ..partitioning.active_context import meta_parameter_names
-from ..partitioning.init_context import forget_init_shard, full_param_value
+from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
 from ..runtime.timers import Timers
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer
@@ -61,6 +78,7 @@ class EngineParts:
     optimizer: Optional[ZeroOptimizer]
     coordinator: Coordinator
     job_id: str
+    release: contextlib.ExitStack  # gives back everything above (see the module's note)
 
 
 def _aio(config: DeepSpeedConfig) -> AioSettings:
@@ -124,23 +142,55 @@ def _swap_store(make):
         raise
 
 
+def release_after_failure(release: contextlib.ExitStack, error: BaseException) -> None:
+    """Close ``release`` because ``error`` is being raised: every release runs, last taken first,
+    and one that fails is noted on ``error``, never raised in its place."""
+    try:
+        release.__exit__(type(error), error, error.__traceback__)  # exit callbacks see the error
+    except BaseException as other:  # noqa: BLE001 - noted; the build's own error is the one to raise
+        error.add_note(f"giving back what the failed build had taken also failed: {type(other).__name__}: {other}")
+
+
+def _note_values_taken(units: List[ParamUnit]):
+    """Pushed when the fill starts: a failure from then on says where the model's values went
+    (unless every parameter still views its shard: one rank, resident stores)."""
+    def on_exit(exc_type, error, tb) -> bool:
+        if error is not None and any(_has_no_values(p) for u in units for p in u.params):
+            error.add_note("the model's parameter values had been moved into the engine's stores (the model is "
+                           "never held twice) and went with them: build or load the model again before the "
+                           "next zero.initialize")
+        return False
+    return on_exit
+
+
+def _unlink_units(units: List[ParamUnit]) -> None:
+    """The parameters no longer belong to these units (a failed build, a destroyed engine)."""
+    for u in units:
+        for p in u.params:
+            if getattr(p, "_zero_unit", None) is u:
+                p._zero_unit = None
+
+
 def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
                 spec: Optional[OptimizerSpec], timers: Timers) -> EngineParts:
-    job_id = _job_id(config.zero_optimization)
+    release = contextlib.ExitStack()
     try:
-        return _build_parts(module, config, comm, device, spec, timers, job_id)
-    except BaseException:
-        release_job_id(job_id)
+        job_id = _job_id(config.zero_optimization)
+        release.callback(release_job_id, job_id)
+        return _build_parts(module, config, comm, device, spec, timers, job_id, release)
+    except BaseException as error:
+        release_after_failure(release, error)
         raise
 
 
 def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
-                 spec: Optional[OptimizerSpec], timers: Timers, job_id: str) -> EngineParts:
+                 spec: Optional[OptimizerSpec], timers: Timers, job_id: str,
+                 release: contextlib.ExitStack) -> EngineParts:
     zc = config.zero_optimization
     aio = _aio(config)  # before anything is built: use_gds is refused, never dropped
     dtype = DTYPES[config.precision]
     check_no_meta(module)
-    _cast_buffers(module, device, dtype)
+    check_has_values(module)
 
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
     rank_layout = build_rank_layout(layouts, comm.rank, zc.sub_group_size)
@@ -162,6 +212,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
         else:
             home = device if opt_dev == "none" else torch.device("cpu")
             opt_store = FlatOptimizerStore(rank_layout, state_names, home, zc.offload_optimizer.pin_memory)
+        release.callback(opt_store.close)
 
     par_dev = zc.offload_param.device
     if par_dev == "nvme":
@@ -175,6 +226,12 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
                 and opt_store.master.device == home):
             alias = opt_store.master
         param_store = FlatParamStore(rank_layout, dtype, home, zc.offload_param.pin_memory, flat=alias)
+    release.callback(param_store.close)
+    # Asked before the fill, which hands the model's values over for good.
+    param_store.check_free_space()
+    if opt_store is not None:
+        opt_store.check_free_space()
+    release.callback(_unlink_units, units)
     for u in units:
         u.store = param_store
         u.optimizer_store = opt_store
@@ -182,6 +239,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
             p._zero_unit = u
 
     # Fill the stores one unit at a time; the model's full values go as soon as they are stored.
+    release.push(_note_values_taken(units))
     for u in units:
         shard = _unit_shard(u.params, u.layout, comm)
         if opt_store is not None:
@@ -195,6 +253,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
         u.release(force=True)
     param_store.flush()
     return_freed_heap()  # the model's full values, freed unit by unit (heap.py)
+    _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
 
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
@@ -222,11 +281,14 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
                               zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear,
                               max_live_numel=zc.stage3_max_live_parameters,
                               max_reuse_distance=zc.stage3_max_reuse_distance)
+    release.callback(coordinator.remove)  # before install(): undoes a part-done one too
     coordinator.install()
     for u in units:
         if u.free:
             u.gather()
-    return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id)
+    # The engine owns the releases now: its destroy() closes them, a failure before it is returned too.
+    return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id,
+                       release.pop_all())
 
 
 def _group_ranges(spec: OptimizerSpec, units: List[ParamUnit], rank_layout: RankLayout):
@@ -260,6 +322,24 @@ def check_no_meta(module: nn.Module) -> None:
             f"constructor computes on the meta device are lost; build the model off the meta device (each "
             f"module is still partitioned as it is built), or, for Hugging Face models, with from_pretrained "
             f"under zero.Init, which computes them")
+
+
+def _has_no_values(p: torch.Tensor) -> bool:
+    """Emptied for an engine or a zero.Init context that failed, was destroyed or holds it still."""
+    if is_init_partitioned(p):
+        return init_shard_lost(p)
+    return not p.is_meta and p.numel() == 0 and getattr(p, "ds_numel", 0) > 0
+
+
+def check_has_values(module: nn.Module) -> None:
+    """Parameters whose values went with a failed build, a destroyed engine or a failed zero.Init
+    would train as zeros: refuse them by name."""
+    gone = [name for name, p in module.named_parameters() if _has_no_values(p)]
+    if gone:
+        shown = ", ".join(gone[:5]) + (f" and {len(gone) - 5} more" if len(gone) > 5 else "")
+        raise ValueError(
+            f"{len(gone)} parameter(s) hold no values: {shown}. Their values were handed to a ZeRO engine or a "
+            f"zero.Init context that failed, was destroyed or still holds them; build or load the model again")
 
 
 def check_params_known(module: nn.Module, spec: OptimizerSpec) -> None:

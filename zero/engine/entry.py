@@ -139,19 +139,26 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
     spec = _optimizer_spec(model, loaded, optimizer, model_parameters)
     if spec is not None:
         check_params_known(model, spec)
+    if training_data is not None and loaded.train_micro_batch_size_per_gpu is None:  # before the model is taken
+        raise ConfigError([Problem("train_micro_batch_size_per_gpu", (
+            "is needed to batch training_data; set it (or train_batch_size) in the config"))])
 
     engine = ZeroEngine(model, loaded, comm, device, spec)
-    scheduler = None
-    if lr_scheduler is not None:
-        scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
-            lr_scheduler, "step") else lr_scheduler
-    elif loaded.scheduler is not None and engine.optimizer is not None:
-        scheduler = build_scheduler(loaded.scheduler, engine.optimizer)
-    engine.lr_scheduler = scheduler
+    try:  # the caller never sees an engine that failed here: it goes with what it took
+        scheduler = None
+        if lr_scheduler is not None:
+            scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(
+                lr_scheduler, "step") else lr_scheduler
+        elif loaded.scheduler is not None and engine.optimizer is not None:
+            scheduler = build_scheduler(loaded.scheduler, engine.optimizer)
+        engine.lr_scheduler = scheduler
 
-    dataloader = None
-    if training_data is not None:
-        dataloader = _dataloader(training_data, loaded, comm, collate_fn)
+        dataloader = None
+        if training_data is not None:
+            dataloader = _dataloader(training_data, loaded, comm, collate_fn)
+    except BaseException as error:
+        engine._release_failed(error)
+        raise
     return engine, engine.optimizer, dataloader, scheduler
 
 
@@ -160,9 +167,6 @@ def _dataloader(data, config: DeepSpeedConfig, comm, collate_fn):
     from torch.utils.data.distributed import DistributedSampler
 
     micro = config.train_micro_batch_size_per_gpu
-    if micro is None:
-        raise ConfigError([Problem("train_micro_batch_size_per_gpu", (
-            "is needed to batch training_data; set it (or train_batch_size) in the config"))])
     sampler = DistributedSampler(data, num_replicas=comm.world_size, rank=comm.rank)
     return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
                       pin_memory=torch.cuda.is_available())

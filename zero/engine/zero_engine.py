@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .build import EngineParts, OptimizerSpec, build_parts, release_job_id
+from .build import EngineParts, OptimizerSpec, build_parts, release_after_failure
 from ..runtime.comm import Comm
 from ..config import DeepSpeedConfig, IgnoredSettingWarning
 from ..runtime.timers import Timers, log_rank0
@@ -43,16 +43,6 @@ def _to_device(value, device: torch.device, cast: Optional[torch.dtype]):
     return value
 
 
-def _release_parts(parts: EngineParts) -> None:
-    try:
-        parts.coordinator.remove()
-        parts.param_store.close()
-        if parts.optimizer_store is not None:
-            parts.optimizer_store.close()
-    finally:
-        release_job_id(parts.job_id)
-
-
 class ZeroEngine(nn.Module):
     """What :func:`zero.initialize` returns first. Use it like the model it wraps."""
 
@@ -64,29 +54,33 @@ class ZeroEngine(nn.Module):
         self.device = device
         self.timers = Timers(config.wall_clock_breakdown, device)
         self.parts: EngineParts = build_parts(module, config, comm, device, spec, self.timers)
-        self.module = module  # registered after the hooks, so the engine never shows as a parent
-        self.optimizer = self.parts.optimizer
-        self.lr_scheduler = None
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self._last_report = 0
-        self._waits_seen = (0.0, 0.0)
-        self._closed = False
-        self._unusable: Optional[str] = None
-        self._step_failure = ""
-        offload = config.zero_optimization.offload_optimizer
-        self._step_in_backward = offload.step_in_backward
-        why_not = self.optimizer.why_not_step_in_backward() if self.optimizer is not None else "no optimizer"
-        if offload.step_in_backward and "step_in_backward" in offload.model_fields_set and why_not:
-            warnings.warn(f"zero_optimization.offload_optimizer.step_in_backward = true has no effect: {why_not}",
-                          IgnoredSettingWarning, stacklevel=3)
         # Threads, kernel AIO contexts and swap files go when the engine does, destroyed or not;
-        # the callback holds the parts, never the engine.
-        self._finalizer = weakref.finalize(self, _release_parts, self.parts)
-        if self.parts.reducer is not None and self.parts.reducer.stash is not None:
-            self.parts.reducer.stash.defer_errors = comm.world_size > 1  # see _raise_if_failed_anywhere
-        self._defer_reads = comm.world_size > 1 and not self.parts.param_store.resident
+        # the callback holds the parts' releases, never the engine.
+        self._finalizer = weakref.finalize(self, self.parts.release.close)
+        self._closed = False
+        try:  # what follows can raise too (a warning made an error): release then
+            self.module = module  # registered after the hooks, so the engine never shows as a parent
+            self.optimizer = self.parts.optimizer
+            self.lr_scheduler = None
+            self.global_steps = 0
+            self.global_samples = 0
+            self.micro_steps = 0
+            self._last_report = 0
+            self._waits_seen = (0.0, 0.0)
+            self._unusable: Optional[str] = None
+            self._step_failure = ""
+            offload = config.zero_optimization.offload_optimizer
+            self._step_in_backward = offload.step_in_backward
+            why_not = self.optimizer.why_not_step_in_backward() if self.optimizer is not None else "no optimizer"
+            if offload.step_in_backward and "step_in_backward" in offload.model_fields_set and why_not:
+                warnings.warn(f"zero_optimization.offload_optimizer.step_in_backward = true has no effect: {why_not}",
+                              IgnoredSettingWarning, stacklevel=3)
+            if self.parts.reducer is not None and self.parts.reducer.stash is not None:
+                self.parts.reducer.stash.defer_errors = comm.world_size > 1  # see _raise_if_failed_anywhere
+            self._defer_reads = comm.world_size > 1 and not self.parts.param_store.resident
+        except BaseException as error:
+            self._release_failed(error)
+            raise
 
     # -- DeepSpeed-style accessors ----------------------------------------------------------------
     @property
@@ -365,3 +359,13 @@ class ZeroEngine(nn.Module):
             return
         self._closed = True
         self._finalizer()
+
+    def _release_failed(self, error: BaseException) -> None:
+        """Release as :meth:`destroy` does because ``error`` is being raised before the engine
+        reached the caller (zero.initialize): a release that fails is noted on ``error``, never
+        raised in its place (see [Note: a failed build gives back what it took] in build.py)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        release_after_failure(self.parts.release, error)

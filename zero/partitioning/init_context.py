@@ -68,6 +68,12 @@ def is_init_partitioned(p: torch.Tensor) -> bool:
     return getattr(p, "_zero_init_shard", None) is not None
 
 
+def init_shard_lost(p: torch.Tensor) -> bool:
+    """``p``'s :class:`Init` slice was deleted with a context that failed (init_store.py)."""
+    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
+    return s is not None and s.lost
+
+
 def forget_init_shard(p: torch.Tensor) -> None:
     """Drop ``p``'s :class:`Init` slice (its swap file too): an engine holds its values now."""
     s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
@@ -218,8 +224,12 @@ class Init:
         self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one
         self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (heap.py)
         if module is not None and enabled:
-            for p in module.parameters():
-                self.partition(p)
+            try:
+                for p in module.parameters():
+                    self.partition(p)
+            except BaseException as error:
+                self._abandon(error)
+                raise
             self._seal()
 
     @property
@@ -242,6 +252,9 @@ class Init:
         shard_numel = -(-numel // comm.world_size)
         piece = data.reshape(-1)[comm.rank * shard_numel:(comm.rank + 1) * shard_numel]
         if self._nvme is not None:
+            if self._store is not None and self._store.abandoned:
+                raise RuntimeError("this zero.Init context failed and deleted its swap files; build the model "
+                                   "again in a new one")
             if self._store is None or self._store.closed:
                 self._store = NvmeInitStore(self._nvme[0], self._nvme[1], comm.rank)
             shard = self._store.new_shard(piece.cpu(), numel, tuple(data.shape), shard_numel)
@@ -274,37 +287,62 @@ class Init:
         if self._store is not None:
             self._store.seal()
 
+    def _abandon(self, error: BaseException) -> None:
+        """``error`` ends this context: nothing will take its slices over, so their swap files,
+        pool and threads go now (the parameters built in it cannot be used: building the model
+        again is the way on). A failure doing so is noted on ``error``, never raised in its place."""
+        if self._store is None:
+            return
+        try:
+            self._store.abandon()
+        except BaseException as other:  # noqa: BLE001 - noted; the context's own error is the one to raise
+            error.add_note(f"deleting the zero.Init slices also failed: {type(other).__name__}: {other}")
+
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
         self._previous = current_context()
         set_current_context(self)
         if _DEPTH[0] == 0:
-            for cls in [nn.Module, *_all_subclasses(nn.Module)]:
-                if cls is not nn.Module:
-                    _wrap_init(cls)
-            nn.Module.__init_subclass__ = _init_subclass
-            _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
-            if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf_hook.py)
-                from .hf_hook import install
+            try:
+                for cls in [nn.Module, *_all_subclasses(nn.Module)]:
+                    if cls is not nn.Module:
+                        _wrap_init(cls)
+                nn.Module.__init_subclass__ = _init_subclass
+                _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
+                if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf_hook.py)
+                    from .hf_hook import install
 
-                install()
+                    install()
+            except BaseException:
+                _unpatch()  # no half-patched nn.Module is left behind
+                set_current_context(self._previous)
+                raise
         _DEPTH[0] += 1
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
         _DEPTH[0] -= 1
         set_current_context(self._previous)
         if _DEPTH[0] == 0:
-            for cls, original in _PATCHED.items():
-                cls.__init__ = original
-            _PATCHED.clear()
-            if _ORIGINAL_INIT_SUBCLASS is None:
-                del nn.Module.__init_subclass__
-            else:
-                nn.Module.__init_subclass__ = _ORIGINAL_INIT_SUBCLASS
-            _HOOK[0].remove()
-            _HOOK[0] = None
-        self._seal()
+            _unpatch()
+        if exc is None:
+            self._seal()
+        else:
+            self._abandon(exc)
+
+
+def _unpatch() -> None:
+    """Undo what entering the outermost context patched (whatever part of it was done)."""
+    for cls, original in _PATCHED.items():
+        cls.__init__ = original
+    _PATCHED.clear()
+    if _ORIGINAL_INIT_SUBCLASS is not None:
+        nn.Module.__init_subclass__ = _ORIGINAL_INIT_SUBCLASS
+    elif "__init_subclass__" in nn.Module.__dict__:
+        del nn.Module.__init_subclass__
+    if _HOOK[0] is not None:
+        _HOOK[0].remove()
+        _HOOK[0] = None

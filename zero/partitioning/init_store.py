@@ -12,12 +12,15 @@ are in the engine's stores; the directory goes with the last file.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Optional, Set, Tuple
 
 import torch
 
 _JOBS = itertools.count()
+_ABANDONED = ("this parameter's zero.Init slice was deleted with its context's swap files when the context "
+             "failed (an error left its with block, or its construction raised); build the model again")
 _POOL_BUFFER_BYTES = 16 << 20  # a larger slice is written and read in pieces of this size
 
 
@@ -42,6 +45,11 @@ class InitShard:
     @property
     def on_nvme(self) -> bool:
         return self.tensor is None
+
+    @property
+    def lost(self) -> bool:
+        """Its file went with a context that failed (:meth:`NvmeInitStore.abandon`)."""
+        return self.store is not None and self.store.abandoned
 
     def read(self) -> torch.Tensor:
         """The slice's values: the resident tensor itself, or a fresh tensor read from its file."""
@@ -82,19 +90,20 @@ class NvmeInitStore:
         from swapper.swap_dir import SwapDirectory
 
         job = "zero_init" + ("" if (n := next(_JOBS)) == 0 else f".{n}")
-        swap_dir = SwapDirectory(offload.nvme_path, job, rank, "params", remove_stale=True)
-        try:  # on the CPU even inside ``with torch.device("meta")``
-            with torch.device("cpu"):
+        with contextlib.ExitStack() as undo:  # a part that fails gives back those made before it
+            swap_dir = SwapDirectory(offload.nvme_path, job, rank, "params", remove_stale=True)
+            undo.callback(swap_dir.cleanup)
+            with torch.device("cpu"):  # on the CPU even inside ``with torch.device("meta")``
                 pool = PinnedBufferPool(max(2, offload.buffer_count), _POOL_BUFFER_BYTES, torch.uint8,
                                         pin_memory=offload.pin_memory)
-        except BaseException:
-            swap_dir.cleanup()
-            raise
-        self.swapper = AsyncTensorSwapper(swap_dir, pool, aio, holder="zero.Init")
+            undo.callback(pool.close)
+            self.swapper = AsyncTensorSwapper(swap_dir, pool, aio, holder="zero.Init")
+            undo.pop_all()
         self.max_in_cpu = int(offload.max_in_cpu)
         self.cpu_numel = 0
         self.files = 0
         self.sealed = False  # the context has exited: no new slices; close with the last file
+        self.abandoned = False  # closed with its files by a context that failed (abandon())
         self._ids = itertools.count()
         self._live: Set[str] = set()
 
@@ -125,6 +134,8 @@ class NvmeInitStore:
         self.swapper.swap_out([values], [key])
 
     def read(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.abandoned:
+            raise RuntimeError(_ABANDONED)
         self.swapper.synchronize()  # a write of this file may still be in flight
         out = torch.empty(numel, dtype=dtype, device="cpu")
         self.swapper.swap_in([out], [key])
@@ -146,12 +157,18 @@ class NvmeInitStore:
         if self.files == 0:
             self.close()
 
+    def abandon(self) -> None:
+        """The context failed (its construction, or an error left its ``with`` block): delete
+        every slice now, as nothing will take them over; reading one afterwards is an error."""
+        self.abandoned = True
+        self.close()
+
     def close(self) -> None:
-        """Complete the writes in flight, free the pool, delete the directory."""
+        """Complete the writes in flight, end the handles' threads, free the pool, delete the
+        directory with every file left in it (each step runs even if one before it raised)."""
         if self.swapper.swap_dir.closed:
             return
-        try:
-            self.swapper.synchronize()
-        finally:
-            self.swapper.pool.close()
-            self.swapper.swap_dir.cleanup()
+        with contextlib.ExitStack() as steps:  # the steps run last registered first
+            steps.callback(self.swapper.swap_dir.cleanup)
+            steps.callback(self.swapper.pool.close)
+            self.swapper.close()

@@ -117,6 +117,9 @@ class OptimizerStore(abc.ABC):
         imports or loads)."""
         return False
 
+    def check_free_space(self) -> None:
+        """Refuse now if the swap files will not fit (before the model is handed over)."""
+
     def close(self) -> None:
         pass
 
@@ -200,8 +203,12 @@ class NvmeOptimizerStore(OptimizerStore):
             swap_gradients=True, checksum=swap_checksum(offload.checksum),
             pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
         self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
-        for sg in self._groups:
-            self.swapper.register_sub_group(sg.index, sg.numel)
+        try:
+            for sg in self._groups:
+                self.swapper.register_sub_group(sg.index, sg.numel)
+        except BaseException:
+            self.swapper.cleanup()  # never returned, so never closed by the caller
+            raise
         self.grads = None  # each sub-group's gradient goes to its swap file (grad_stash.py)
         self._staging = None
         self._staged_sg = None
@@ -406,6 +413,9 @@ class NvmeOptimizerStore(OptimizerStore):
     @property
     def swap_dir(self) -> str:
         return self.swapper.swap_dir.path
+
+    def check_free_space(self) -> None:
+        self.swapper.check_free_space()
 
     def close(self) -> None:
         self.swapper.cleanup()

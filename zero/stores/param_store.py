@@ -119,6 +119,9 @@ class ParamStore(abc.ABC):
     def discard_unsaved(self) -> None:
         """Drop shard values whose write failed (a checkpoint load replaces every shard)."""
 
+    def check_free_space(self) -> None:
+        """Refuse now if the shards' swap files will not fit (before the model is handed over)."""
+
     def close(self) -> None:
         pass
 
@@ -203,8 +206,12 @@ class NvmeParamStore(ParamStore):
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
             read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES)
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
-        for u in rank_layout.units:
-            self.swapper.register(self._ids[u.index], u.shard_numel)
+        try:
+            for u in rank_layout.units:
+                self.swapper.register(self._ids[u.index], u.shard_numel)
+        except BaseException:
+            self.swapper.cleanup()  # never returned, so never closed by the caller
+            raise
         self._prefetched: Set[int] = set()
         self._lent: Set[int] = set()  # fetched shards whose pool buffers their units view
         if master is not None:
@@ -300,6 +307,10 @@ class NvmeParamStore(ParamStore):
 
     def discard_unsaved(self) -> None:
         self.swapper.discard_unsaved()
+
+    def check_free_space(self) -> None:
+        if self.master is None:  # homed shards take no space of their own (the master's file holds them)
+            self.swapper.check_free_space()
 
     @property
     def swap_dir(self) -> str:
