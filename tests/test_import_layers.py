@@ -155,3 +155,28 @@ def test_zero_initialize_stays_the_function_after_every_submodule_is_imported():
     for name in zero.__all__:
         assert not isinstance(getattr(zero, name), type(os)), name
     assert callable(zero.initialize) and zero.initialize.__module__ == "zero.engine.entry"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_the_architecture_map_names_every_module_and_no_other(package):
+    """docs/architecture.md's section of each package names its modules one to one (zero/ by folder)."""
+    import re
+
+    text = _section(open(os.path.join(REPO, "docs", "architecture.md")).read(), f"## {package}/")
+    root = os.path.join(REPO, package)
+    if package == "zero":
+        blocks = re.split(r"\n\*\*(\w+)/\*\*", text)
+        named = {"": set(re.findall(r"`(\w+)\.py`", blocks[0]))}
+        named.update({blocks[i]: set(re.findall(r"`(\w+)\.py`", blocks[i + 1])) for i in range(1, len(blocks), 2)})
+        folders = {"": root, **{d: os.path.join(root, d) for d in ZERO_AREAS + ZERO_APPS}}
+    else:
+        named, folders = {"": set(re.findall(r"`(\w+)\.py`", text))}, {"": root}
+    for folder, path in folders.items():
+        files = {f[:-3] for f in os.listdir(path) if f.endswith(".py") and f not in ("__init__.py", "__main__.py")}
+        assert named.get(folder, set()) == files, folder or package
