@@ -179,10 +179,10 @@ class FastFileWriter(io.RawIOBase):
     def _copy_through_buffers(self, src: int, length: int, offset: int) -> None:
         """[Note: copying through the buffers]
         On file systems without shared blocks (ext4), ``copy_file_range`` copies
-        through the page cache and the data must then be fsynced: measured here
-        0.4-1.1 GiB/s. Reading the source O_DIRECT into the locked buffers while
-        the previous buffer is written O_DIRECT keeps both directions of the disk
-        busy without the page cache (measured 1.3 GiB/s on the same files)."""
+        through the page cache and the data must then be fsynced. Reading the
+        source O_DIRECT into the locked buffers while the previous buffer is
+        written O_DIRECT keeps both directions of the disk busy without the page
+        cache, and measured faster (bench/checkpoint_io.py, bench/RESULTS.md)."""
         handle, bufs, size = self._io.handle, self._bufs, self._size
         if length == 0:
             return

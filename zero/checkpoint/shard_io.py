@@ -18,8 +18,8 @@ reads only the masters (for the parameters). The gradient written during
 backward has a file of its own, so nothing writes a linked file again. Where
 no link can be made (another file system), the bytes are copied: read O_DIRECT
 into the writer's locked buffers and written O_DIRECT (``type: fast``;
-measured 2-3x faster on ext4 than ``copy_file_range``, which copies through
-the page cache and must then be fsynced) or by ``copy_file_range`` (``type:
+faster on ext4 than ``copy_file_range``, which copies through the page cache
+and must then be fsynced: bench/checkpoint_io.py, bench/RESULTS.md) or by ``copy_file_range`` (``type:
 python``); on load, where no link can be made, read straight into the
 swapper's pool buffer (``import_state``). State in memory is written through
 the writer.

@@ -16,13 +16,9 @@ its own ``<nvme_path>/<job>/rank<r>/`` below the checked directory.
 package is installed (``nvmeio[checksum]``); a swap file damaged between
 steps would otherwise be trained on silently (NaN or diverging losses) and
 stored by the next checkpoint. The cost is one digest of every byte swapped
-in or out, measured by bench/checksum_cost.py (bench/RESULTS.md) on a
-4M-parameter GPT with parameters and optimizer states on NVMe: 212 MB hashed
-per step, 18.7 ms of hashing with xxhash, 21.8 ms with crc32c and 112 ms with
-the standard library's crc32, against steps of 265-500 ms at best on this
-shared machine: about 5% for xxhash or crc32c, 20-40% for crc32 (step times
-themselves swing 10x with the machine's load and cannot resolve a 5% change).
-So "auto" never picks crc32: without a fast package it turns checksums off
+in or out, measured by bench/checksum_cost.py (bench/RESULTS.md, "Swap-file
+checksums"): xxhash and crc32c cost a few percent of a step, the standard
+library's crc32 several times more. So "auto" never picks crc32: without a fast package it turns checksums off
 and says so once (set "crc32" to pay for it anyway); "none" gives the few
 percent back to users who trust their storage. With checksums on, a checkpoint reads optimizer state through the
 verifying swapper instead of copying swap files in the kernel.

@@ -19,8 +19,8 @@ The same holds on NVMe: with fp32 compute and the optimizer on NVMe too,
 its slice of the master region of its sub-group's optimizer swap file
 (``PartitionedParamSwapper.store_at``): a step writes every parameter once,
 with the optimizer state, instead of twice, and holds no pool buffers for
-parameter writes (on the 311M benchmark, 1.2 GB of writes and 1.5 s of
-waiting for buffers per step). A shard whose sub-group is still in the
+parameter writes (what that saves per step: bench/RESULTS.md, "Training
+beyond memory"). A shard whose sub-group is still in the
 optimizer's host memory (stepped last, its write in flight) is copied from
 there instead of read, and the optimizer swapper completes the reads of a
 sub-group's shards before it rewrites the file (``on_rewrite``).
