@@ -73,7 +73,7 @@ LR = 1e-4
 AIO = {"block_size": 8 << 20, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
        "overlap_events": True}
 MIN_BYTES = {"fp32": (16, 12), "bf16": (14, 14)}  # per parameter (read, written): see the module's Note
-CONTENDERS = ("ours", "ds", "ds-params-nvme")
+CONTENDERS = ("ours", "ours-loop", "ds", "ds-params-nvme")  # ours-loop: ours, the micro-batch loop
 DS_VENV_HOWTO = ("python -m venv /opt/dsvenv && /opt/dsvenv/bin/pip install torch==2.13.0 deepspeed==0.19.8 "
                  "ninja && apt-get install -y libaio-dev")
 GiB = 1 << 30
@@ -192,7 +192,7 @@ def child_train(spec: dict) -> dict:
     has = hasattr(engine, "train_batch")  # DeepSpeed 0.19.8: only its PipelineEngine has one
     if spec["train_batch"] == "yes" and not has:
         raise SystemExit(f"--train-batch yes: {type(engine).__name__} has no train_batch")
-    use_train_batch = has and spec["train_batch"] != "no"
+    use_train_batch = has and spec["train_batch"] != "no" and contender != "ours-loop"
 
     def iteration() -> float:
         if use_train_batch:

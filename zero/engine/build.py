@@ -186,51 +186,79 @@ def build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: 
 def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device: torch.device,
                  spec: Optional[OptimizerSpec], timers: Timers, job_id: str,
                  release: contextlib.ExitStack) -> EngineParts:
+    """The build, step by step; each step that takes something pushes its release."""
     zc = config.zero_optimization
     aio = _aio(config)  # before anything is built: use_gds is refused, never dropped
     dtype = DTYPES[config.precision]
     check_no_meta(module)
     check_has_values(module)
+    module_units, rank_layout, units = _plan(module, config, comm, device, dtype, spec)
+    opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
+    param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release)
+    _link_units(units, param_store, opt_store, release)
+    _fill_stores(units, param_store, opt_store, comm, dtype, release)
+    _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
+    _choose_persistent(units, zc)
+    reducer, optimizer = _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device,
+                                         dtype)
+    coordinator = _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release)
+    # The engine owns the releases now: its destroy() closes them, a failure before it is returned too.
+    return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id,
+                       release.pop_all())
 
+
+def _plan(module, config, comm, device, dtype, spec):
+    """Units (one per module owning parameters), this rank's layout, and the host-memory check."""
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
-    rank_layout = build_rank_layout(layouts, comm.rank, zc.sub_group_size)
+    rank_layout = build_rank_layout(layouts, comm.rank, config.zero_optimization.sub_group_size)
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
     memory_check.check_host_memory(
         memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
                                        adam_states, spec is not None),
         memory_check.probe())
+    return module_units, rank_layout, units
 
-    opt_dev = zc.offload_optimizer.device
-    opt_store: Optional[OptimizerStore] = None
-    adam = spec.adam if spec is not None else None
-    state_names = adam.state_names if adam is not None else ()
-    if spec is not None:
-        if opt_dev == "nvme":
-            opt_store = _swap_store(lambda: NvmeOptimizerStore(
-                rank_layout, state_names, zc.offload_optimizer, aio, job_id, comm.rank))
-        else:
-            home = device if opt_dev == "none" else torch.device("cpu")
-            opt_store = FlatOptimizerStore(rank_layout, state_names, home, zc.offload_optimizer.pin_memory)
-        release.callback(opt_store.close)
 
-    par_dev = zc.offload_param.device
-    if par_dev == "nvme":
-        shared = opt_store if dtype == torch.float32 and isinstance(opt_store, NvmeOptimizerStore) else None
-        param_store: ParamStore = _swap_store(lambda: NvmeParamStore(
-            rank_layout, dtype, zc.offload_param, aio, job_id, comm.rank, master=shared))
+def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release):
+    """The fp32 master and optimizer states: on NVMe, or flat on the device or the host."""
+    if spec is None:
+        return None
+    offload = config.zero_optimization.offload_optimizer
+    state_names = spec.adam.state_names if spec.adam is not None else ()
+    if offload.device == "nvme":
+        store = _swap_store(lambda: NvmeOptimizerStore(rank_layout, state_names, offload, aio, job_id, comm.rank))
     else:
-        home = device if par_dev == "none" else torch.device("cpu")
+        home = device if offload.device == "none" else torch.device("cpu")
+        store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory)
+    release.callback(store.close)
+    return store
+
+
+def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release) -> ParamStore:
+    """The parameter shards: on NVMe (fp32 ones homed in the optimizer's master), else flat (fp32
+    ones the master itself where both live in one place); free space checked before the fill,
+    which hands the model's values over for good."""
+    offload = config.zero_optimization.offload_param
+    if offload.device == "nvme":
+        shared = opt_store if dtype == torch.float32 and isinstance(opt_store, NvmeOptimizerStore) else None
+        store: ParamStore = _swap_store(lambda: NvmeParamStore(
+            rank_layout, dtype, offload, aio, job_id, comm.rank, master=shared))
+    else:
+        home = device if offload.device == "none" else torch.device("cpu")
         alias = None
         if (dtype == torch.float32 and isinstance(opt_store, FlatOptimizerStore)
                 and opt_store.master.device == home):
             alias = opt_store.master
-        param_store = FlatParamStore(rank_layout, dtype, home, zc.offload_param.pin_memory, flat=alias)
-    release.callback(param_store.close)
-    # Asked before the fill, which hands the model's values over for good.
-    param_store.check_free_space()
+        store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory, flat=alias)
+    release.callback(store.close)
+    store.check_free_space()
     if opt_store is not None:
         opt_store.check_free_space()
+    return store
+
+
+def _link_units(units, param_store, opt_store, release) -> None:
     release.callback(_unlink_units, units)
     for u in units:
         u.store = param_store
@@ -238,7 +266,10 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
         for p in u.params:
             p._zero_unit = u
 
-    # Fill the stores one unit at a time; the model's full values go as soon as they are stored.
+
+def _fill_stores(units, param_store, opt_store, comm, dtype, release) -> None:
+    """The stores get each unit's shard, one unit at a time; the model's full values go as
+    soon as they are stored."""
     release.push(_note_values_taken(units))
     for u in units:
         shard = _unit_shard(u.params, u.layout, comm)
@@ -252,9 +283,11 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
             forget_init_shard(p)
         u.release(force=True)
     param_store.flush()
-    return_freed_heap()  # the model's full values, freed unit by unit (heap.py)
-    _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
+    return_freed_heap()  # the model's full values, freed unit by unit (malloc_trim.py)
 
+
+def _choose_persistent(units, zc) -> None:
+    """Units gathered for good: free ones, and small ones within the persistence thresholds."""
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
         u.free = u.free_gather()
@@ -264,19 +297,26 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
             u.persistent = True
             budget -= u.layout.numel
 
-    reducer = optimizer = None
-    if spec is not None:
-        comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
-        stash = None
-        if opt_store.stash_gradients:
-            stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count})
-        reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
-                              predivide=config.gradient_predivide_factor, stash=stash)
-        optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
-                                  hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
-                                  group_ranges=_group_ranges(spec, units, rank_layout),
-                                  clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=adam,
-                                  torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
+
+def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device, dtype):
+    """The gradient reducer (a stash to NVMe with the optimizer there) and the optimizer."""
+    if spec is None:
+        return None, None
+    comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
+    stash = None
+    if opt_store.stash_gradients:
+        stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count})
+    reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
+                          predivide=config.gradient_predivide_factor, stash=stash)
+    optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
+                              hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
+                              group_ranges=_group_ranges(spec, units, rank_layout),
+                              clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=spec.adam,
+                              torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
+    return reducer, optimizer
+
+
+def _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release) -> Coordinator:
     coordinator = Coordinator(module, units, module_units, reducer, param_store,
                               zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear,
                               max_live_numel=zc.stage3_max_live_parameters,
@@ -286,9 +326,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     for u in units:
         if u.free:
             u.gather()
-    # The engine owns the releases now: its destroy() closes them, a failure before it is returned too.
-    return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id,
-                       release.pop_all())
+    return coordinator
 
 
 def _group_ranges(spec: OptimizerSpec, units: List[ParamUnit], rank_layout: RankLayout):
