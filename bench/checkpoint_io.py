@@ -189,8 +189,8 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
     setup_s = time.perf_counter() - t0
     if copy:
         store = engine.parts.optimizer_store
-        store.link_state = lambda *args, **kwargs: False
-        store.adopt_file = lambda *args, **kwargs: False
+        store._link_state = lambda *args, **kwargs: False
+        store._adopt_file = lambda *args, **kwargs: False
     numel = engine.parts.rank_layout.numel
     ckpt = os.path.join(directory, "ckpt")
     saves, loads, sizes = [], [], []

@@ -26,7 +26,7 @@ from .shard_io import CheckpointIO, shard_checksums
 
 def _check_same_model(meta: dict, engine) -> None:
     saved = [[(tuple(p["names"])[0], tuple(p["shape"])) for p in u["params"]] for u in meta["units"]]
-    ours = [[(s.name, s.shape) for s in u.slots] for u in engine.parts.rank_layout.units]
+    ours = [[(s.name, s.shape) for s in u.slots] for u in engine.rank_layout.units]
     if saved != ours:
         theirs = {n: s for u in saved for n, s in u}
         mine = {n: s for u in ours for n, s in u}
@@ -35,9 +35,8 @@ def _check_same_model(meta: dict, engine) -> None:
 
 
 def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_states: bool) -> torch.Tensor:
-    """A sub-group from this rank's own shard file (same layout): the optimizer state is
-    copied file to file into the store's swap file where it has one; returns the master."""
-    store = engine.parts.optimizer_store
+    """A sub-group from this rank's own shard file (same layout), taken by the store that holds
+    it (file to file where it can); returns the master."""
     path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
     with cio.shard_reader(path) as shard:
         for k in keys:
@@ -45,18 +44,8 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
             if numel != sg.numel:
                 raise ValueError(f"checkpoint shard {path}: {k!r} holds {numel} elements, sub-group "
                                  f"{sg.index} has {sg.numel}")
-        master = None
-        offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
-        carried = shard_checksums(shard)  # verified by _check_shards; the swapper keeps them
-        if load_states and store.adopt_file(sg, path, offsets, carried):  # the shard becomes the swap file
-            master = shard.get_tensor("master")
-        elif load_states:  # the whole state, read straight into the store's swap buffer
-            master = store.import_state(sg, {k: (path, offset) for k, offset in offsets.items()})
-        if master is None:
-            master = shard.get_tensor("master")
-            if store is not None:
-                store.load(sg, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
-    return master
+        # the carried checksums were verified by _check_shards; the store keeps them
+        return engine.checkpointed_state.load_shard(sg, shard, path, keys, load_states, shard_checksums(shard))
 
 
 def _check_carried(cio: CheckpointIO, paths, keys) -> None:
@@ -67,7 +56,7 @@ def _check_carried(cio: CheckpointIO, paths, keys) -> None:
 
 def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
     """A sub-group gathered element range by element range from any rank's shards."""
-    comm, layout, store = engine.comm, engine.parts.rank_layout, engine.parts.optimizer_store
+    comm, layout = engine.comm, engine.rank_layout
     values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
     for index in sg.units:
         unit = layout.units[index]
@@ -77,8 +66,7 @@ def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) ->
             values[k][start - sg.start:stop - sg.start].copy_(
                 reader.read(index, first, first + unit.shard_numel, k))
     master = values.pop("master")
-    if store is not None:
-        store.load(sg, master, values if load_states else None)
+    engine.checkpointed_state.load(sg, master, values if load_states else None)
     return master
 
 
@@ -109,7 +97,7 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
     """Every shard file, key and element range the load will read is there, and its bytes
     match the checksums it carries (see checkpoint_io.py [Note: checksums travel with the
     state])."""
-    comm, layout = engine.comm, engine.parts.rank_layout
+    comm, layout = engine.comm, engine.rank_layout
     paths = []
     for sg in layout.sub_groups:
         if own_shards:
@@ -136,7 +124,7 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> Tuple[Optional[str], Optional[dict]]:
     """Checks everything, on every rank, before changing anything (see the [Note] above)."""
-    comm, parts = engine.comm, engine.parts
+    comm = engine.comm
     tag = resolve_tag(load_dir, tag)
     if tag is None:
         log_rank0(comm.rank, f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist",
@@ -152,10 +140,9 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         same_layout = meta["world_size"] == comm.world_size
         # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
         own_shards = same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
-        store = parts.optimizer_store
-        load_states = (store is not None and load_optimizer_states
-                       and set(store.state_names) <= set(meta.get("state_names", [])))
-        keys = ["master"] + (list(store.state_names) if load_states else [])
+        names = engine.checkpointed_state.state_names
+        load_states = load_optimizer_states and set(names) <= set(meta.get("state_names", []))
+        keys = ["master"] + (list(names) if load_states else [])
         reader = ShardReader(checkpoint, meta)
         _check_shards(engine, cio, checkpoint, reader, own_shards, keys)
         path = engine_file(checkpoint, comm.rank if same_layout else 0)
@@ -189,21 +176,14 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
 def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_shards: bool, keys,
            load_states: bool, state: dict, buffers: dict, load_optimizer_states: bool,
            load_lr_scheduler_states: bool) -> None:
-    parts = engine.parts
-    layout = parts.rank_layout
     with torch.no_grad():
-        for sg in layout.sub_groups:
+        for sg in engine.rank_layout.sub_groups:
             if own_shards:
                 master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states)
             else:
                 master = _load_resharded(engine, reader, sg, keys, load_states)
-            for index in sg.units:
-                start, stop = layout.unit_range(index)
-                parts.param_store.write(layout.units[index], master[start - sg.start:stop - sg.start])
-        parts.param_store.flush()
-    parts.coordinator.release_all()
-    if parts.reducer is not None:
-        parts.reducer.clear()
+            engine.load_parameters(sg, master)
+        engine.finish_load()
     for key in _COUNTERS:
         setattr(engine, key, state[key])
     if load_optimizer_states and engine.optimizer is not None and state["optimizer"] is not None:

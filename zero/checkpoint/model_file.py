@@ -19,21 +19,21 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
     whole in memory. Otherwise the state_dict is assembled and written with
     ``torch.save``. Either way through nvmeio's FastFileWriter, atomically.
     """
-    comm, parts = engine.comm, engine.parts
+    comm = engine.comm
     if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         log_rank0(comm.rank, (
             "did not save the model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
             "set it to true, or consolidate a checkpoint with zero_to_fp32"), logging.WARNING)
         return False
     path = os.path.join(save_dir, save_filename)
-    param_names = {n for u in parts.rank_layout.units for s in u.slots for n in s.names}
+    param_names = {n for u in engine.rank_layout.units for s in u.slots for n in s.names}
     buffers, writer = {}, None
     if comm.rank == 0:
         os.makedirs(save_dir, mode=engine.config.checkpoint.dir_mode, exist_ok=True)
         buffers = {name: t.detach().cpu() for name, t in engine.module.state_dict(keep_vars=True).items()
                    if name not in param_names}
         if save_filename.endswith(".safetensors"):
-            spec = {name: (p.dtype, tuple(slot.shape)) for unit in parts.units
+            spec = {name: (p.dtype, tuple(slot.shape)) for unit in engine.units
                     for slot, p in zip(unit.layout.slots, unit.params)
                     if not (exclude_frozen_parameters and not p.requires_grad) for name in slot.names}
             spec.update({name: (b.dtype, tuple(b.shape)) for name, b in buffers.items()})
@@ -41,9 +41,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
     values = {}
     try:
         with torch.no_grad():
-            for unit in parts.units:
-                unit.hold()
-                unit.gather()
+            for unit in engine.each_unit_gathered():
                 if comm.rank == 0:
                     for slot, p in zip(unit.layout.slots, unit.params):
                         if exclude_frozen_parameters and not p.requires_grad:
@@ -54,8 +52,6 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
                                 writer.write(name, tensor)
                             else:
                                 values[name] = tensor
-                unit.unhold()
-                parts.coordinator.maybe_release(unit)
         if writer is not None:
             for name, b in buffers.items():
                 writer.write(name, b)

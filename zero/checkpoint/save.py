@@ -8,7 +8,6 @@ layout] in checkpoint_io.py, which moves all the bytes of a save or load).
 """
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -62,44 +61,16 @@ def _check_loadable(client_state: dict) -> None:
             lines[0] if lines else "not tensors and plain containers")
 
 
-@contextlib.contextmanager
-def _state_of(engine, sg):
-    """(master, states) of one sub-group while the block runs: views of the store's memory
-    (no copy) where it has them; from the parameter shards when there is no optimizer."""
-    store = engine.parts.optimizer_store
-    if store is not None:
-        with store.viewed(sg) as state:
-            yield state
-        return
-    layout = engine.parts.rank_layout
-    master = torch.empty(sg.numel, dtype=torch.float32)
-    for index in sg.units:
-        unit = layout.units[index]
-        start, stop = layout.unit_range(index)
-        master[start - sg.start:stop - sg.start].copy_(engine.parts.param_store.fetch(unit))
-        engine.parts.param_store.fetched(unit)
-    yield master, {}
-
-
 def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
-    """Each sub-group of this rank: copied from its swap file when it has one, else from memory."""
-    comm, parts = engine.comm, engine.parts
-    store = parts.optimizer_store
-    for sg in parts.rank_layout.sub_groups:
-        path = sub_group_file(partial, comm.rank, sg.index)
-        stored = store.stored_file(sg) if store is not None else None
-        if stored is not None:
-            cio.save_shard(path, sg.numel, ["master", *store.state_names], stored=stored,
-                           link=lambda dest, header, sg=sg: store.link_state(sg, dest, header),
-                           checksums=store.stored_checksums(sg))
-        else:
-            with _state_of(engine, sg) as (master, states):
-                cio.save_shard(path, sg.numel, ["master", *states], tensors={"master": master, **states})
+    """Each sub-group of this rank, written by the store that holds it."""
+    state = engine.checkpointed_state
+    for sg in engine.rank_layout.sub_groups:
+        state.save_shard(sg, cio, sub_group_file(partial, engine.comm.rank, sg.index))
 
 
 def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> None:
     """Counters, optimizer settings, schedule, client state (every rank); meta and buffers (rank 0)."""
-    comm, parts = engine.comm, engine.parts
+    comm = engine.comm
     mine = rank_dir(partial, comm.rank)
     state = {
         "global_steps": engine.global_steps,
@@ -115,8 +86,8 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> N
     fsync_directory(mine)
     if comm.rank == 0:
         zc = engine.config.zero_optimization
-        meta = meta_dict(list(parts.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
-        meta["state_names"] = list(parts.optimizer_store.state_names) if parts.optimizer_store else []
+        meta = meta_dict(list(engine.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
+        meta["state_names"] = list(engine.checkpointed_state.state_names)
         with create_file(os.path.join(partial, META), file_mode) as f:
             f.write(json.dumps(meta, indent=1).encode("utf-8"))
             f.flush()

@@ -24,6 +24,7 @@ from .build import EngineParts, OptimizerSpec, build_parts, release_after_failur
 from ..runtime.comm import Comm
 from ..config import DeepSpeedConfig, IgnoredSettingWarning
 from ..runtime.timers import Timers, log_rank0
+from ..stores.param_store import MasterFromParameters
 
 
 class EngineStateError(RuntimeError):
@@ -328,6 +329,50 @@ class ZeroEngine(nn.Module):
         self.timers.add("write wait", writes - self._waits_seen[1])
         self._waits_seen = (reads, writes)
         log_rank0(self.comm.rank, self.timers.report(self.global_steps))
+
+    # -- what checkpoints read and write (checkpoint/): nothing else of the engine's parts --------
+    @property
+    def rank_layout(self):
+        """This rank's units and sub-groups."""
+        return self.parts.rank_layout
+
+    @property
+    def units(self):
+        """The units: each one's layout and parameters."""
+        return self.parts.units
+
+    @property
+    def checkpointed_state(self):
+        """The sub-groups' master and states, saved and loaded by the store that holds them
+        (stores/optimizer_store.py, [Note: each store saves and loads its own state])."""
+        if self.parts.optimizer_store is not None:
+            return self.parts.optimizer_store
+        return MasterFromParameters(self.parts.rank_layout, self.parts.param_store)
+
+    def load_parameters(self, sub_group, master: torch.Tensor) -> None:
+        """The parameters of ``sub_group``'s units from its loaded fp32 master."""
+        layout = self.parts.rank_layout
+        for index in sub_group.units:
+            start, stop = layout.unit_range(index)
+            self.parts.param_store.write(layout.units[index], master[start - sub_group.start:stop - sub_group.start])
+
+    def finish_load(self) -> None:
+        """After a load wrote every sub-group: parameters flushed, none gathered, no gradients."""
+        self.parts.param_store.flush()
+        self.parts.coordinator.release_all()
+        if self.parts.reducer is not None:
+            self.parts.reducer.clear()
+
+    def each_unit_gathered(self):
+        """Each unit in turn, gathered (held) while the caller reads its parameters."""
+        for unit in self.parts.units:
+            unit.hold()
+            unit.gather()
+            try:
+                yield unit
+            finally:
+                unit.unhold()
+                self.parts.coordinator.maybe_release(unit)
 
     # -- checkpoints and model export ---------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:

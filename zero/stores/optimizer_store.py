@@ -36,6 +36,16 @@ def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = Fa
     return t.zero_() if zero else t
 
 
+# [Note: each store saves and loads its own state]
+# A checkpoint asks the engine's checkpointed state two things per sub-group, and nothing
+# else: save_shard (write master and states as one shard) and load_shard / load (take them
+# back from the sub-group's own shard, or from values gathered across a resharded
+# checkpoint). Each store answers the way its bytes live: flat in memory the tensors are
+# written; on NVMe the swap file is linked or copied file to file and a shard is adopted
+# as the swap file or read straight into the pool; without an optimizer the parameters are
+# the master (param_store.MasterFromParameters). checkpoint/ never reaches into a store.
+
+
 class OptimizerStore(abc.ABC):
     """Interface; ``grads`` is the flat fp32 gradient partition of the rank."""
 
@@ -89,33 +99,21 @@ class OptimizerStore(abc.ABC):
         views where the store can give them, else copies. Nothing may change them meanwhile."""
         yield self.read(sub_group)
 
-    def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
-        """(swap file, byte offset of "master" and each state) when the sub-group's
-        state lives in a file that a checkpoint can copy file to file; else None."""
-        return None
+    # -- the checkpoint protocol (see [Note: each store saves and loads its own state]) ------------
+    def save_shard(self, sub_group: SubGroup, shards, path: str) -> None:
+        """Write the sub-group's master and states as the checkpoint shard ``path`` through
+        ``shards`` (checkpoint/shard_io.py's CheckpointIO)."""
+        with self.viewed(sub_group) as (master, states):
+            shards.save_shard(path, sub_group.numel, ["master", *states], tensors={"master": master, **states})
 
-    def stored_checksums(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
-        """(algorithm name, digest of "master" and each state) recorded when the file that
-        :meth:`stored_file` names was written; None when this store keeps none."""
-        return None
-
-    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
-        """Fill the sub-group from (path, offset) of each tensor's bytes, file to file, and
-        return a copy of its master; None when this store cannot (the caller then uses
-        :meth:`load`)."""
-        return None
-
-    def link_state(self, sub_group: SubGroup, dest: str, header: bytes) -> bool:
-        """Make the sub-group's swap file also ``dest`` (a hard link, after writing ``header``
-        into its header page); False where this store cannot (the caller copies)."""
-        return False
-
-    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int],
-                   checksums: Optional[Tuple[str, Dict[str, int]]] = None) -> bool:
-        """Make ``path`` (a shard in the swap layout, carrying ``checksums`` or none) the
-        sub-group's swap file by a hard link; False where this store cannot (the caller
-        imports or loads)."""
-        return False
+    def load_shard(self, sub_group: SubGroup, shard, path: str, keys: Sequence[str], load_states: bool,
+                   carried: Optional[Tuple[str, Dict[str, int]]] = None) -> torch.Tensor:
+        """Take the sub-group's state from its own checkpoint shard (``shard``, an open reader of
+        ``path``; ``keys``: "master" and the states to load; ``carried``: the checksums the shard
+        carries, verified already); returns the master."""
+        master = shard.get_tensor("master")
+        self.load(sub_group, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
+        return master
 
     def check_free_space(self) -> None:
         """Refuse now if the swap files will not fit (before the model is handed over)."""
@@ -374,7 +372,32 @@ class NvmeOptimizerStore(OptimizerStore):
         tensors.master.copy_(master)
         self.swapper.swap_out(sub_group.index)
 
-    def stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
+    def save_shard(self, sub_group: SubGroup, shards, path: str) -> None:
+        """The swap file becomes the shard by a hard link, or is copied file to file; with
+        checksums on, the digests recorded when it was written travel with it."""
+        stored = self._stored_file(sub_group)
+        if stored is None:
+            super().save_shard(sub_group, shards, path)
+            return
+        shards.save_shard(path, sub_group.numel, ["master", *self.state_names], stored=stored,
+                          link=lambda dest, header: self._link_state(sub_group, dest, header),
+                          checksums=self._stored_checksums(sub_group))
+
+    def load_shard(self, sub_group: SubGroup, shard, path: str, keys: Sequence[str], load_states: bool,
+                   carried: Optional[Tuple[str, Dict[str, int]]] = None) -> torch.Tensor:
+        """The shard becomes the swap file by a hard link (it is never written again), else its
+        bytes are read straight into the pool buffer, else loaded as tensors."""
+        if not load_states:
+            return super().load_shard(sub_group, shard, path, keys, load_states)
+        offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
+        if self._adopt_file(sub_group, path, offsets, carried):  # the swapper keeps the digests
+            return shard.get_tensor("master")
+        master = self._import_state(sub_group, {k: (path, offset) for k, offset in offsets.items()})
+        if master is not None:
+            return master
+        return super().load_shard(sub_group, shard, path, keys, load_states)
+
+    def _stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         # With checksums on, the checkpoint carries the digests recorded when the file was
         # written (stored_checksums): its load verifies the bytes (checkpoint_io.py [Note]).
         if not sub_group.numel:
@@ -385,11 +408,11 @@ class NvmeOptimizerStore(OptimizerStore):
         finally:
             self.read_wait_seconds += time.perf_counter() - t0
 
-    def stored_checksums(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
+    def _stored_checksums(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         digests = self.swapper.stored_checksums(sub_group.index) if sub_group.numel else None
         return None if digests is None else (self.swapper.checksum.value, digests)
 
-    def import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
+    def _import_state(self, sub_group: SubGroup, sources: Dict[str, Tuple[str, int]]) -> Optional[torch.Tensor]:
         if not sub_group.numel or not self.swapper.can_import:
             return None
         tensors = self.swapper.import_state(sub_group.index, sources, write=False)
@@ -397,7 +420,7 @@ class NvmeOptimizerStore(OptimizerStore):
         self.swapper.swap_out(sub_group.index, async_op=True)
         return master
 
-    def link_state(self, sub_group: SubGroup, dest: str, header: bytes) -> bool:
+    def _link_state(self, sub_group: SubGroup, dest: str, header: bytes) -> bool:
         if not sub_group.numel:
             return False
         t0 = time.perf_counter()
@@ -406,8 +429,8 @@ class NvmeOptimizerStore(OptimizerStore):
         finally:
             self.write_wait_seconds += time.perf_counter() - t0
 
-    def adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int],
-                   checksums: Optional[Tuple[str, Dict[str, int]]] = None) -> bool:
+    def _adopt_file(self, sub_group: SubGroup, path: str, offsets: Dict[str, int],
+                    checksums: Optional[Tuple[str, Dict[str, int]]] = None) -> bool:
         return bool(sub_group.numel) and self.swapper.adopt_file(sub_group.index, path, offsets, checksums)
 
     @property

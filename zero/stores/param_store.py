@@ -36,7 +36,7 @@ from typing import Iterable, List, Optional, Set
 import torch
 
 from ..config import ConfigError, Problem
-from .layouts import RankLayout, UnitLayout
+from .layouts import RankLayout, SubGroup, UnitLayout
 
 
 def swap_checksum(setting: str):
@@ -321,3 +321,30 @@ class NvmeParamStore(ParamStore):
         if self.master is not None:
             self.master.swapper.on_rewrite = None  # its last writes have no reads of ours to wait for
         self.swapper.cleanup()
+
+
+class MasterFromParameters:
+    """The checkpointed state of an engine without an optimizer (inference): each sub-group's
+    master is its parameters' shards, in fp32, and there are no other states. Implements the
+    checkpoint protocol of optimizer_store.py ([Note: each store saves and loads its own state])."""
+
+    state_names: tuple = ()
+
+    def __init__(self, rank_layout: RankLayout, params: ParamStore):
+        self.rank_layout = rank_layout
+        self.params = params
+
+    def save_shard(self, sub_group: SubGroup, shards, path: str) -> None:
+        master = torch.empty(sub_group.numel, dtype=torch.float32)
+        for index in sub_group.units:
+            unit = self.rank_layout.units[index]
+            start, stop = self.rank_layout.unit_range(index)
+            master[start - sub_group.start:stop - sub_group.start].copy_(self.params.fetch(unit))
+            self.params.fetched(unit)
+        shards.save_shard(path, sub_group.numel, ["master"], tensors={"master": master})
+
+    def load_shard(self, sub_group: SubGroup, shard, path: str, keys, load_states: bool, carried=None) -> torch.Tensor:
+        return shard.get_tensor("master")
+
+    def load(self, sub_group: SubGroup, master: torch.Tensor, states) -> None:
+        """Nothing beside the parameters, which the engine writes from the master."""
