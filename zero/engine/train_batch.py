@@ -5,9 +5,11 @@ and once for their backward, instead of k times each (runtime/window.py, [Note:
 unit-major micro-batches]); the gradients are summed in memory in the micro-batch
 loop's order, so losses and weights are bit-identical to k calls of forward, backward
 and step. A model whose micro-batches take different paths gets the micro-batch loop, with one
-log line saying why. Hugging Face gradient checkpointing works (its checkpoint function
-is bound to each micro-batch for the window); a forward recomputed by another checkpoint
-function is refused with an error that says to use the loop.
+log line saying why. Activation checkpointing works: on the CPU each micro-batch's
+backward runs on its own thread; on CUDA (one autograd call) Hugging Face models'
+checkpoint function is bound to each micro-batch for the window, and a forward
+recomputed by another checkpoint function is refused with an error that says to use
+the loop.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from ..runtime.timers import log_rank0
 from ..runtime.window import MicroBatchWindow, PathsDiffer
+from ..stores.malloc_trim import return_freed_heap
 
 _TOLD = set()  # reasons already logged (once per process each)
 
@@ -137,8 +140,10 @@ def _unbind_checkpointing(module) -> None:
 def _end_window(engine, failed: bool) -> None:
     """Forget the window's aliases; after a failure also its kept gradients and holds."""
     coordinator = engine.parts.coordinator
-    coordinator.window = None
+    window, coordinator.window = coordinator.window, None
     _unbind_checkpointing(engine.module)
+    window.forget()
+    return_freed_heap()  # each of the k threads freed into a malloc arena of its own
     for u in coordinator.units:
         u.aliases.clear()
         if failed:
@@ -147,6 +152,16 @@ def _end_window(engine, failed: bool) -> None:
     if failed:
         coordinator.stack.clear()
         coordinator.release_all()
+
+
+def _backward_window(engine, scaled: List[torch.Tensor]) -> None:
+    """The k backwards taking turns at each unit on CPU; one autograd call on CUDA (window.py)."""
+    coordinator = engine.parts.coordinator
+    if engine.device.type == "cpu":
+        coordinator.window.run(lambda i: torch.autograd.backward(scaled[i]))
+        coordinator.end_window_backward()
+    else:
+        torch.autograd.backward(scaled)
 
 
 def train_batch(engine, micro_batches) -> torch.Tensor:
@@ -166,7 +181,7 @@ def train_batch(engine, micro_batches) -> torch.Tensor:
     try:
         scaled = [engine._scaled(loss) for loss in losses]
         engine.micro_steps += len(items) - 1  # the backward ends the window
-        engine._backward(lambda: torch.autograd.backward(scaled), boundary=True)
+        engine._backward(lambda: _backward_window(engine, scaled), boundary=True)
     except BaseException:
         engine.micro_steps -= len(items) - 1
         _end_window(engine, failed=True)

@@ -246,7 +246,11 @@ class Coordinator:
 
     # -- backward -------------------------------------------------------------------------------
     def _pre_backward(self, module: nn.Module) -> None:
-        if not self._callback_queued:
+        window = self.window
+        if window is not None and window.index is not None:  # one of a window's backwards (window.py)
+            if not window.replaying:
+                window.reached(module)
+        elif not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
         units = list(self.module_units.get(module, ()))
@@ -306,6 +310,10 @@ class Coordinator:
             for p in u.params:
                 p.grad = None
         self.release_all()
+
+    def end_window_backward(self) -> None:
+        """The k backwards of a window are done (window.py): what the end-of-backward callback does."""
+        self._end_backward()
 
     def _end_backward(self) -> None:
         self._callback_queued = False

@@ -11,7 +11,14 @@ prefetcher sees one forward); the last one releases. A thread that reaches anoth
 than the first thread did at the same step (data-dependent paths) stops the window
 (:class:`PathsDiffer`), and the engine runs the micro-batch loop instead.
 
-Backward is one call over the k losses. To keep each micro-batch's gradient apart, as
+Backward runs the same way: k threads, one backward each, taking turns at each unit
+(the hook that gathers a unit before its backward), so every micro-batch's backward
+passes a unit before any goes on to the one below it; a unit is gathered once and its
+gradients wait for at most k - 1 micro-batches. (autograd alone, given the k losses in
+one call, ran them micro-batch after micro-batch: every unit stayed gathered and k - 1
+gradients of the whole model waited.) On CUDA, where autograd runs each device's work
+on one thread of its own that a waiting hook would block, backward is one call over the
+k losses instead. To keep each micro-batch's gradient apart, as
 the loop's ``p.grad`` is, thread i reads every parameter through its own alias, a leaf
 that shares the parameter's data (the unit re-points aliases when it gathers or
 releases: :meth:`ParamUnit.gather`), so autograd accumulates a gradient per alias. A
@@ -144,6 +151,7 @@ class MicroBatchWindow:
     def run(self, fn: Callable[[int], object]) -> List[object]:
         """``fn(i)`` on k threads taking turns; their results, or the first error raised."""
         results: List[object] = [None] * self.k
+        self._turn, self._alive, self._count, self._events = 0, [True] * self.k, [0] * self.k, []
 
         def body(i: int) -> None:
             self._local.index = i
@@ -188,6 +196,14 @@ class MicroBatchWindow:
             self.aliases[key] = a
             unit.aliases.append((p, a))
         return a
+
+    def forget(self) -> None:
+        """Drop the aliases (pointed at nothing, so a graph or a cycle that outlives the window
+        holds no gathered weights) and any gradients still kept."""
+        for a in self.aliases.values():
+            a.data = torch.empty(0, dtype=a.dtype, device=a.device)
+        self.aliases.clear()
+        self.grads.clear()
 
     def take(self, p: nn.Parameter, i: int, grad: torch.Tensor) -> None:
         self.grads[(p, i)] = grad
