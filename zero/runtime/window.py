@@ -24,11 +24,12 @@ that shares the parameter's data (the unit re-points aliases when it gathers or
 releases: :meth:`ParamUnit.gather`), so autograd accumulates a gradient per alias. A
 unit's gradients go to the reducer once all k micro-batches' have arrived, micro-batch 1
 first, so every sum is the loop's sum in the loop's order: results are bit-identical.
-A forward recomputed during backward (activation checkpointing) runs on no window thread:
-a checkpoint function bound by :meth:`MicroBatchWindow.bind_checkpointing` (what
-``train_batch`` does to Hugging Face's) replays it as its micro-batch, aliases included;
-a parameter read outside any micro-batch (another checkpoint function) is refused rather
-than given a gradient that would mix micro-batches.
+A forward recomputed during backward (activation checkpointing) runs, on the CPU, on
+its micro-batch's own thread, aliases included. On CUDA (one backward call, on no window
+thread) a checkpoint function bound by :meth:`MicroBatchWindow.bind_checkpointing` (what
+``train_batch`` does to Hugging Face's) replays it as its micro-batch; a parameter read
+outside any micro-batch (another checkpoint function) is refused rather than given a
+gradient that would mix micro-batches.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class _Stopped(BaseException):
 
 
 class MicroBatchWindow:
-    """The k threads of one window's forward, their aliases and their gradients."""
+    """The k threads of one window's forwards (then backwards), their aliases and gradients."""
 
     def __init__(self, k: int):
         self.k = k
