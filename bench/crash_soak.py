@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -115,11 +116,13 @@ def worker(args) -> int:
     return 0
 
 
-def _spawn(work: str, nvme: str, job: str, steps: int, save_every: int, layers: int, d_model: int):
+def _spawn(work: str, nvme: str, job: str, steps: int, save_every: int, layers: int, d_model: int,
+           faults: str = ""):
+    env = dict(os.environ, NVMEIO_FAULTS=faults) if faults else None
     return subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", "--work", work, "--nvme", nvme, "--job", job,
          "--steps", str(steps), "--save-every", str(save_every), "--layers", str(layers), "--d-model", str(d_model)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir())
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir(), env=env)
 
 
 def _finish(proc, timeout: float):
@@ -139,22 +142,29 @@ def reference(root: str, steps: int, save_every: int, layers: int, d_model: int,
 
 
 def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: int = 2, d_model: int = 32,
-         max_delay: float = 2.0, seed: int = 0, timeout: float = 600.0) -> dict:
-    """The uninterrupted reference, then a run killed ``kills`` times; what happened."""
+         max_delay: float = 2.0, seed: int = 0, timeout: float = 600.0, enospc: float = 0.0,
+         enospc_nth_max: int = 200) -> dict:
+    """The uninterrupted reference, then a run killed ``kills`` times; what happened. With
+    ``enospc`` > 0 that fraction of lives instead gets ENOSPC at a random write (nvmeio.faults):
+    it must fail with an error naming the file, and the next life resume from ``latest``
+    (the Nth write under ``root``, N uniform in 1 .. ``enospc_nth_max``)."""
     rng = random.Random(seed)
     ref = reference(root, steps, save_every, layers, d_model, timeout)
     work, nvme = os.path.join(root, "soak"), os.path.join(root, "soak-nvme")
     os.makedirs(work)
     os.makedirs(nvme)
     live = _live_job(nvme)  # another job's directory under the same nvme_path: never touched
-    phases, loads, saved, failures, lives = Counter(), 0, [], [], 0
+    phases, loads, saved, failures, lives, full = Counter(), 0, [], [], 0, 0
     t0 = time.perf_counter()
     while True:
         with open(os.path.join(work, "phase"), "w") as f:
             f.write("start")  # not the last life's phase
-        proc = _spawn(work, nvme, "soak", steps, save_every, layers, d_model)
+        faults = ""
+        if enospc and rng.random() < enospc and sum(phases.values()) < kills:
+            faults = f"fail_nth={rng.randint(1, enospc_nth_max)},errno=ENOSPC,op=write,path_contains={root}"
+        proc = _spawn(work, nvme, "soak", steps, save_every, layers, d_model, faults)
         lives += 1
-        if sum(phases.values()) < kills:
+        if sum(phases.values()) < kills and not faults:
             # one kill in ten during start-up; the others at a uniform instant of the training
             delay = rng.uniform(0.0, max_delay)
             if rng.random() >= 0.1:
@@ -170,6 +180,12 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
         code, out = _finish(proc, timeout)
         loads += out.count("loaded ")
         saved += [line.split()[1] for line in out.splitlines() if line.startswith("saved ")]
+        if faults and code not in (0, -signal.SIGKILL) and "LOAD FAILED" not in out:
+            if "No space left on device" not in out or not re.search(re.escape(root) + r"\S+", out):
+                failures.append(f"life {lives} (ENOSPC injected) failed without naming the file: {out[-2000:]}")
+                break
+            full += 1
+            continue
         if "LOAD FAILED" in out or code not in (0, -signal.SIGKILL):
             failures.append(f"life {lives} exited {code}: {out[-2000:]}")
             break
@@ -179,7 +195,7 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
             os.remove(os.path.join(work, "result.json"))  # finished before enough kills: start over
             _reset(work)
     result = _check(work, nvme, ref, saved, live, failures, steps, layers, d_model)
-    result.update(kills=sum(phases.values()), phases=dict(phases), lives=lives, loads=loads,
+    result.update(kills=sum(phases.values()), phases=dict(phases), lives=lives, loads=loads, enospc_failures=full,
                   checkpoints_completed=len(set(saved)), seconds=round(time.perf_counter() - t0, 1))
     live["close"]()
     return result
@@ -301,10 +317,11 @@ def markdown(result: dict, command: str) -> str:
              "The GPT of zero.examples, parameters and AdamW state on NVMe, a checkpoint every few steps; "
              "each life of the job resumes from `latest` and is SIGKILLed at a random instant; the last life "
              "runs to the end. Compared with an uninterrupted run of the same steps.", "",
-             "| kills | lives | loads from latest | completed checkpoints | bit-identical end | checkpoints lost | "
-             "swap leftovers | live job touched | result |",
-             "|---:|---:|---:|---:|---|---:|---:|---|---|",
-             f"| {result['kills']} | {result['lives']} | {result['loads']} | {result['checkpoints_completed']} | "
+             "| kills | lives failed by ENOSPC | lives | loads from latest | completed checkpoints | bit-identical end | "
+             "checkpoints lost | swap leftovers | live job touched | result |",
+             "|---:|---:|---:|---:|---:|---|---:|---:|---|---|",
+             f"| {result['kills']} | {result.get('enospc_failures', 0)} | {result['lives']} | {result['loads']} | "
+             f"{result['checkpoints_completed']} | "
              f"{'yes' if result.get('bit_identical') else 'NO'} | {len(result.get('completed_checkpoints_lost', []))} | "
              f"{len(result.get('swap_leftovers', []))} | "
              f"{'yes' if any('live job' in f for f in result['failures']) else 'no'} | {verdict} |", "",
@@ -327,6 +344,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-delay", type=float, default=2.0,
                    help="kills land uniformly in [0, this) s after the engine is built (one in ten after start)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enospc", type=float, default=0.0,
+                   help="this fraction of lives gets ENOSPC at a random write instead of a kill")
     p.add_argument("--dir", default=None, help="where the runs' files go (default: a fresh temporary folder)")
     p.add_argument("--out", help="JSON of the result")
     p.add_argument("--results-md", help="replace this file's section (bench/RELIABILITY.md)")
@@ -334,7 +353,8 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
     root = tempfile.mkdtemp(prefix="crash-soak-", dir=args.dir)
-    result = soak(root, args.kills, args.steps, args.save_every, args.layers, args.d_model, args.max_delay, args.seed)
+    result = soak(root, args.kills, args.steps, args.save_every, args.layers, args.d_model, args.max_delay, args.seed,
+                  enospc=args.enospc)
     print(json.dumps({k: v for k, v in result.items()}, indent=1))
     if args.out:
         with open(args.out, "w") as f:
