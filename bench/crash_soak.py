@@ -312,8 +312,7 @@ def _completed_checkpoints_lost(work, tags, steps, layers, d_model) -> list:
 def markdown(result: dict, command: str) -> str:
     phases = ", ".join(f"{p} {result['phases'].get(p, 0)}" for p in PHASES)
     verdict = "0 failures" if not result["failures"] else f"{len(result['failures'])} failure(s)"
-    lines = [SECTION, "",
-             f"Latest run: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, `{command}`; {result['seconds']} s.", "",
+    lines = [f"Latest run: {time.strftime('%Y-%m-%dT%H:%M:%S%z')}, `{command}`; {result['seconds']} s.", "",
              "The GPT of zero.examples, parameters and AdamW state on NVMe, a checkpoint every few steps; "
              "each life of the job resumes from `latest` and is SIGKILLed at a random instant; the last life "
              "runs to the end. Compared with an uninterrupted run of the same steps.", "",
