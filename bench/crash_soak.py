@@ -178,7 +178,7 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
                 proc.wait()
                 phases[at] += 1
         code, out = _finish(proc, timeout)
-        loads += out.count("loaded ")
+        loads += sum(1 for line in out.splitlines() if line.startswith("loaded "))
         saved += [line.split()[1] for line in out.splitlines() if line.startswith("saved ")]
         if faults and code not in (0, -signal.SIGKILL) and "LOAD FAILED" not in out:
             if "No space left on device" not in out or not re.search(re.escape(root) + r"\S+", out):
