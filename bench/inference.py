@@ -40,6 +40,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from tools.proc_status import status_bytes  # noqa: E402
 SECTION = "## ZeRO-Inference beyond memory (bench/inference.py)"
 MODELS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
@@ -82,14 +84,6 @@ def n_params(shape: dict) -> int:
 
 # -- the child processes -------------------------------------------------------------------------
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class PeakAnon:
     """Peak RssAnon, sampled every 20 ms: the memory the process holds, without the checkpoint pages
     transformers maps (file-backed, counted in VmHWM, dropped by the kernel under pressure)."""
@@ -97,28 +91,28 @@ class PeakAnon:
     def __init__(self):
         import threading
 
-        self.peak = _status("RssAnon")
+        self.peak = status_bytes("RssAnon")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _status("RssAnon"))
+            self.peak = max(self.peak, status_bytes("RssAnon"))
 
     def reset(self) -> None:
-        self.peak = _status("RssAnon")
+        self.peak = status_bytes("RssAnon")
         with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from the current RSS
             f.write("5")
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        return max(self.peak, _status("RssAnon"))
+        return max(self.peak, status_bytes("RssAnon"))
 
 
 def _vmhwm() -> int:
-    return _status("VmHWM")
+    return status_bytes("VmHWM")
 
 
 def child_create(model: str, out_dir: str, nvme: str) -> dict:

@@ -65,6 +65,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from tools.proc_status import status_bytes  # noqa: E402
 SECTION = "## I/O-bound training (bench/io_bound.py)"
 MODEL = dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True)  # 311M
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)
@@ -95,14 +97,6 @@ def config(contender: str, dtype: str, k: int, nvme_path: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "bf16": {"enabled": dtype == "bf16"}, "zero_optimization": zc, "aio": AIO,
             "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _io() -> dict:
@@ -157,7 +151,7 @@ def child_compute(spec: dict) -> dict:
         model.zero_grad(set_to_none=True)
     measured = times[spec["warmup"]:]
     return {"params": sum(p.numel() for p in model.parameters()), "compute_s": statistics.median(measured),
-            "compute_min_s": min(measured), "times_s": [round(t, 4) for t in times], "peak_rss_bytes": _status("VmHWM")}
+            "compute_min_s": min(measured), "times_s": [round(t, 4) for t in times], "peak_rss_bytes": status_bytes("VmHWM")}
 
 
 def child_train(spec: dict) -> dict:
@@ -205,7 +199,7 @@ def child_train(spec: dict) -> dict:
             total += float(loss.detach())
         return total / k
 
-    init_peak = _status("VmHWM")
+    init_peak = status_bytes("VmHWM")
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from the current RSS
         f.write("5")
     times, reads, writes, losses = [], [], [], []
@@ -223,7 +217,7 @@ def child_train(spec: dict) -> dict:
         times.append(seconds)
         reads.append(io1["read_bytes"] - io0["read_bytes"])
         writes.append(written(io1) - written(io0))
-    train_peak = _status("VmHWM")
+    train_peak = status_bytes("VmHWM")
     return {"params": params, "init_s": round(init_s, 1),
             "path": "train_batch" if use_train_batch else "loop" + ("" if has else " (engine has no train_batch)"),
             # bytes: the mean (writes in flight at the end of one iteration count in the next)
