@@ -26,14 +26,18 @@ from ..stores.malloc_trim import return_freed_heap
 _TOLD = set()  # reasons already logged (once per process each)
 
 
-def _call(engine, micro_batch):
-    """The module on one micro-batch: a dict as keyword arguments, a tuple or list as
+def _inputs(micro_batch):
+    """(args, kwargs) of one micro-batch: a dict as keyword arguments, a tuple or list as
     positional ones, anything else as the one argument."""
     if isinstance(micro_batch, dict):
-        return engine(**micro_batch)
+        return (), micro_batch
     if isinstance(micro_batch, (tuple, list)):
-        return engine(*micro_batch)
-    return engine(micro_batch)
+        return tuple(micro_batch), {}
+    return (micro_batch,), {}
+
+
+def _mean(losses: List[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([l.detach().reshape(()).float() for l in losses]).mean()
 
 
 def _loss_of(output) -> torch.Tensor:
@@ -76,11 +80,12 @@ def _tell(engine, why: str) -> None:
 def _loop(engine, items: List) -> torch.Tensor:
     losses = []
     for mb in items:
-        loss = _loss_of(_call(engine, mb))
+        args, kwargs = _inputs(mb)
+        loss = _loss_of(engine(*args, **kwargs))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
-    return torch.stack([l.reshape(()).float() for l in losses]).mean()
+    return _mean(losses)
 
 
 def _forward_window(engine, items: List) -> List[torch.Tensor]:
@@ -89,7 +94,8 @@ def _forward_window(engine, items: List) -> List[torch.Tensor]:
     for u in coordinator.units:
         u.grads_left = u.grad_count * window.k
     coordinator.window = window
-    _bind_checkpointing(engine.module, window)
+    if not _threaded_backward(engine):
+        _bind_checkpointing(engine.module, window)
     engine.comm.deferring = engine._defer_reads
     try:
         with engine.timers.phase("forward"):
@@ -106,14 +112,7 @@ def _forward_window(engine, items: List) -> List[torch.Tensor]:
 
 def _run_module(engine, micro_batch):
     """The module on one micro-batch, its inputs moved (and cast) as ``engine.forward`` does."""
-    args, kwargs = (), {}
-    if isinstance(micro_batch, dict):
-        kwargs = micro_batch
-    elif isinstance(micro_batch, (tuple, list)):
-        args = tuple(micro_batch)
-    else:
-        args = (micro_batch,)
-    args, kwargs = engine.inputs_on_device(args, kwargs)
+    args, kwargs = engine.inputs_on_device(*_inputs(micro_batch))
     return engine.module(*args, **kwargs)
 
 
@@ -141,7 +140,8 @@ def _end_window(engine, failed: bool) -> None:
     """Forget the window's aliases; after a failure also its kept gradients and holds."""
     coordinator = engine.parts.coordinator
     window, coordinator.window = coordinator.window, None
-    _unbind_checkpointing(engine.module)
+    if not _threaded_backward(engine):
+        _unbind_checkpointing(engine.module)
     window.forget()
     return_freed_heap()  # each of the k threads freed into a malloc arena of its own
     for u in coordinator.units:
@@ -154,12 +154,18 @@ def _end_window(engine, failed: bool) -> None:
         coordinator.release_all()
 
 
+def _threaded_backward(engine) -> bool:
+    """The k backwards run on the window's threads (CPU); on CUDA autograd runs a device's work on
+    a thread of its own, so they are one call (window.py)."""
+    return engine.device.type == "cpu"
+
+
 def _backward_window(engine, scaled: List[torch.Tensor]) -> None:
     """The k backwards taking turns at each unit on CPU; one autograd call on CUDA (window.py)."""
     coordinator = engine.parts.coordinator
-    if engine.device.type == "cpu":
+    if _threaded_backward(engine):
         coordinator.window.run(lambda i: torch.autograd.backward(scaled[i]))
-        coordinator.end_window_backward()
+        coordinator.end_backward()
     else:
         torch.autograd.backward(scaled)
 
@@ -188,4 +194,4 @@ def train_batch(engine, micro_batches) -> torch.Tensor:
         raise
     _end_window(engine, failed=False)
     engine.step()
-    return torch.stack([l.detach().reshape(()).float() for l in losses]).mean()
+    return _mean(losses)

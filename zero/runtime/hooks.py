@@ -251,7 +251,7 @@ class Coordinator:
             if not window.replaying:
                 window.reached(module)
         elif not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
             self._callback_queued = True
         units = list(self.module_units.get(module, ()))
         units += sorted(self.externals.get(module, ()), key=lambda u: u.index)
@@ -299,7 +299,7 @@ class Coordinator:
         self.maybe_release(u)
 
     def abandon_backward(self) -> None:
-        """A backward raised half way: autograd drops the queued :meth:`_end_backward`, so reset
+        """A backward raised half way: autograd drops the queued :meth:`end_backward`, so reset
         what it would have reset (else every later backward skips it and reduces nothing right),
         drop the gradients parameters still hold, and release everything."""
         self.stack.clear()
@@ -311,16 +311,16 @@ class Coordinator:
                 p.grad = None
         self.release_all()
 
-    def end_window_backward(self) -> None:
-        """The k backwards of a window are done (window.py): what the end-of-backward callback does."""
-        self._end_backward()
-
-    def _end_backward(self) -> None:
+    def end_backward(self) -> None:
+        """The end of backward (queued on autograd's engine; called by a window once its k
+        backwards are done): finish the units whose gradients did not all arrive, release."""
         self._callback_queued = False
         with self.timers.phase("grad reduce"):
             for u in self.units:  # in unit order on every rank (see grads.py)
-                if u.grad_count and not u.reduced:
-                    self._finish_window_unit(u) if self.window is not None else self._finish_unit(u)
+                if u.grad_count and not u.reduced and self.window is not None:
+                    self._finish_window_unit(u)
+                elif u.grad_count and not u.reduced:
+                    self._finish_unit(u)
         for u in self.units:
             u.reduced = False
             u.grads_left = u.grad_count
