@@ -59,20 +59,26 @@ PREFETCH = 500_000_000  # elements read ahead: several layers (the docs' 0.9 * h
 BUFFERS = 10
 
 
-def ds_config(device: str, nvme_path: str, hidden: int) -> dict:
-    """The Hugging Face docs' ZeRO-Inference config, parameters on ``device``, a deeper prefetch."""
+def ds_config(device: str, nvme_path: str, hidden: int, bf16: bool = False) -> dict:
+    """The Hugging Face docs' ZeRO-Inference config, parameters on ``device`` (in bf16 with
+    ``bf16``: 2 bytes per weight on NVMe), a deeper prefetch."""
     param = {"device": device, "pin_memory": False}
     if device == "nvme":
         # Each partition must fit one buffer: the embedding (vocab x hidden) is the largest.
         # 10 buffers: the units of about a layer in flight ahead of compute, besides the one computing.
         param.update(nvme_path=nvme_path, max_in_cpu=0, buffer_count=BUFFERS, buffer_size=32000 * hidden)
-    return {"fp16": {"enabled": False}, "bf16": {"enabled": False}, "aio": AIO,
+    return {"fp16": {"enabled": False}, "bf16": {"enabled": bf16}, "aio": AIO,
             "zero_optimization": {"stage": 3, "offload_param": param, "overlap_comm": True,
                                   "contiguous_gradients": True, "reduce_bucket_size": hidden * hidden,
                                   "stage3_prefetch_bucket_size": PREFETCH,
                                   "stage3_param_persistence_threshold": 10 * hidden},
             "steps_per_print": 2000, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
             "wall_clock_breakdown": False}
+
+
+def weight_bytes(shape: dict, contender: str) -> int:
+    """Bytes of weights a token reads: 4 per parameter, 2 for a bf16 contender."""
+    return n_params(shape) * (2 if contender.endswith("-bf16") else 4)
 
 
 def n_params(shape: dict) -> int:
@@ -150,7 +156,7 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens:
         llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
         engine = None
     else:
-        ds = ds_config(contender.split("-")[1], nvme, shape["hidden_size"])
+        ds = ds_config(contender.split("-")[1], nvme, shape["hidden_size"], bf16=contender.endswith("-bf16"))
         with zero.Init(config_dict_or_path=ds):
             llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
         if drop_ckpt:  # the values are in zero.Init's swap files now; the engine's need the disk space
@@ -181,7 +187,8 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens:
     decode = steps[len(steps) // 2] if steps else gen
     return {"load_s": load, "generate_s": gen, "s_per_token": gen / new_tokens, "tokens_per_s": new_tokens / gen,
             "prefill_s": stamps[0] - t0, "decode_s_per_token": decode, "decode_tokens_per_s": 1 / decode,
-            "model_gib_per_s": n_params(shape) * 4 / decode / 2 ** 30,
+            "weight_bytes": weight_bytes(shape, contender),
+            "model_gib_per_s": weight_bytes(shape, contender) / decode / 2 ** 30,
             "swap_wait_s": swap_wait, "tokens": out[0, prompt.shape[1]:].tolist(), "load_peak_rss": load_hwm,
             "load_peak_anon": load_anon, "peak_rss": gen_hwm, "peak_anon": gen_anon}
 
@@ -209,26 +216,22 @@ FIO_READ_BYTES = 2 << 30
 
 
 def fio_read(work: str) -> float:
-    """The disk's read speed right now (GiB/s): fio's best of two O_DIRECT jobs over a 2 GiB file in
-    ``work``, page cache dropped; 0 when fio is missing. Every token reads all weights once, so this
-    is the speed a generate from NVMe can approach."""
+    """The disk's best read speed right now (GiB/s): fio at its best settings (io_uring, 4 MiB
+    blocks, iodepth 32, huge-page memory, O_DIRECT), the fastest of three runs over a 2 GiB file
+    in ``work``, page cache dropped; 0 when fio is missing. Every token reads all weights once,
+    so this is the speed a generate from NVMe can approach."""
     sys.path.insert(0, os.path.dirname(HERE))
     from tools import fio
 
     if not fio.available():
         return 0.0
-    path = os.path.join(work, "fio-read.bin")
-    best = 0.0
     try:
-        fio.run(fio.FioJob("write", FIO_READ_BYTES, bs=8 << 20), path)
-        for job in (fio.FioJob("read", FIO_READ_BYTES, bs=8 << 20, iodepth=32),
-                    fio.FioJob("read", FIO_READ_BYTES, bs=1 << 20, iodepth=64, numjobs=4)):
-            fio.drop_page_cache(path)
-            best = max(best, fio.run(job, path) / 2 ** 30)
+        best = fio.read_write_together(FIO_READ_BYTES, 0, work, runs=3)
     finally:
-        if os.path.exists(path):
-            os.remove(path)
-    return best
+        for name in ("fio-read.bin", "fio-write.bin"):
+            if os.path.exists(os.path.join(work, name)):
+                os.remove(os.path.join(work, name))
+    return best["read_bytes"] / best["seconds"] / 2 ** 30
 
 
 def check_space(path: str, models) -> None:
@@ -245,18 +248,20 @@ def of_fio(g: dict) -> str:
 
 
 def table(results: dict, ram: int) -> list:
-    rows = ["| model | params | fp32 weights | contender | load s | load peak RSS / anon GiB | prompt s | s/token "
+    rows = ["| model | params | weights read per token | contender | load s | load peak RSS / anon GiB | prompt s | s/token "
             "| tokens/s | weights GiB/s (of fio read) | NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, r in results.items():
         weights = r["params"] * 4
         for name, g in r["generate"].items():
+            weights = g.get("weight_bytes", r["params"] * 4)
             rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB"
                         f"{' (> RAM)' if weights > ram else ''} | {name} | {g['load_s']:.1f} | "
                         f"{gib(g['load_peak_rss'])} / {gib(g['load_peak_anon'])} | {g['prefill_s']:.2f} | "
                         f"{g['decode_s_per_token']:.2f} | {g['decode_tokens_per_s']:.3f} | "
                         f"{g['model_gib_per_s']:.2f}{of_fio(g)} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
                         f"{gib(g['peak_anon'])} | {g['peak_rss'] / weights:.2f} |")
+        weights = r["params"] * 4
         for name, why in r.get("failed", {}).items():
             rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB | {name} | failed: {why} |"
                         " | | | | | | | |")
@@ -298,7 +303,8 @@ def write_section(record: dict, results_md: str) -> None:
 
     png = os.path.join(os.path.dirname(os.path.abspath(results_md)), "inference.png")
     chart(record["results"], png)
-    same = all(len({tuple(g["tokens"]) for g in r["generate"].values()}) <= 1 for r in record["results"].values())
+    same = all(len({tuple(g["tokens"]) for n, g in r["generate"].items() if not n.endswith("-bf16")}) <= 1
+               for r in record["results"].values())
     body = [f"Run {record['started']}, load average {record['load_start']} at the start, {record['load_end']} at the end "
             f"(2 CPUs, {gib(record['ram_bytes'])} GiB RAM, one virtio disk: ~3.4 GiB/s read). Greedy `generate` of "
             f"{record['new_tokens']} tokens from an 8-token prompt, batch 1, fp32; each contender a fresh process "
@@ -310,8 +316,8 @@ def write_section(record: dict, results_md: str) -> None:
             f"first `generate` step (the prompt's forward, which also records the fetch trace); s/token: the "
             f"median of the later steps (one token each); weights GiB/s: fp32 weight bytes / s/token (every "
             f"token reads all weights once), and in brackets its ratio to fio's read speed measured just before "
-            f"that contender (best of two O_DIRECT jobs over a 2 GiB file, page cache dropped; the disk's best "
-            f"on an idle machine is ~3.4 GiB/s).", "", *rows, "",
+            f"that contender (fio at its best: io_uring, 4 MiB blocks, iodepth 32, huge-page memory, the fastest "
+            f"of three runs over a 2 GiB file, page cache dropped).", "", *rows, "",
             f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
             "![ZeRO-Inference](inference.png)"]
     for model, r in record["results"].items():
@@ -328,6 +334,8 @@ def main(argv=None) -> int:
     p.add_argument("--child", nargs="+")
     p.add_argument("--models", nargs="+", default=["small", "big"], choices=list(MODELS))
     p.add_argument("--new-tokens", type=int, default=6)
+    p.add_argument("--contenders", nargs="+", choices=["torch", "zero-cpu", "zero-nvme", "zero-nvme-bf16"],
+                   help="default: all four for the small model, zero-nvme for the big one")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir())
     p.add_argument("--json")
     p.add_argument("--results-md")
@@ -359,12 +367,13 @@ def main(argv=None) -> int:
             created = run_child("create", model, ckpt, swap)
             print(f"{model}: built in {created['build_s']:.1f} s, saved in {created['save_s']:.1f} s "
                   f"({gib(created['checkpoint_bytes'])} GiB), peak RSS {gib(created['peak_rss'])} GiB", flush=True)
-            contenders = ["zero-nvme"] if model == "big" else ["torch", "zero-cpu", "zero-nvme"]
+            contenders = args.contenders or (["zero-nvme"] if model == "big" else
+                                             ["torch", "zero-cpu", "zero-nvme", "zero-nvme-bf16"])
             gens, failed = {}, {}
             for name in contenders:
                 last = name == contenders[-1]
                 try:
-                    disk = fio_read(work) if name == "zero-nvme" else 0.0
+                    disk = fio_read(work) if name.startswith("zero-nvme") else 0.0
                     gens[name] = run_child("generate", model, name, ckpt, swap, str(args.new_tokens),
                                            "1" if last and model == "big" else "0")
                     gens[name]["fio_read_gib_s"] = disk

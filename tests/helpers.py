@@ -421,8 +421,8 @@ def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=
                                   phase="backward"):
     """Train 4 steps on this rank's half of each batch, a checkpoint after the first. In the
     second step's ``phase`` (forward or backward) ``fail_rank``'s I/O fails (``fault``: its
-    optimizer swap directory refuses writes, gradients with ``clip``, sub-groups stepped in
-    backward without; or its parameter reads fail); every rank raises, then runs the batch
+    optimizer swap directory refuses writes, gradients with ``clip`` (no hold budget: they go to
+    NVMe), sub-groups stepped in backward without; or its parameter reads fail); every rank raises, then runs the batch
     again (forward) or loads the checkpoint (backward) and trains on. Returns losses, weight
     digests and each rank's errors."""
     import hashlib
@@ -435,6 +435,7 @@ def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=
     config = base_config("nvme", "nvme", os.path.join(scratch, "swap"), world_size=world_size, clip=clip, lr=1e-2,
                          sub_group_size=3000, stage3_max_reuse_distance=0)  # backward reads parameters too
     engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    engine.parts.reducer.stash.hold_budget = 0
     batches = [(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
                for x, y in make_batches(GPTConfig(), 4, 4 * world_size)]
     losses = train_engine(engine, batches[:1], 1)

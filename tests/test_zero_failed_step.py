@@ -131,7 +131,8 @@ def test_after_a_failed_step_the_last_checkpoint_can_be_loaded(tmp_path, referen
 
 
 # -- a backward that fails: its window's gradients are dropped, a reload resumes exactly -----------------
-# Clipping keeps gradients going to NVMe during backward (grad_stash.py) whatever else the config says.
+# Clipping keeps the step out of backward, and a hold budget of 0 sends every completed gradient
+# to NVMe (grad_stash.py), so that the faults below land on gradient writes.
 
 def clipped_engine(nvme, accumulation):
     nvme.mkdir(parents=True, exist_ok=True)
@@ -139,6 +140,7 @@ def clipped_engine(nvme, accumulation):
     config = base_config("nvme", "nvme", nvme, lr=1e-2, clip=0.5, accumulation=accumulation,
                          micro=4 // accumulation, stage3_max_reuse_distance=0)  # backward reads parameters
     engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    engine.parts.reducer.stash.hold_budget = 0
     return engine
 
 

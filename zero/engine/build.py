@@ -192,7 +192,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     dtype = DTYPES[config.precision]
     check_no_meta(module)
     check_has_values(module)
-    module_units, rank_layout, units = _plan(module, config, comm, device, dtype, spec)
+    module_units, rank_layout, units, headroom = _plan(module, config, comm, device, dtype, spec)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release)
     _link_units(units, param_store, opt_store, release)
@@ -200,7 +200,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
     _choose_persistent(units, zc)
     reducer, optimizer = _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device,
-                                         dtype)
+                                         dtype, headroom)
     coordinator = _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release)
     # The engine owns the releases now: its destroy() closes them, a failure before it is returned too.
     return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id,
@@ -208,16 +208,17 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
 
 
 def _plan(module, config, comm, device, dtype, spec):
-    """Units (one per module owning parameters), this rank's layout, and the host-memory check."""
+    """Units (one per module owning parameters), this rank's layout, and the host-memory check
+    (with the headroom it leaves, in bytes)."""
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
     rank_layout = build_rank_layout(layouts, comm.rank, config.zero_optimization.sub_group_size)
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
-    memory_check.check_host_memory(
-        memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
-                                       adam_states, spec is not None),
-        memory_check.probe())
-    return module_units, rank_layout, units
+    parts = memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
+                                           adam_states, spec is not None)
+    memory = memory_check.probe()
+    memory_check.check_host_memory(parts, memory)
+    return module_units, rank_layout, units, memory_check.headroom_bytes(parts, memory)
 
 
 def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release):
@@ -298,14 +299,16 @@ def _choose_persistent(units, zc) -> None:
             budget -= u.layout.numel
 
 
-def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device, dtype):
-    """The gradient reducer (a stash to NVMe with the optimizer there) and the optimizer."""
+def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device, dtype, headroom):
+    """The gradient reducer (a stash to NVMe with the optimizer there, holding completed
+    gradients in the memory ``headroom`` leaves) and the optimizer."""
     if spec is None:
         return None, None
     comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
     stash = None
     if opt_store.stash_gradients:
         stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count})
+        stash.hold_budget = headroom
     reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
                           predivide=config.gradient_predivide_factor, stash=stash)
     optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,

@@ -24,6 +24,16 @@ combines those norms in the same order and results stay bit-identical to
 plain PyTorch, without reading the gradients twice. On the other micro-batches
 of a window the partial sum is read back when the sub-group opens again and
 the next micro-batch is added to it, ``p.grad += g`` as torch does.
+
+[Note: partial sums held in host memory]
+Between the micro-batches of a window, and from the window's last backward to
+its step, a completed sub-group's gradient is kept in host memory instead of
+going to NVMe and back, while the bytes held stay within ``hold_budget`` (set
+by the engine from the memory check: half of what MemAvailable leaves beside
+the engine's planned host memory). Past the budget a sub-group goes to its
+swap file as before. The values are the same either way (the file holds the
+buffer's fp32 bytes), so results do not depend on the budget; only the
+gradient I/O does (8 bytes per parameter per micro-batch saved).
 """
 from __future__ import annotations
 
@@ -52,6 +62,8 @@ class GradStash:
         self._buffer_numel = max((sg.numel for sg in rank_layout.sub_groups), default=0)
         self._done: Dict[int, int] = {}
         self._written: Set[int] = set()  # gradient on NVMe since the last step
+        self._held: Dict[int, torch.Tensor] = {}  # completed gradients kept in memory (see the [Note])
+        self.hold_budget = 0  # bytes of completed gradients that may stay in host memory (engine sets)
         self.norm_ranges: Dict[int, List[Range]] = {}  # per sub-group: parameter pieces (optimizer sets)
         self.want_norms = False  # clipping or fp16 overflow checks (optimizer sets)
         self.boundary = True  # this backward ends an accumulation window (engine sets)
@@ -74,10 +86,12 @@ class GradStash:
         sg = self._sub_group[unit_index]
         buf = self._open.get(sg.index)
         if buf is None:
-            base = self._spare.pop() if self._spare else torch.empty(self._buffer_numel, dtype=torch.float32)
-            buf = base[:sg.numel]
-            if sg.index in self._written:  # the window's partial sum, to add this micro-batch to
-                self.run(lambda: self.swapper.swap_in_gradients(sg.index, buf))
+            buf = self._held.pop(sg.index, None)  # the window's partial sum, to add this micro-batch to
+            if buf is None:
+                base = self._spare.pop() if self._spare else torch.empty(self._buffer_numel, dtype=torch.float32)
+                buf = base[:sg.numel]
+                if sg.index in self._written:  # the partial sum went to NVMe
+                    self.run(lambda: self.swapper.swap_in_gradients(sg.index, buf))
             self._open[sg.index] = buf
             self.peak_open_numel = max(self.peak_open_numel, sum(b.numel() for b in self._open.values()))
         start, stop = self.rank_layout.unit_range(unit_index)
@@ -108,9 +122,27 @@ class GradStash:
             finally:
                 self._spare_buffer(buf)
             return
+        if self._hold(sg, buf):
+            return
         self.run(lambda: self.swapper.swap_out_gradients(sg.index, buf))  # copied: free at once
         self._written.add(sg.index)
         self._spare_buffer(buf)
+
+    def _hold(self, sg: SubGroup, buf: torch.Tensor) -> bool:
+        """Keep the completed gradient in memory when the budget allows (an older partial sum
+        on NVMe is dropped: the buffer holds it plus this micro-batch)."""
+        if self.error is not None or self.held_bytes + self._buffer_numel * 4 > self.hold_budget:
+            return False
+        if sg.index in self._written:
+            self.run(lambda: self.swapper.drop_gradients(sg.index))
+            self._written.discard(sg.index)
+        self._held[sg.index] = buf
+        return True
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory of the gradients held (each in a buffer of the largest sub-group's size)."""
+        return len(self._held) * self._buffer_numel * 4
 
     def run(self, io: Callable[[], None]) -> None:
         """Run one gradient swap or sub-group step; with ``defer_errors`` keep its error in
@@ -138,6 +170,9 @@ class GradStash:
             for index in sorted(self._written):
                 self.swapper.drop_gradients(index)
         self._written.clear()
+        for buf in self._held.values():
+            self._spare_buffer(buf)
+        self._held.clear()
         self.norms.clear()
 
     def abandon(self) -> None:
@@ -147,9 +182,12 @@ class GradStash:
         self._done.clear()
         self.clear(consumed=False)
 
-    @staticmethod
-    def step_grad(grad: Optional[torch.Tensor], sg: SubGroup) -> torch.Tensor:
-        """The sub-group's gradient as read with its state; zeros when none was written."""
+    def step_grad(self, grad: Optional[torch.Tensor], sg: SubGroup) -> torch.Tensor:
+        """The sub-group's gradient: held in memory, else as read with its state; zeros when
+        no parameter of it got one."""
+        held = self._held.get(sg.index)
+        if held is not None:
+            return held
         return grad if grad is not None else torch.zeros(sg.numel, dtype=torch.float32)
 
     @property

@@ -102,6 +102,13 @@ def check_host_memory(parts: List[MemoryPart], memory: HostMemory) -> None:
                 f"pin_memory false, or lower {worst.setting}"))])
 
 
+def headroom_bytes(parts: List[MemoryPart], memory: HostMemory) -> int:
+    """What the engine may use beyond its planned parts for opportunistic caches (gradient
+    sums held between micro-batches, grad_stash.py): half of what MemAvailable leaves, the
+    other half for activations and everything else in the process."""
+    return max(0, memory.available_bytes - sum(p.nbytes for p in parts)) // 2
+
+
 def _fix(setting: str) -> str:
     if setting.endswith(".device"):
         return f"set {setting} to 'nvme'"
