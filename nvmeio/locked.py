@@ -20,7 +20,7 @@ import weakref
 from . import _native
 from .env import env_flag
 
-__all__ = ["LockedTensors", "check_new_tensor_args"]
+__all__ = ["LockedTensors", "check_new_tensor_args", "huge_page_tensor"]
 
 
 def _memlock_limit() -> str:
@@ -40,6 +40,20 @@ def check_new_tensor_args(num_elem, example_tensor) -> None:
     if num_elem * example_tensor.element_size() > (1 << 63) - 1:
         raise ValueError(f"num_elem {num_elem} is out of range: {num_elem} x "
                          f"{example_tensor.element_size()} bytes does not fit in a 64-bit size")
+
+
+def huge_page_tensor(nbytes: int):
+    """``nbytes`` of page-aligned host memory for I/O buffers that are not locked (pin_memory
+    off): from 2 MiB up placed on a 2 MiB boundary with transparent huge pages asked for
+    (native/locked.cpp, [Note: huge pages for I/O buffers]). torch.empty's 4 KiB pages make
+    the disk split each direct request: here reads ran at 1.3-1.6 GiB/s from them, 2.5-2.8
+    from these."""
+    import torch
+
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    region = _native.LockedBuffer(nbytes, False)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # keeps ``region`` alive
 
 
 class LockedTensors:

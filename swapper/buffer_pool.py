@@ -3,7 +3,8 @@
 [Note: one allocation, handed out whole, never grown]
 The pool makes one page-aligned allocation of ``buffer_count`` buffers at
 construction (locked through ``aio_handle.new_cpu_locked_tensor`` when
-``pin_memory``) and never allocates again: asking for more buffers than exist
+``pin_memory``; on transparent huge pages either way, nvmeio.locked.huge_page_tensor)
+and never allocates again: asking for more buffers than exist
 is an error right away, asking for more than are free either errors at once
 (``timeout=0``, the default, right for single-threaded callers, where nobody
 else could free one) or waits for another thread to release some. Each buffer
@@ -135,9 +136,9 @@ class PinnedBufferPool:
             # and ends the threads of a handle made here only to lock them.
             self._finalizer = weakref.finalize(self, _free_locked, handle, self._storage, own_handle)
         else:
-            raw = torch.empty(self.nbytes + PAGE_BYTES, dtype=torch.uint8)
-            skip = (-raw.data_ptr()) % PAGE_BYTES
-            self._storage = raw[skip : skip + self.nbytes]
+            from nvmeio.locked import huge_page_tensor
+
+            self._storage = huge_page_tensor(self.nbytes)  # not locked, but on huge pages: whole requests
             self._finalizer = None
         self._handle = handle
         self._buffers = [

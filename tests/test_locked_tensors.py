@@ -1,5 +1,6 @@
 """new_cpu_locked_tensor / free_cpu_locked_tensor / is_pinned."""
 
+import os
 import sys
 
 import pytest
@@ -90,3 +91,37 @@ def test_large_locked_tensor_sits_on_a_huge_page_boundary():
     assert int(t.sum()) == 9 * (3 << 20)
     small = h.new_cpu_locked_tensor(100, torch.empty(0))
     assert small.data_ptr() % 4096 == 0
+
+
+def _thp_eligible(address: int) -> bool:
+    """The smaps THPeligible flag of the mapping holding ``address``."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_unlocked_io_buffers_sit_on_huge_pages_and_the_swap_pool_uses_them():
+    # pin_memory off (the default) still gets huge-page memory: a direct request from 4 KiB
+    # pages is split by the device (see nvmeio.locked.huge_page_tensor).
+    from nvmeio.locked import huge_page_tensor
+    from swapper.buffer_pool import PinnedBufferPool
+
+    t = huge_page_tensor(5 << 20)
+    assert t.dtype == torch.uint8 and t.numel() == 5 << 20 and t.data_ptr() % (2 << 20) == 0
+    t.fill_(3)
+    assert int(t.sum()) == 3 * (5 << 20)
+    assert huge_page_tensor(0).numel() == 0
+    pool = PinnedBufferPool(buffer_count=2, buffer_size=1 << 20, dtype=torch.float32, pin_memory=False)
+    base = pool._storage.data_ptr()
+    assert base % (2 << 20) == 0
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(thp) or "[never]" in open(thp).read():
+        pytest.skip("this kernel gives no transparent huge pages (THP off or absent)")
+    assert _thp_eligible(t.data_ptr()) and _thp_eligible(base)
