@@ -10,8 +10,9 @@ sectors read and written, and the time the device had requests in flight; .../in
 reads and writes in flight) together with the phase the main thread is in (forward,
 backward, step, or between) and the engine's time blocked on NVMe reads and writes.
 
-Per phase it reports the seconds, the bytes read and written, the time the disk was busy
-(io_ticks: any request in flight) and idle, and the time the engine waited on reads and
+Per phase it reports the seconds, the bytes this process read and wrote (/proc/self/io),
+the time the disk was busy (io_ticks: any request in flight, from any process: run it on a
+quiet machine) and idle, and the time the engine waited on reads and
 on writes. A disk idle while the step runs is time the floor does not have; a phase
 reading at a fraction of the disk's read speed while it waits on reads is one whose
 reads are not deep enough. The samples go to the JSON (``--json``), a chart of read
@@ -38,7 +39,6 @@ from tools.results_md import replace_section  # noqa: E402
 
 SECTION = "## Step timeline (bench/step_timeline.py)"
 PHASES = ("forward", "backward", "step", "between")
-SECTOR = 512
 
 
 def block_device(path: str) -> str:
@@ -69,11 +69,14 @@ class Sampler:
             s = f.read().split()
         with open(self.inflight) as f:
             r, w = f.read().split()
+        with open("/proc/self/io") as f:
+            io = {k: int(v) for k, v in (line.split(":") for line in f)}
         read_wait, write_wait = self.waits()
-        # stat fields: 2 sectors read, 6 sectors written, 9 io_ticks (ms with requests in flight)
-        return {"t": time.perf_counter(), "phase": self.phase, "read": int(s[2]) * SECTOR,
-                "written": int(s[6]) * SECTOR, "busy_ms": int(s[9]), "in_flight": (int(r), int(w)),
-                "read_wait": read_wait, "write_wait": write_wait}
+        # bytes: this process's (/proc/self/io); busy: the device's io_ticks (stat field 9, ms with
+        # requests in flight), which counts every process's requests
+        return {"t": time.perf_counter(), "phase": self.phase, "read": io["read_bytes"],
+                "written": io["write_bytes"] - io["cancelled_write_bytes"], "busy_ms": int(s[9]),
+                "in_flight": (int(r), int(w)), "read_wait": read_wait, "write_wait": write_wait}
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -100,7 +103,8 @@ def engine_waits(engine):
     return waits
 
 
-def train(model: dict, k: int, dtype: str, iters: int, warmup: int, nvme: str, interval: float) -> dict:
+def train(model: dict, k: int, dtype: str, iters: int, warmup: int, nvme: str, interval: float,
+          checksum: str = "auto") -> dict:
     import torch
 
     import zero
@@ -108,6 +112,8 @@ def train(model: dict, k: int, dtype: str, iters: int, warmup: int, nvme: str, i
 
     cfg = ex.GPTConfig(**model)
     conf = io_bound.config("ours", dtype, k, nvme)
+    for key in ("offload_param", "offload_optimizer"):
+        conf["zero_optimization"][key]["checksum"] = checksum
     torch.manual_seed(0)
     with zero.Init(config_dict_or_path=conf):
         gpt = ex.GPT(cfg)
@@ -245,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--interval-ms", type=float, default=5.0)
     p.add_argument("--fio-runs", type=int, default=3)
+    p.add_argument("--checksum", default="auto", help="offload_*.checksum (auto: xxhash, the default)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir())
     p.add_argument("--json")
     p.add_argument("--results-md")
@@ -254,7 +261,8 @@ def main(argv=None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
-        run = train(model, args.k, args.dtype, args.iters, args.warmup, work, args.interval_ms / 1000)
+        run = train(model, args.k, args.dtype, args.iters, args.warmup, work, args.interval_ms / 1000,
+                    args.checksum)
         summary = summarise(run)
         per = summary["per_iteration"]
         read = int(sum(d["read"] for d in per.values()))
