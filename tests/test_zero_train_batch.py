@@ -338,3 +338,40 @@ def test_a_window_backward_keeps_at_most_one_unit_of_gradients_per_micro_batch(t
     largest = max(u.layout.numel for u in coordinator.units)
     embedding = coordinator.units[0].layout.numel  # tied to the head: used first and last in backward
     assert 0 < pending[0] <= (k - 1) * embedding + k * largest
+
+
+def test_a_forward_drawing_random_numbers_gets_the_loop_with_one_log_line(tmp_path, caplog, monkeypatch):
+    """Dropout: interleaved forwards would draw the loop's numbers in another order, so the
+    window stops at the first draw, puts the generator back and runs the loop."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the test extra)")
+    monkeypatch.setattr("zero.engine.train_batch._TOLD", set())  # said once per process: maybe already
+    k, results = 2, []
+    for use_window in (False, True):
+        folder = tmp_path / str(use_window)
+        folder.mkdir()
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                     n_positions=32))  # dropout 0.1
+        engine, _, _, _ = zero.initialize(model=model.train(), config=base_config("nvme", "nvme", folder,
+                                                                                    accumulation=k, micro=2))
+        batches = hf_batches(STEPS * k)
+        torch.manual_seed(1)
+        with caplog.at_level(logging.INFO, logger="zero"):
+            if use_window:
+                means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
+            else:
+                means = window_means([train_step(engine, mb) for mb in batches], k)
+        results.append((means, weights(engine), torch.get_rng_state()))
+        engine.destroy()
+    assert_same(results[1][:2], results[0][:2])
+    assert torch.equal(results[1][2], results[0][2])
+    said = [r.getMessage() for r in caplog.records if "train_batch runs the micro-batch loop" in r.getMessage()]
+    assert said == ["[zero] train_batch runs the micro-batch loop: its forward draws random numbers (dropout?), "
+                    "which unit-major would draw in another order than the loop"]
+
+
+def train_step(engine, micro_batch):
+    loss = engine(**micro_batch).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
