@@ -367,7 +367,7 @@ def test_a_forward_drawing_random_numbers_gets_the_loop_with_one_log_line(tmp_pa
     assert torch.equal(results[1][2], results[0][2])
     said = [r.getMessage() for r in caplog.records if "train_batch runs the micro-batch loop" in r.getMessage()]
     assert said == ["[zero] train_batch runs the micro-batch loop: its forward draws random numbers (dropout?), "
-                    "which unit-major would draw in another order than the loop"]
+                    "which unit-major would draw in another order than the loop; it runs the loop from now on"]
 
 
 def train_step(engine, micro_batch):

@@ -198,7 +198,7 @@ def window_losses(engine, micro_batches, loss_fn: Optional[Callable] = None,
         raise ValueError(f"train_batch runs a whole accumulation window, but this one is "
                          f"{engine.micro_steps % engine.gradient_accumulation_steps()} micro-batch(es) in "
                          f"(forward/backward/step calls since the last step); finish it with step() first")
-    if len(items) == 1:
+    if len(items) == 1 or engine._draws_random_numbers:
         return _loop(engine, items, loss_fn, scale_wrt_gas)
     rng = _rng_state(engine)()
     try:
@@ -206,8 +206,9 @@ def window_losses(engine, micro_batches, loss_fn: Optional[Callable] = None,
     except NotUnitMajor as error:
         if isinstance(error, DrawsRandomNumbers):
             _set_rng_state(engine, rng)  # the loop draws the window's numbers from the start
+            engine._draws_random_numbers = True  # from now on: a window would only stop again
             _tell(engine, "its forward draws random numbers (dropout?), which unit-major would draw in another "
-                          "order than the loop")
+                          "order than the loop; it runs the loop from now on")
         else:
             _tell(engine, f"its micro-batches take different paths through the model ({error})")
         return _loop(engine, items, loss_fn, scale_wrt_gas)

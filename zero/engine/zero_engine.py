@@ -67,6 +67,7 @@ class ZeroEngine(nn.Module):
             self.global_samples = 0
             self.micro_steps = 0
             self._window_ends = False  # set_gradient_accumulation_boundary(True): a window cut short
+            self._draws_random_numbers = False  # train_batch saw the forward draw some: it runs the loop
             self._last_report = 0
             self._waits_seen = (0.0, 0.0)
             self._unusable: Optional[str] = None
