@@ -375,3 +375,45 @@ def train_step(engine, micro_batch):
     engine.backward(loss)
     engine.step()
     return loss.item()
+
+
+def test_a_window_ended_short_steps_and_the_next_window_starts_whole(tmp_path):
+    """set_gradient_accumulation_boundary(True): 2 micro-batches of a window of 3 step (each
+    loss divided by 3, as the loop divides it), then train_batch takes the next whole window;
+    the losses are plain PyTorch's doing the same."""
+    engine, batches = make_engine(tmp_path, 3, offload="none")
+    losses = [train_step_xy(engine, batches[0])]
+    engine.set_gradient_accumulation_boundary(True)
+    assert engine.is_gradient_accumulation_boundary()
+    losses.append(train_step_xy(engine, batches[1]))
+    assert (engine.global_steps, engine.micro_steps, engine.is_gradient_accumulation_boundary()) == (1, 3, False)
+    mean = engine.train_batch(batches[2:5]).item()
+    engine.destroy()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    reference = []
+    for window in (batches[:2], batches[2:5]):
+        for x, y in window:
+            loss = model(x, y)
+            reference.append(loss.item())
+            (loss / 3).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert losses == reference[:2] and mean == window_means(reference[2:], 3)[0]
+
+
+def test_a_loss_fn_calling_the_engine_equals_the_model_called_on_the_micro_batch(tmp_path):
+    engine, batches = make_engine(tmp_path / "fn", 3)
+    means = [engine.train_batch(batches[s * 3:(s + 1) * 3], loss_fn=lambda mb: engine(*mb)).item()
+             for s in range(STEPS)]
+    out = means, weights(engine)
+    engine.destroy()
+    assert_same(out, run_window(tmp_path, 3))
+
+
+def train_step_xy(engine, micro_batch):
+    loss = engine(*micro_batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
