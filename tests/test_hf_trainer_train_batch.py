@@ -44,7 +44,7 @@ class ParamBytesRead(TrainerCallback):
         self.per_step.append(self._read() - self._before)
 
 
-def train(tmp_path, name, use_train_batch=True, dropout=0.0, n=20, resume=None, **args):
+def train(tmp_path, name, use_train_batch=True, dropout=0.0, n=20, resume=None, loss_kwargs=True, **args):
     folder = tmp_path / name
     (folder / "nvme").mkdir(parents=True, exist_ok=True)
     counted = ParamBytesRead()
@@ -52,6 +52,7 @@ def train(tmp_path, name, use_train_batch=True, dropout=0.0, n=20, resume=None, 
                           zero_config=nvme_config(folder / "nvme"), use_train_batch=use_train_batch,
                           callbacks=[counted])
     counted.trainer = trainer
+    trainer.model_accepts_loss_kwargs = loss_kwargs  # False: no num_items_in_batch, each loss divided by gas
     trainer.train(resume_from_checkpoint=resume)
     return trainer, counted.per_step
 
@@ -84,6 +85,12 @@ def test_windows_through_train_batch_equal_the_loop_and_the_plain_trainer(tmp_pa
         torch.testing.assert_close(final[name], value, rtol=1e-5, atol=1e-7, msg=name)
     assert said == [f"[zero] ZeroTrainer runs each accumulation window of {gas} micro-batches through "
                     "engine.train_batch, unit-major (each unit's parameters read once per window)"]
+
+
+def test_losses_divided_by_gas_equal_the_loop(tmp_path):
+    """A model without loss kwargs: the Trainer divides each micro-batch's mean loss by gas."""
+    args = dict(gradient_accumulation_steps=4, loss_kwargs=False, **EPOCHS)
+    assert_same_run(train(tmp_path, "window", **args)[0], train(tmp_path, "loop", use_train_batch=False, **args)[0])
 
 
 def test_parameter_bytes_read_per_window_do_not_grow_with_accumulation(tmp_path):
