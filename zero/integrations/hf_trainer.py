@@ -174,7 +174,7 @@ class ZeroTrainer(Trainer):
         self.optimizer = EngineStepsOptimizer(engine)
         k = self.args.gradient_accumulation_steps
         if k > 1:
-            how = (f"through engine.train_batch, unit-major (each unit's parameters read once per window)"
+            how = ("through engine.train_batch, unit-major (each unit's parameters read once per window)"
                    if self._windows_wanted() else f"as a micro-batch loop ({self._why_loop()})")
             log_rank0(engine.comm.rank, f"[zero] ZeroTrainer runs each accumulation window of {k} micro-batches "
                       f"{how}", logging.INFO)
