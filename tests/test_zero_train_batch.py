@@ -340,3 +340,82 @@ def test_a_window_backward_keeps_at_most_one_unit_of_gradients_per_micro_batch(t
     largest = max(u.layout.numel for u in coordinator.units)
     embedding = coordinator.units[0].layout.numel  # tied to the head: used first and last in backward
     assert 0 < pending[0] <= (k - 1) * embedding + k * largest
+
+
+def test_a_forward_drawing_random_numbers_gets_the_loop_with_one_log_line(tmp_path, caplog, monkeypatch):
+    """Dropout: interleaved forwards would draw the loop's numbers in another order, so the
+    window stops at the first draw, puts the generator back and runs the loop."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (the test extra)")
+    monkeypatch.setattr("zero.engine.train_batch._TOLD", set())  # said once per process: maybe already
+    k, results = 2, []
+    for use_window in (False, True):
+        folder = tmp_path / str(use_window)
+        folder.mkdir()
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                     n_positions=32))  # dropout 0.1
+        engine, _, _, _ = zero.initialize(model=model.train(), config=base_config("nvme", "nvme", folder,
+                                                                                    accumulation=k, micro=2))
+        batches = hf_batches(STEPS * k)
+        torch.manual_seed(1)
+        with caplog.at_level(logging.INFO, logger="zero"):
+            if use_window:
+                means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
+            else:
+                means = window_means([train_step(engine, mb) for mb in batches], k)
+        results.append((means, weights(engine), torch.get_rng_state()))
+        engine.destroy()
+    assert_same(results[1][:2], results[0][:2])
+    assert torch.equal(results[1][2], results[0][2])
+    said = [r.getMessage() for r in caplog.records if "train_batch runs the micro-batch loop" in r.getMessage()]
+    assert said == ["[zero] train_batch runs the micro-batch loop: its forward draws random numbers (dropout?), "
+                    "which unit-major would draw in another order than the loop; it runs the loop from now on"]
+
+
+def train_step(engine, micro_batch):
+    loss = engine(**micro_batch).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def test_a_window_ended_short_steps_and_the_next_window_starts_whole(tmp_path):
+    """set_gradient_accumulation_boundary(True): 2 micro-batches of a window of 3 step (each
+    loss divided by 3, as the loop divides it), then train_batch takes the next whole window;
+    the losses are plain PyTorch's doing the same."""
+    engine, batches = make_engine(tmp_path, 3, offload="none")
+    losses = [train_step_xy(engine, batches[0])]
+    engine.set_gradient_accumulation_boundary(True)
+    assert engine.is_gradient_accumulation_boundary()
+    losses.append(train_step_xy(engine, batches[1]))
+    assert (engine.global_steps, engine.micro_steps, engine.is_gradient_accumulation_boundary()) == (1, 3, False)
+    mean = engine.train_batch(batches[2:5]).item()
+    engine.destroy()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+    reference = []
+    for window in (batches[:2], batches[2:5]):
+        for x, y in window:
+            loss = model(x, y)
+            reference.append(loss.item())
+            (loss / 3).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert losses == reference[:2] and mean == window_means(reference[2:], 3)[0]
+
+
+def test_a_loss_fn_calling_the_engine_equals_the_model_called_on_the_micro_batch(tmp_path):
+    engine, batches = make_engine(tmp_path / "fn", 3)
+    means = [engine.train_batch(batches[s * 3:(s + 1) * 3], loss_fn=lambda mb: engine(*mb)).item()
+             for s in range(STEPS)]
+    out = means, weights(engine)
+    engine.destroy()
+    assert_same(out, run_window(tmp_path, 3))
+
+
+def train_step_xy(engine, micro_batch):
+    loss = engine(*micro_batch)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()

@@ -5,7 +5,10 @@ and once for their backward, instead of k times each (runtime/window.py, [Note:
 unit-major micro-batches]); the gradients are summed in memory in the micro-batch
 loop's order, so losses and weights are bit-identical to k calls of forward, backward
 and step. A model whose micro-batches take different paths gets the micro-batch loop, with one
-log line saying why. Activation checkpointing works: on the CPU each micro-batch's
+log line saying why; so does one whose forward draws random numbers (dropout: window.py,
+[Note: random numbers in a window]), the generators put back first. ``loss_fn`` gives a
+micro-batch's loss in place of the model called on it (the Trainer integrations run their
+own training step there). Activation checkpointing works: on the CPU each micro-batch's
 backward runs on its own thread; on CUDA (one autograd call) Hugging Face models'
 checkpoint function is bound to each micro-batch for the window, and a forward
 recomputed by another checkpoint function is refused with an error that says to use
@@ -15,12 +18,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterable, List
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
 from ..runtime.timers import log_rank0
-from ..runtime.window import MicroBatchWindow, PathsDiffer
+from ..runtime.window import DrawsRandomNumbers, MicroBatchWindow, NotUnitMajor
 from ..stores.malloc_trim import return_freed_heap
 
 _TOLD = set()  # reasons already logged (once per process each)
@@ -77,20 +80,40 @@ def _tell(engine, why: str) -> None:
         log_rank0(engine.comm.rank, f"[zero] train_batch runs the micro-batch loop: {why}", logging.INFO)
 
 
-def _loop(engine, items: List) -> torch.Tensor:
+def _model_loss(engine) -> Callable:
+    """The default ``loss_fn``: the engine (the model, inputs moved) called on the micro-batch."""
+    def loss_fn(micro_batch):
+        args, kwargs = _inputs(micro_batch)
+        return engine(*args, **kwargs)
+    return loss_fn
+
+
+def _loop(engine, items: List, loss_fn: Callable, scale_wrt_gas: bool) -> List[torch.Tensor]:
     losses = []
     for mb in items:
-        args, kwargs = _inputs(mb)
-        loss = _loss_of(engine(*args, **kwargs))
-        engine.backward(loss)
+        loss = _loss_of(loss_fn(mb))
+        engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
         engine.step()
         losses.append(loss.detach())
-    return _mean(losses)
+    return losses
 
 
-def _forward_window(engine, items: List) -> List[torch.Tensor]:
+def _rng_state(engine) -> Callable[[], List[torch.Tensor]]:
+    """The generators a forward on ``engine.device`` may draw from: the CPU's, and the device's."""
+    if engine.device.type == "cuda":
+        return lambda: [torch.get_rng_state(), torch.cuda.get_rng_state(engine.device)]
+    return lambda: [torch.get_rng_state()]
+
+
+def _set_rng_state(engine, states: List[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if engine.device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], engine.device)
+
+
+def _forward_window(engine, items: List, loss_fn: Callable) -> List[torch.Tensor]:
     coordinator = engine.parts.coordinator
-    window = MicroBatchWindow(len(items))
+    window = MicroBatchWindow(len(items), rng_state=_rng_state(engine))
     for u in coordinator.units:
         u.grads_left = u.grad_count * window.k
     coordinator.window = window
@@ -99,7 +122,8 @@ def _forward_window(engine, items: List) -> List[torch.Tensor]:
     engine.comm.deferring = engine._defer_reads
     try:
         with engine.timers.phase("forward"):
-            losses = window.run(lambda i: _loss_of(_run_module(engine, items[i])))
+            losses = window.run(lambda i: _loss_of(loss_fn(items[i])))
+        window.rng_state = None  # backward draws none of its own (a recomputed forward restores them)
         if engine._defer_reads:
             engine._raise_if_failed_anywhere("forward", engine.comm.take_deferred())
         return losses
@@ -108,12 +132,6 @@ def _forward_window(engine, items: List) -> List[torch.Tensor]:
         raise
     finally:
         engine.comm.deferring = False
-
-
-def _run_module(engine, micro_batch):
-    """The module on one micro-batch, its inputs moved (and cast) as ``engine.forward`` does."""
-    args, kwargs = engine.inputs_on_device(*_inputs(micro_batch))
-    return engine.module(*args, **kwargs)
 
 
 _CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # where Hugging Face models keep theirs
@@ -170,22 +188,32 @@ def _backward_window(engine, scaled: List[torch.Tensor]) -> None:
         torch.autograd.backward(scaled)
 
 
-def train_batch(engine, micro_batches) -> torch.Tensor:
+def window_losses(engine, micro_batches, loss_fn: Optional[Callable] = None,
+                  scale_wrt_gas: bool = True) -> List[torch.Tensor]:
+    """train_batch's window; each micro-batch's loss (detached, as ``loss_fn`` gave it) in order."""
     engine._check_can_train()
     items = _take(engine, micro_batches)
+    loss_fn = loss_fn if loss_fn is not None else _model_loss(engine)
     if engine.micro_steps % engine.gradient_accumulation_steps():
         raise ValueError(f"train_batch runs a whole accumulation window, but this one is "
                          f"{engine.micro_steps % engine.gradient_accumulation_steps()} micro-batch(es) in "
                          f"(forward/backward/step calls since the last step); finish it with step() first")
-    if len(items) == 1:
-        return _loop(engine, items)
+    if len(items) == 1 or engine._draws_random_numbers:
+        return _loop(engine, items, loss_fn, scale_wrt_gas)
+    rng = _rng_state(engine)()
     try:
-        losses = _forward_window(engine, items)
-    except PathsDiffer as error:
-        _tell(engine, f"its micro-batches take different paths through the model ({error})")
-        return _loop(engine, items)
+        losses = _forward_window(engine, items, loss_fn)
+    except NotUnitMajor as error:
+        if isinstance(error, DrawsRandomNumbers):
+            _set_rng_state(engine, rng)  # the loop draws the window's numbers from the start
+            engine._draws_random_numbers = True  # from now on: a window would only stop again
+            _tell(engine, "its forward draws random numbers (dropout?), which unit-major would draw in another "
+                          "order than the loop; it runs the loop from now on")
+        else:
+            _tell(engine, f"its micro-batches take different paths through the model ({error})")
+        return _loop(engine, items, loss_fn, scale_wrt_gas)
     try:
-        scaled = [engine._scaled(loss) for loss in losses]
+        scaled = [engine._scaled(loss, scale_wrt_gas) for loss in losses]
         engine.micro_steps += len(items) - 1  # the backward ends the window
         engine._backward(lambda: _backward_window(engine, scaled), boundary=True)
     except BaseException:
@@ -194,4 +222,9 @@ def train_batch(engine, micro_batches) -> torch.Tensor:
         raise
     _end_window(engine, failed=False)
     engine.step()
-    return _mean(losses)
+    return [loss.detach() for loss in losses]
+
+
+def train_batch(engine, micro_batches, loss_fn: Optional[Callable] = None,
+                scale_wrt_gas: bool = True) -> torch.Tensor:
+    return _mean(window_losses(engine, micro_batches, loss_fn, scale_wrt_gas))

@@ -66,6 +66,8 @@ class ZeroEngine(nn.Module):
             self.global_steps = 0
             self.global_samples = 0
             self.micro_steps = 0
+            self._window_ends = False  # set_gradient_accumulation_boundary(True): a window cut short
+            self._draws_random_numbers = False  # train_batch saw the forward draw some: it runs the loop
             self._last_report = 0
             self._waits_seen = (0.0, 0.0)
             self._unusable: Optional[str] = None
@@ -125,7 +127,13 @@ class ZeroEngine(nn.Module):
         return self.optimizer.skipped_steps if self.optimizer else 0
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self._window_ends or (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """True: the next backward and ``step()`` end this accumulation window however few micro-batches
+        it has had (DeepSpeed's name), as a training loop does at the end of an epoch whose batches do
+        not fill the last window; the next window then starts at micro-batch 0. False: undo."""
+        self._window_ends = bool(is_boundary)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -152,9 +160,13 @@ class ZeroEngine(nn.Module):
 
     # -- forward, backward, step ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        coordinator = self.parts.coordinator
+        if coordinator.window is not None and coordinator.window.index is not None:
+            # called by train_batch's loss_fn on a window thread: the window set up the rest
+            args, kwargs = self.inputs_on_device(args, kwargs)
+            return self.module(*args, **kwargs)
         self.check_usable()
         args, kwargs = self.inputs_on_device(args, kwargs)
-        coordinator = self.parts.coordinator
         self.comm.deferring = self._defer_reads
         try:
             with self.timers.phase("forward"):
@@ -175,14 +187,16 @@ class ZeroEngine(nn.Module):
         cast = torch.float16 if self.config.fp16.enabled and self.config.fp16.auto_cast else None
         return _to_device(args, self.device, cast), _to_device(kwargs, self.device, cast)
 
-    def train_batch(self, micro_batches) -> torch.Tensor:
+    def train_batch(self, micro_batches, loss_fn=None, scale_wrt_gas: bool = True) -> torch.Tensor:
         """One accumulation window: forward, backward and step of ``gradient_accumulation_steps``
         micro-batches (an iterable; from an iterator, the next that many), each unit's parameters
         read once for the window's forwards and once for its backwards; returns the mean loss.
-        Results are bit-identical to the micro-batch loop (engine/train_batch.py)."""
+        ``loss_fn(micro_batch)`` gives a micro-batch's loss (default: the model called on it; it may
+        call this engine); ``scale_wrt_gas`` as in :meth:`backward`. Results are bit-identical to
+        the micro-batch loop (engine/train_batch.py)."""
         from .train_batch import train_batch
 
-        return train_batch(self, micro_batches)
+        return train_batch(self, micro_batches, loss_fn, scale_wrt_gas)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps (DeepSpeed's ``scale_wrt_gas``;
@@ -283,6 +297,10 @@ class ZeroEngine(nn.Module):
         if retry or self.is_gradient_accumulation_boundary():
             self._take_step()
         self.micro_steps += 1
+        if self._window_ends:  # a window cut short: the next one starts on a whole window's count
+            gas = self.gradient_accumulation_steps()
+            self.micro_steps = -(-self.micro_steps // gas) * gas
+            self._window_ends = False
 
     def _take_step(self) -> None:
         try:

@@ -21,16 +21,38 @@ engine to the loop, and the accelerator's ``backward`` / ``clip_grad_norm_``
 become the engine's backward + step / its gradient norm (the loss arrives
 already divided as the Trainer divides it, so ``scale_wrt_gas=False``, like
 HF does for DeepSpeed). The Trainer's ``optimizer`` and ``lr_scheduler`` are
-then stand-ins whose ``step()`` does nothing. Checkpoints: the Trainer's
+then stand-ins whose ``step()`` does nothing. A window the loop cuts short (the
+last of an epoch whose batches do not fill it) ends with a step, as the Trainer's
+does (``engine.set_gradient_accumulation_boundary``). Checkpoints: the Trainer's
 checkpoint folder holds the engine's checkpoint (``latest`` + tag folder,
 parameters and optimizer states included) beside the consolidated model
 weights that ``save_model`` writes for ``from_pretrained``.
+
+[Note: accumulation windows through train_batch]
+With ``gradient_accumulation_steps`` k > 1 each window runs through
+``engine.train_batch`` (unit-major: each unit's parameters read once for the k
+forwards and once for the k backwards, not k times). The Trainer's loop fetches a
+window's micro-batches up front (``get_batch_samples``), then calls
+``training_step`` for each and steps at the last. ``get_batch_samples`` keeps the
+window; the first ``training_step`` trains all of it, each micro-batch through
+the Trainer's own ``training_step`` on the window's thread (``compute_loss``,
+its loss normalisation by k or by ``num_items_in_batch``), its backward caught
+(``_engine_backward``) and handed to the window with ``scale_wrt_gas=False``,
+exactly as the loop hands it to ``engine.backward``; each ``training_step``
+then returns its micro-batch's loss. The loop adds them, logs, reads the
+gradient norm and calls the callbacks as before, so losses and weights are the
+loop's bit for bit. The micro-batch loop runs instead for a window shorter than
+k, when ``training_step`` is overridden (it must run per micro-batch), with
+``use_train_batch=False``, and (train_batch's choice, one log line) for models
+whose micro-batches take different paths or whose forward draws random numbers.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import os
-from typing import Optional
+import threading
+from typing import List, Optional
 
 import torch
 import transformers
@@ -42,6 +64,8 @@ from ..engine.entry import initialize
 from ..partitioning.hf_hook import check_transformers_version
 from .hf_trainer_config import read_config, resolve_for_trainer
 from ..engine.lr_schedules import build_scheduler
+from ..engine.train_batch import window_losses
+from ..runtime.timers import log_rank0
 
 
 class EngineStepsOptimizer:
@@ -90,21 +114,37 @@ class EngineSteppedScheduler:
         self.scheduler.load_state_dict(state_dict)
 
 
+class FetchedWindow:
+    """The micro-batches ``get_batch_samples`` gave the loop for one window, and their losses once
+    trained (see [Note: accumulation windows through train_batch])."""
+
+    def __init__(self, batches: list, num_items_in_batch):
+        self.batches = batches
+        self.num_items_in_batch = num_items_in_batch
+        self.losses: Optional[List[torch.Tensor]] = None
+        self.handed = 0  # losses returned to the loop so far
+
+
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` training through :func:`zero.initialize` (see the module docstring).
 
     ``zero_config``: the DeepSpeed config (path or dict) that would have gone
     to ``TrainingArguments(deepspeed=...)``; its ``"auto"`` values are filled
     from the TrainingArguments and the model as HF documents (hf_trainer_config.py).
+    ``use_train_batch``: with gradient accumulation, run each window through
+    ``engine.train_batch`` (the default) or, False, the micro-batch loop.
     """
 
-    def __init__(self, *args, zero_config=None, **kwargs):
+    def __init__(self, *args, zero_config=None, use_train_batch: bool = True, **kwargs):
         if zero_config is None:
             raise TypeError("ZeroTrainer needs zero_config=: the DeepSpeed config (a JSON path or a dict) "
                             "that TrainingArguments(deepspeed=...) would take")
         check_transformers_version(transformers.__version__)
         self.zero_config = read_config(zero_config)
         self.zero_engine = None
+        self.use_train_batch = use_train_batch
+        self._window: Optional[FetchedWindow] = None
+        self._caught = threading.local()  # a window thread's loss, caught at its backward
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
             raise ValueError("ZeroTrainer runs nvmeio's engine, not DeepSpeed: remove deepspeed= from the "
@@ -132,6 +172,22 @@ class ZeroTrainer(Trainer):
         engine, _, _, _ = initialize(model=self.model, config=config, optimizer=trainer_optimizer)
         self.zero_engine = engine
         self.optimizer = EngineStepsOptimizer(engine)
+        k = self.args.gradient_accumulation_steps
+        if k > 1:
+            how = ("through engine.train_batch, unit-major (each unit's parameters read once per window)"
+                   if self._windows_wanted() else f"as a micro-batch loop ({self._why_loop()})")
+            log_rank0(engine.comm.rank, f"[zero] ZeroTrainer runs each accumulation window of {k} micro-batches "
+                      f"{how}", logging.INFO)
+
+    def _windows_wanted(self) -> bool:
+        return self._why_loop() is None
+
+    def _why_loop(self) -> Optional[str]:
+        if not self.use_train_batch:
+            return "use_train_batch=False"
+        if type(self).training_step is not ZeroTrainer.training_step:
+            return "training_step is overridden, so it runs per micro-batch"
+        return None
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         engine = self.zero_engine
@@ -153,9 +209,60 @@ class ZeroTrainer(Trainer):
             self.create_optimizer()
         return self.zero_engine
 
+    # -- a window through train_batch (see [Note: accumulation windows through train_batch]) -----------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        k = self.args.gradient_accumulation_steps
+        whole = k > 1 and len(batches) == k and self._windows_wanted()
+        self._window = FetchedWindow(batches, num_items_in_batch) if whole else None
+        return batches, num_items_in_batch
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        window = self._window
+        if window is None or model is not self.zero_engine:
+            return super().training_step(model, inputs, num_items_in_batch)
+        if window.losses is None:
+            if inputs is not window.batches[0]:  # not the loop that fetched it: train this one alone
+                self._window = None
+                return super().training_step(model, inputs, num_items_in_batch)
+            window.losses = self._train_window(model, window)
+        i = window.handed
+        if inputs is not window.batches[i]:
+            raise RuntimeError(f"ZeroTrainer trained this accumulation window through engine.train_batch, but the "
+                               f"loop's micro-batch {i + 1} is not the one get_batch_samples gave it; pass "
+                               f"use_train_batch=False to train micro-batch by micro-batch")
+        window.handed += 1
+        if window.handed == len(window.batches):
+            self._window = None
+        return window.losses[i]
+
+    def _train_window(self, model, window: FetchedWindow) -> List[torch.Tensor]:
+        """Each micro-batch's loss as the Trainer's ``training_step`` returns it; the window trained."""
+        if isinstance(self.lr_scheduler, EngineSteppedScheduler):
+            self.lr_scheduler.lr_of_last_step = self.zero_engine.get_lr()  # the lr this window steps with
+        returned = {}
+
+        def loss_of(i: int) -> torch.Tensor:
+            self._caught.loss, self._caught.catching = None, True
+            try:
+                returned[i] = super(ZeroTrainer, self).training_step(model, window.batches[i],
+                                                                     window.num_items_in_batch)
+            finally:
+                self._caught.catching = False
+            return self._caught.loss
+
+        window_losses(self.zero_engine, list(range(len(window.batches))), loss_of, scale_wrt_gas=False)
+        return [returned[i] for i in range(len(window.batches))]
+
+    # -- the loop's backward and gradient norm -----------------------------------------------------
     def _engine_backward(self, loss: torch.Tensor, **kwargs) -> None:
         loss = loss / self.accelerator.gradient_accumulation_steps  # as accelerate's backward does
+        if getattr(self._caught, "catching", False):  # a window's micro-batch: the window runs backward
+            self._caught.loss = loss
+            return
         engine = self.zero_engine
+        if self.accelerator.sync_gradients and not engine.is_gradient_accumulation_boundary():
+            engine.set_gradient_accumulation_boundary(True)  # the loop steps after a window cut short
         engine.backward(loss, retain_graph=kwargs.get("retain_graph", False), scale_wrt_gas=False)
         if engine.is_gradient_accumulation_boundary() and isinstance(self.lr_scheduler, EngineSteppedScheduler):
             self.lr_scheduler.lr_of_last_step = engine.get_lr()

@@ -26,7 +26,29 @@ accumulation window; ``optimizer_step`` therefore only runs Lightning's
 closure. Gradient clipping is the engine's (``gradient_clip_val`` becomes
 ``gradient_clipping``). A checkpoint is a directory: the engine's checkpoint
 (tag ``checkpoint``) with Lightning's own state as its ``client_state``,
-converted to plain containers so that it loads with ``weights_only``.
+converted to plain containers so that it loads with ``weights_only``. Each
+``optimizer_step`` ends the engine's window (``set_gradient_accumulation_boundary``),
+so a window Lightning cuts short at an epoch's end steps as Lightning's does.
+
+[Note: accumulation windows in Lightning]
+``use_train_batch=True`` with ``accumulate_grad_batches`` k > 1 runs each window
+through ``engine.train_batch`` (each unit's parameters read once for the k
+forwards and once for the k backwards, not k times). Lightning's loop finishes a
+batch (its ``training_step``, outputs, logs, hooks) before it fetches the next,
+and unit-major needs the window's k micro-batches at once, so the strategy gives
+Lightning the training loader in windows (lightning_windows.py) and tells it to
+accumulate nothing (``trainer.accumulate_grad_batches`` reads 1 during ``fit``);
+the strategy's ``training_step`` runs the module's ``training_step`` for each
+micro-batch (``batch_idx`` as the loop gives it) on the window's threads, each
+loss divided by k as Lightning divides it, and returns the window's mean loss
+(the backward and step are done). Losses and weights are the loop's bit for bit;
+what changes is what the loop counts: a "batch" of its hooks, callbacks and
+progress is a window, so ``on_train_batch_start/end`` get a list of k batches,
+``log_every_n_steps`` is unchanged (it counts optimizer steps) but integer
+``val_check_interval`` and ``limit_train_batches`` count windows, and values
+logged in ``training_step`` with ``on_step`` are the window's last. That is why
+it is not the default. A window shorter than k (an epoch's end) runs the
+micro-batch loop.
 """
 from __future__ import annotations
 
@@ -42,13 +64,17 @@ import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 from nvmeio.hints import did_you_mean
 
 from ..engine.entry import initialize
+from ..engine.train_batch import window_losses
 from ..partitioning.init_context import Init
+from ..runtime.timers import log_rank0
+from .lightning_windows import Window, WindowLoader
 
 CHECKPOINT_TAG = "checkpoint"
 
@@ -128,6 +154,15 @@ def _plain(value):
     return value
 
 
+def _loss_in(output) -> torch.Tensor:
+    """The loss in a ``training_step``'s output: the tensor, or its ``"loss"``."""
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"ZeroStrategy(use_train_batch=True) needs training_step to return its loss (a tensor or a "
+                        f"dict with 'loss'); it returned {type(output).__name__}")
+    return loss
+
+
 def _mark_steps_for_scheduler(optimizer) -> None:
     """Let torch's schedulers see this optimizer's steps, as for one they were built with (else each
     ``scheduler.step()`` warns that ``optimizer.step()`` was overridden)."""
@@ -150,13 +185,15 @@ class ZeroStrategy(DDPStrategy):
     Takes DeepSpeedStrategy's arguments (``stage`` must be 3) or ``config`` (a
     DeepSpeed JSON path or dict, which then replaces them, as in Lightning).
     An unknown argument is a TypeError naming the closest known one.
+    ``use_train_batch=True``: with ``accumulate_grad_batches`` above 1, each window
+    runs through ``engine.train_batch`` (see [Note: accumulation windows in Lightning]).
     """
 
     strategy_name = "zero"
 
     def __init__(self, accelerator=None, config=None, parallel_devices=None, cluster_environment=None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = None,
-                 precision_plugin: Optional[Precision] = None, **options: Any):
+                 precision_plugin: Optional[Precision] = None, use_train_batch: bool = False, **options: Any):
         unknown = [name for name in options if name not in OPTIONS]
         if unknown:
             hints = []
@@ -184,6 +221,10 @@ class ZeroStrategy(DDPStrategy):
         self.remote_device = o["remote_device"]
         logging.getLogger("zero").setLevel(o["logging_level"])
         self.engine = None
+        self.use_train_batch = use_train_batch
+        self.window_size = 1  # k while fit runs windows through train_batch (Lightning then accumulates 1)
+        self._stepping = False  # inside optimizer_step: its backward ends the engine's window
+        self._window_trained = False  # the window's backward and step are done: Lightning's backward skips
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -227,6 +268,7 @@ class ZeroStrategy(DDPStrategy):
                              "fp16 / bf16 come from the config's fp16 / bf16 sections")
         self.accelerator.setup(trainer)
         config = self._trainer_config(trainer)
+        self._choose_windows(trainer, config["gradient_accumulation_steps"])
         if self.engine is None:
             self._build_engine(trainer, config)
         self.model = self.engine
@@ -259,6 +301,37 @@ class ZeroStrategy(DDPStrategy):
         self.optimizers = [zero_optimizer] if zero_optimizer is not None else []
         self.lr_scheduler_configs = scheduler_configs
 
+    def _choose_windows(self, trainer, k: int) -> None:
+        """Fit with k > 1: windows through train_batch, or the loop; one log line says which. (Lightning
+        itself refuses k > 1 under manual optimization: there a script calls engine.train_batch.)"""
+        if trainer.state.fn != TrainerFn.FITTING or self.window_size > 1:
+            return
+        if self.use_train_batch and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise ValueError("ZeroStrategy(use_train_batch=True) takes one accumulate_grad_batches for the whole "
+                             "fit; remove the GradientAccumulationScheduler callback")
+        if k == 1:
+            return
+        if self.use_train_batch:
+            self.window_size = k
+            trainer.accumulate_grad_batches = 1  # each batch Lightning sees is a window (put back in teardown)
+            how = "through engine.train_batch, unit-major (each unit's parameters read once per window)"
+        else:
+            how = "as Lightning's batch loop (ZeroStrategy(use_train_batch=True) runs them unit-major)"
+        log_rank0(self.global_rank, f"[zero] ZeroStrategy runs each accumulation window of {k} batches {how}",
+                  logging.INFO)
+
+    def process_dataloader(self, dataloader):
+        trainer = self.lightning_module.trainer
+        if self.window_size > 1 and trainer.state.stage == RunningStage.TRAINING:
+            return WindowLoader(dataloader, self.window_size)
+        return dataloader
+
+    def teardown(self) -> None:
+        if self.window_size > 1 and self.lightning_module is not None:
+            self.lightning_module.trainer.accumulate_grad_batches = self.window_size
+            self.window_size = 1
+        super().teardown()
+
     def setup_optimizers(self, trainer) -> None:
         self.optimizers, self.lr_scheduler_configs = [], []  # made with the engine in setup
 
@@ -270,13 +343,52 @@ class ZeroStrategy(DDPStrategy):
         return False
 
     # -- the step -----------------------------------------------------------------------------------
+    def training_step(self, *args, **kwargs):
+        batch = args[0] if args else kwargs.get("batch")
+        if not isinstance(batch, Window):
+            return super().training_step(*args, **kwargs)
+        return self._train_window(batch, *args[1:], **{k: v for k, v in kwargs.items() if k != "batch"})
+
+    def _train_window(self, window: Window, *rest, **kwargs) -> torch.Tensor:
+        """One window's micro-batches through the module's training_step, trained; their mean loss."""
+        k, module = self.window_size, self.lightning_module
+        idx = rest[0] if rest else kwargs.pop("batch_idx", None)
+        more = tuple(rest[1:])
+
+        def step_args(i: int) -> tuple:
+            return (window[i],) + ((idx * k + i,) if idx is not None else ()) + more
+
+        if len(window) < k:  # an epoch's end: the loop, each loss divided by k as Lightning divides it
+            losses = []
+            for i in range(len(window)):
+                loss = _loss_in(super().training_step(*step_args(i), **kwargs))
+                if i == len(window) - 1:
+                    self.engine.set_gradient_accumulation_boundary(True)
+                self.engine.backward(loss / k, scale_wrt_gas=False)
+                self.engine.step()
+                losses.append(loss.detach())
+        else:
+            losses = window_losses(self.engine, list(range(k)),
+                                   lambda i: _loss_in(module.training_step(*step_args(i), **kwargs)))
+        self._window_trained = True
+        return torch.stack([loss.reshape(()).float() for loss in losses]).mean()
+
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
+        if self._window_trained:  # the window's backward and step are done (_train_window)
+            self._window_trained = False
+            return closure_loss
+        if self._stepping and not self.engine.is_gradient_accumulation_boundary():
+            self.engine.set_gradient_accumulation_boundary(True)  # Lightning steps after a window cut short
         self.engine.backward(closure_loss, scale_wrt_gas=False)
         self.engine.step()  # the optimizer steps at the end of each accumulation window
         return closure_loss
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        return closure()  # training_step and backward; the engine has stepped
+        self._stepping = True  # Lightning steps the optimizer after this batch: so does the engine
+        try:
+            return closure()  # training_step and backward; the engine has stepped
+        finally:
+            self._stepping = False
 
     # -- checkpoints --------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> Dict[str, Any]:

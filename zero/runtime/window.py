@@ -30,6 +30,14 @@ thread) a checkpoint function bound by :meth:`MicroBatchWindow.bind_checkpointin
 ``train_batch`` does to Hugging Face's) replays it as its micro-batch; a parameter read
 outside any micro-batch (another checkpoint function) is refused rather than given a
 gradient that would mix micro-batches.
+
+[Note: random numbers in a window]
+The loop's forwards draw from the generator micro-batch after micro-batch; interleaved,
+micro-batch 2's first dropout would take numbers the loop gives to micro-batch 1's
+second. No reordering can give each micro-batch the loop's numbers (micro-batch 2's
+start is where micro-batch 1's whole forward ends), so a window whose forwards draw any
+(the generators' states change during a turn) stops at once with
+:class:`DrawsRandomNumbers`; train_batch puts the generators back and runs the loop.
 """
 from __future__ import annotations
 
@@ -42,8 +50,17 @@ import torch
 import torch.nn as nn
 
 
-class PathsDiffer(RuntimeError):
+class NotUnitMajor(RuntimeError):
+    """This window cannot run unit-major with the loop's results: the engine runs the loop instead."""
+
+
+class PathsDiffer(NotUnitMajor):
     """Micro-batches of one window reached different units: they cannot run unit-major."""
+
+
+class DrawsRandomNumbers(NotUnitMajor):
+    """A forward drew random numbers (dropout): unit-major would draw them in another order than
+    the loop (see [Note: random numbers in a window])."""
 
 
 class _Stopped(BaseException):
@@ -53,8 +70,10 @@ class _Stopped(BaseException):
 class MicroBatchWindow:
     """The k threads of one window's forwards (then backwards), their aliases and gradients."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, rng_state: Optional[Callable[[], List[torch.Tensor]]] = None):
         self.k = k
+        self.rng_state = rng_state  # the generators' states, watched during forwards (see the note)
+        self._turn_rng: Optional[List[torch.Tensor]] = None
         self._local = threading.local()
         self._turn = 0
         self._alive = [True] * k
@@ -115,6 +134,15 @@ class MicroBatchWindow:
                 self._cond.wait()
             if self.stopped is not None:
                 raise _Stopped()
+        if self.rng_state is not None:
+            self._turn_rng = self.rng_state()
+
+    def _check_no_draws(self, i: int) -> None:
+        """Before thread ``i`` passes the baton: its turn drew no random numbers (see the note)."""
+        if self.rng_state is not None and not all(
+                torch.equal(a, b) for a, b in zip(self._turn_rng, self.rng_state())):
+            raise DrawsRandomNumbers(f"the forward of micro-batch {i + 1} of the window drew random numbers "
+                                     f"(dropout?), which unit-major would draw in another order than the loop")
 
     def _pass_turn(self, i: int) -> None:
         """Hand the baton to the next live thread after ``i``."""
@@ -140,6 +168,7 @@ class MicroBatchWindow:
                               f"micro-batch 1 reached "
                               f"{type(self._events[n]).__name__ if n < len(self._events) else 'the end'}")
         if self.k > 1:
+            self._check_no_draws(i)
             self._pass_turn(i)
             self._wait_turn(i)
 
@@ -159,6 +188,7 @@ class MicroBatchWindow:
             try:
                 self._wait_turn(i)
                 results[i] = fn(i)
+                self._check_no_draws(i)
                 if i > 0 and self._count[i] != len(self._events):
                     raise PathsDiffer(f"micro-batch {i + 1} of the window reached {self._count[i]} units where "
                                       f"micro-batch 1 reached {len(self._events)}")
