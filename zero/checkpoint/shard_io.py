@@ -82,6 +82,21 @@ def shard_checksums(shard: SafetensorsReader) -> Optional[Tuple[str, Dict[str, i
     return algorithm.value, digests
 
 
+def check_digests(path: str, carried: Tuple[str, Mapping[str, int]], keys: Sequence[str],
+                  actual: Mapping[str, int]) -> None:
+    """``actual`` (the digest of each of ``keys``, computed as the shard was read) equals what
+    the shard carries; else :class:`CheckpointCorruptionError` naming the file and the tensor."""
+    algorithm, digests = carried
+    for key in keys:
+        if key not in digests:
+            raise CheckpointCorruptionError(f"checkpoint shard {path} is damaged: it carries checksums "
+                                            f"but none of {key!r}")
+        if actual[key] != digests[key]:
+            raise CheckpointCorruptionError(
+                f"checkpoint shard {path} is damaged: {algorithm} of {key!r} is {actual[key]:016x}, "
+                f"saved as {digests[key]:016x}; nothing was loaded")
+
+
 def shard_spec(numel: int, names: Sequence[str]) -> Dict[str, Tuple[torch.dtype, Tuple[int]]]:
     """A shard's tensors: each name's fp32 values, then filler to a 4096-byte boundary."""
     tensor_bytes = numel * 4
@@ -160,16 +175,8 @@ class CheckpointIO:
             carried = shard_checksums(shard)
             if carried is None:
                 return False
-            algorithm, digests = ChecksumAlgorithm(carried[0]), carried[1]
-            for key in keys:
-                if key not in digests:
-                    raise CheckpointCorruptionError(f"checkpoint shard {path} is damaged: it carries checksums "
-                                                    f"but none of {key!r}")
-                actual = digest_chunks(algorithm, shard.views(key))
-                if actual != digests[key]:
-                    raise CheckpointCorruptionError(
-                        f"checkpoint shard {path} is damaged: {algorithm.value} of {key!r} is {actual:016x}, "
-                        f"saved as {digests[key]:016x}; nothing was loaded")
+            algorithm = ChecksumAlgorithm(carried[0])
+            check_digests(path, carried, keys, {k: digest_chunks(algorithm, shard.views(k)) for k in keys})
         return True
 
     def _reader(self, path: str) -> FastFileReader:
