@@ -65,17 +65,18 @@ def _chunks(regions: Sequence[StagedRegion]) -> List[Tuple[int, int, int]]:
     return out
 
 
-def stream_regions(reads, writes, raw: torch.Tensor, regions: Sequence[StagedRegion],
+def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence[StagedRegion],
                    algorithm: Optional[ChecksumAlgorithm], dest: Optional[str]) -> Tuple[Dict[str, int], int]:
-    """Reads ``regions`` into the byte tensor ``raw`` on handle ``reads``, hashing each with
-    ``algorithm`` (None: no digest) and writing each chunk to file ``dest`` (None: none) on
-    handle ``writes``, as the [Note] above describes. Returns (digest of each region, bytes
-    written). Both handles are idle on return, also after an error."""
+    """Reads ``regions`` into the byte tensor ``raw``, chunk k on handle ``reads[k % len(reads)]``
+    (one chunk in flight per handle: with two, the disk never waits for the digest), hashing
+    each with ``algorithm`` (None: no digest) and writing each chunk to file ``dest`` (None:
+    none) on handle ``writes``, as the [Note] above describes. Returns (digest of each region,
+    bytes written). Every handle is idle on return, also after an error."""
     fds: Dict[str, int] = {}
     out_fd = -1
     hashers = {r.name: StreamingDigest(algorithm) for r in regions} if algorithm is not None else {}
     written = 0
-    pending_read = pending_write = False
+    pending = set()  # handles with an op in flight
     try:
         for r in regions:
             if r.source[0] not in fds:
@@ -87,38 +88,38 @@ def stream_regions(reads, writes, raw: torch.Tensor, regions: Sequence[StagedReg
         def submit(k: int) -> None:
             i, start, n = chunks[k]
             r = regions[i]
-            reads.async_pread(raw[r.buffer_offset + start:r.buffer_offset + start + n], fds[r.source[0]],
-                              r.source[1] + start)
+            handle = reads[k % len(reads)]
+            handle.async_pread(raw[r.buffer_offset + start:r.buffer_offset + start + n], fds[r.source[0]],
+                               r.source[1] + start)
+            pending.add(handle)
 
-        if chunks:
-            submit(0)
-            pending_read = True
+        for k in range(min(len(reads), len(chunks))):
+            submit(k)
         for k, (i, start, n) in enumerate(chunks):
-            reads.wait()
-            pending_read = False
-            if k + 1 < len(chunks):
-                submit(k + 1)
-                pending_read = True
+            handle = reads[k % len(reads)]
+            pending.discard(handle)
+            handle.wait()
+            if k + len(reads) < len(chunks):
+                submit(k + len(reads))
             r = regions[i]
             lo = r.buffer_offset + start
             if out_fd >= 0:
+                pending.add(writes)
                 writes.async_pwrite(raw[lo:lo + n], out_fd, lo)
-                pending_write = True
                 written += n
             hashed = min(n, r.nbytes - start)  # the filler after a tensor is not hashed
             if r.name in hashers and hashed > 0:
                 hashers[r.name].update(memoryview(raw[lo:lo + hashed].numpy()))
         digests = {name: h.value() for name, h in hashers.items()}
-        if pending_write:
-            pending_write = False
+        if writes in pending:
+            pending.discard(writes)
             writes.wait()
     finally:
-        for handle, pending in ((reads, pending_read), (writes, pending_write)):
-            if pending:
-                try:
-                    handle.wait()
-                except OSError:
-                    pass  # the error raised already (or the one the caller sees) names the file
+        for handle in pending:
+            try:
+                handle.wait()
+            except OSError:
+                pass  # the error raised already (or the one the caller sees) names the file
         for fd in fds.values():
             os.close(fd)
         if out_fd >= 0:

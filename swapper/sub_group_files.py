@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -33,6 +34,26 @@ def _hard_link(src: str, dst: str) -> bool:
             return False
         raise
     return True
+
+
+def _open_if_last_link(path: str) -> int:
+    """A descriptor of ``path`` where its name is the file's last link (so that the rename
+    over it frees its blocks at that descriptor's close instead), else -1."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    if os.fstat(fd).st_nlink != 1:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _close_later(fd: int) -> None:
+    """Close ``fd`` on a helper thread: the last close of a replaced swap file frees its blocks,
+    which on ext4 mounted with ``discard`` trims them first (measured ~0.15 s per GiB here),
+    work the load need not wait for."""
+    threading.Thread(target=os.close, args=(fd,), name="nvmeio-free-old-swap", daemon=True).start()
 
 
 class SubGroupFiles:
@@ -223,8 +244,10 @@ class SubGroupFiles:
                 dest = self.swap_dir.create(staged.file_name)
             regions = [StagedRegion(name, (os.fspath(sources[name][0]), sources[name][1]), offsets[name],
                                     lay.tensor_bytes, lay.region_bytes) for name in ("master", *self.state_names)]
+            # a copy writes on the write handle; a link leaves it free for a second read in flight
+            reads = [self._reads.handle] if dest is not None else [self._reads.handle, self._writes.handle]
             staged.digests, staged.bytes_written = stream_regions(
-                self._reads.handle, self._writes.handle, staged.buffer.bytes(), regions, algorithm, dest)
+                reads, self._writes.handle, staged.buffer.bytes(), regions, algorithm, dest)
             staged.bytes_read = lay.region_bytes * len(regions)
             self.io_bytes.read += staged.bytes_read
             self.io_bytes.written += staged.bytes_written
@@ -278,7 +301,10 @@ class SubGroupFiles:
         if os.path.exists(target) and os.path.samefile(source, target):
             os.unlink(source)  # (a rename between two links of one file would do nothing)
         else:
+            old = _open_if_last_link(target)
             os.replace(source, target)
+            if old >= 0:
+                _close_later(old)
         self.swap_dir.untrack(staged.file_name)
         self.swap_dir.track(g.file_name)
         del self._staged[sub_group_id]
