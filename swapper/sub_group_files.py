@@ -7,12 +7,15 @@ use; mixed into :class:`~swapper.PartitionedOptimizerSwapper`.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
+
+from nvmeio import new_handle
 
 from .buffer_pool import PoolBuffer
 from .checksum import ChecksumAlgorithm
@@ -244,10 +247,17 @@ class SubGroupFiles:
                 dest = self.swap_dir.create(staged.file_name)
             regions = [StagedRegion(name, (os.fspath(sources[name][0]), sources[name][1]), offsets[name],
                                     lay.tensor_bytes, lay.region_bytes) for name in ("master", *self.state_names)]
-            # a copy writes on the write handle; a link leaves it free for a second read in flight
-            reads = [self._reads.handle] if dest is not None else [self._reads.handle, self._writes.handle]
-            staged.digests, staged.bytes_written = stream_regions(
-                reads, self._writes.handle, staged.buffer.bytes(), regions, algorithm, dest)
+            # Two reads in flight, so that the disk never waits for a digest: a link leaves the
+            # write handle free for the second; a copy writes on it and reads on one made for it.
+            with contextlib.ExitStack() as stack:
+                if dest is None:
+                    reads = [self._reads.handle, self._writes.handle]
+                else:
+                    extra = new_handle(self.aio_config)
+                    stack.callback(extra.close)
+                    reads = [self._reads.handle, extra]
+                staged.digests, staged.bytes_written = stream_regions(
+                    reads, self._writes.handle, staged.buffer.bytes(), regions, algorithm, dest)
             staged.bytes_read = lay.region_bytes * len(regions)
             self.io_bytes.read += staged.bytes_read
             self.io_bytes.written += staged.bytes_written
