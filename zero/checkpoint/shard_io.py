@@ -17,12 +17,13 @@ page]); a load on the same layout links the shard back as the swap file and
 reads only the masters (for the parameters). The gradient written during
 backward has a file of its own, so nothing writes a linked file again. Where
 no link can be made (another file system), the bytes are copied: read O_DIRECT
-into the writer's locked buffers and written O_DIRECT (``type: fast``;
-faster on ext4 than ``copy_file_range``, which copies through the page cache
-and must then be fsynced: bench/checkpoint_io.py, bench/RESULTS.md) or by ``copy_file_range`` (``type:
-python``); on load, where no link can be made, read straight into the
-swapper's pool buffer (``import_state``). State in memory is written through
-the writer.
+into the writer's locked buffers and written O_DIRECT into a file allocated
+whole up front (``type: fast``; faster on ext4 than ``copy_file_range``, which
+copies through the page cache and must then be fsynced: bench/checkpoint_io.py,
+bench/RESULTS.md) or by ``copy_file_range`` (``type: python``); on load, where
+no link can be made, read straight into the swapper's pool buffer and written
+to a staging swap file as it arrives (load.py [Note: verified while loading]).
+State in memory is written through the writer.
 
 [Note: checksums travel with the state]
 With swap checksums on, the swapper recorded a digest of each tensor when it
@@ -30,9 +31,10 @@ wrote the state; the shard carries them in its metadata (``checksum``: the
 algorithm, ``checksum.<name>``: hex digests), so a save links or copies the
 bytes without reading them. A load reads every shard it uses front to back
 before it changes anything and refuses one whose bytes differ
-(:class:`CheckpointCorruptionError`, naming file and tensor); a shard linked
-back as a swap file keeps its digests, which the swapper verifies at each
-swap-in. Damage to a swap file between its write and a save is therefore
+(:class:`CheckpointCorruptionError`, naming file and tensor); where the store
+stages shards, that read is the load itself, each byte read once (load.py
+[Note: verified while loading]). A shard linked back as a swap file keeps
+its digests, which the swapper verifies at each swap-in. Damage to a swap file between its write and a save is therefore
 caught by the load of that checkpoint (and by the next swap-in of the
 sub-group), not by the save: verifying at save would mean reading every byte,
 which is what made saves slow, and would not cover damage after the save.
