@@ -10,7 +10,7 @@ import torch
 
 from swapper import PartitionedOptimizerSwapper
 from swapper.checksum import ChecksumAlgorithm
-from swapper.staged_state import CHUNK_BYTES, StagedRegion, stream_regions
+from swapper.staged_state import StagedRegion, stream_regions
 
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -107,11 +107,13 @@ def test_a_source_without_its_filler_is_not_staged(setup, tmp_path):
     assert not s.can_stage(0, {"master": sources["master"]})
 
 
-def test_streamed_digests_equal_whole_digests_across_chunks(tmp_path):
+def test_streamed_digests_equal_whole_digests_across_chunks(tmp_path, monkeypatch):
     """Regions longer than a chunk are hashed piece by piece, the filler never."""
     import nvmeio
+    from swapper import staged_state
 
-    n = (CHUNK_BYTES + 3 * 4096 + 100) // 4
+    monkeypatch.setattr(staged_state, "CHUNK_BYTES", 1 << 20)
+    n = (5 * (1 << 20) + 3 * 4096 + 100) // 4
     t = _randn(n, 3)
     span = -(-n * 4 // 4096) * 4096
     path = tmp_path / "src.bin"

@@ -124,3 +124,50 @@ def test_a_damaged_shard_found_while_loading_changes_nothing(tmp_path, monkeypat
     assert pool.free_count == pool.buffer_count  # every staging buffer given back
     train_engine(engine, batches[2:], 1)  # still usable: nothing was marked half loaded
     engine.destroy()
+
+
+def scenario_one_rank_damaged(rank, world_size, scratch):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    os.makedirs(f"{scratch}/swap", exist_ok=True)
+    config = base_config("nvme", "nvme", f"{scratch}/swap", lr=1e-2, world_size=world_size, micro=4 * world_size,
+                         sub_group_size=ONE_SUB_GROUP)
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    batches = make_batches(CFG, 2, 4 * world_size)
+    train_engine(engine, batches[:1], 1, rank=rank, shards=world_size)
+    engine.save_checkpoint(f"{scratch}/ckpt", tag="t")
+    train_engine(engine, batches[1:], 1, rank=rank, shards=world_size)
+    before_weights, before_states = weights(engine.module), states(engine)
+    if rank == 1:  # one bit of this rank's exp_avg: rank 0 stages its own shards and verifies them
+        shard = f"{scratch}/ckpt/t/rank00001/subgroup00000.safetensors"
+        numel = engine.parts.rank_layout.sub_groups[0].numel
+        with open(shard, "r+b") as f:
+            f.seek(4096 + -(-numel * 4 // 4096) * 4096 + 4 * (numel // 3))
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    try:
+        engine.load_checkpoint(f"{scratch}/ckpt")
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    unchanged = (all(torch.equal(before_weights[n], v) for n, v in weights(engine.module).items())
+                 and same_states(states(engine), before_states))
+    out = {"error": error, "unchanged": unchanged, "steps": engine.global_steps, "leftovers": leftovers(engine)}
+    engine.destroy()
+    return out
+
+
+def test_a_shard_damaged_on_one_rank_leaves_every_rank_untouched(tmp_path):
+    from helpers import run_ranks
+
+    got = run_ranks(2, [("damaged", scenario_one_rank_damaged, {})], tmp_path)
+    rank0, rank1 = got[0]["damaged"], got[1]["damaged"]
+    assert rank1["error"].startswith("CheckpointCorruptionError") and \
+        "rank00001/subgroup00000.safetensors is damaged" in rank1["error"] and "'exp_avg'" in rank1["error"]
+    assert rank0["error"] == (f"RuntimeError: load_checkpoint({tmp_path}/damaged/ckpt/t) failed on another "
+                              f"rank; nothing was loaded")
+    for r in (rank0, rank1):
+        assert r["unchanged"] and r["steps"] == 2 and r["leftovers"] == []
