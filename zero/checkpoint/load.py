@@ -51,9 +51,15 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
     """A sub-group from this rank's own shard file (same layout), taken by the store that holds
     it (file to file where it can, published where _stage_shards staged it); returns the master."""
     path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
+    if staged is not None:  # verified: the bytes staged are the ones the shard carries digests of
+        with SafetensorsReader(path, direct=False) as shard:  # its header alone
+            carried = shard_checksums(shard)
+        master = engine.checkpointed_state.publish_shard(sg, staged, carried)
+        if master is not None:
+            return master
+        with cio.shard_reader(path) as shard:  # its staging buffer went to a later sub-group
+            return shard.get_tensor("master")
     with cio.shard_reader(path) as shard:
-        if staged is not None:  # verified: the bytes staged are the ones the shard carries digests of
-            return engine.checkpointed_state.publish_shard(sg, staged, shard_checksums(shard), shard)
         for k in keys:
             numel = shard.info(k).shape[0] if shard.info(k).shape else 1
             if numel != sg.numel:
@@ -76,7 +82,7 @@ def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states:
     store, rest = engine.checkpointed_state, []
     for sg in engine.rank_layout.sub_groups:
         path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
-        with cio.shard_reader(path) as shard:
+        with SafetensorsReader(path, direct=False) as shard:  # its header; the data is read staged
             carried = shard_checksums(shard)
             if carried is None:
                 continue  # nothing to verify: loaded as before

@@ -124,10 +124,11 @@ class OptimizerStore(abc.ABC):
         cannot stage (the caller verifies and loads the shard as two reads)."""
         return None
 
-    def publish_shard(self, sub_group: SubGroup, staged, carried: Tuple[str, Dict[str, int]],
-                      shard) -> torch.Tensor:
+    def publish_shard(self, sub_group: SubGroup, staged,
+                      carried: Tuple[str, Dict[str, int]]) -> Optional[torch.Tensor]:
         """Make a staged shard (verified: its digests equal ``carried``) the sub-group's state;
-        returns the master (valid until :meth:`discard_staged`)."""
+        returns the master from memory (valid until :meth:`discard_staged`), or None where
+        the staging buffer is gone (the caller reads the master from the shard)."""
         raise NotImplementedError
 
     def discard_staged(self, staged) -> None:
@@ -434,10 +435,9 @@ class NvmeOptimizerStore(OptimizerStore):
         finally:
             self.read_wait_seconds += time.perf_counter() - t0
 
-    def publish_shard(self, sub_group: SubGroup, staged, carried: Tuple[str, Dict[str, int]],
-                      shard) -> torch.Tensor:
-        master = self.swapper.publish_staged(staged, carried if self.swapper.checksum is not None else None)
-        return master if master is not None else shard.get_tensor("master")
+    def publish_shard(self, sub_group: SubGroup, staged,
+                      carried: Tuple[str, Dict[str, int]]) -> Optional[torch.Tensor]:
+        return self.swapper.publish_staged(staged, carried if self.swapper.checksum is not None else None)
 
     def discard_staged(self, staged) -> None:
         self.swapper.discard_staged(staged)
