@@ -225,11 +225,17 @@ class SubGroupFiles:
         where ``link`` and the file system allow, else a copy written while it is read.
         The sub-group itself is not changed: :meth:`publish_staged` makes the staging file
         its swap file, :meth:`discard_staged` forgets it. Files held in host memory are
-        written out first (made current, as for a checkpoint's save) to free the pool."""
+        written out first (made current, as for a checkpoint's save), reads ahead dropped, to
+        free the pool."""
         g = self._group(sub_group_id)
         lay, offsets = g.layout, self._offsets(g.layout)
-        for other in self._groups.values():  # a buffer for this read; nothing changes state
-            if other.state in (SubGroupState.AVAILABLE, SubGroupState.READING, SubGroupState.WRITING):
+        for other in self._groups.values():  # buffers for this read; no sub-group's state changes
+            if other.state is SubGroupState.READING:  # a read ahead: its file holds its state
+                try:
+                    self.release(other.sub_group_id)
+                except OSError:
+                    pass  # a failed read leaves it on NVMe, as it was
+            elif other.state in (SubGroupState.AVAILABLE, SubGroupState.WRITING):
                 self.stored_file(other.sub_group_id)
         self.synchronize()
         staged = StagedState(sub_group_id, g.file_name + STAGED_SUFFIX, linked=False)

@@ -129,3 +129,30 @@ def test_streamed_digests_equal_whole_digests_across_chunks(tmp_path, monkeypatc
             h.close()
     assert written == 0 and digests == {"t": zlib.crc32(t.numpy().tobytes())}
     assert bytes(raw.numpy()) == path.read_bytes()
+
+
+def test_staging_frees_the_pool_without_changing_any_sub_group(tmp_path, swappers):
+    """With one pool buffer: a sub-group held changed in memory is written out first, one being
+    read ahead is dropped; both keep their state."""
+    s = swappers(PartitionedOptimizerSwapper(tmp_path, {"queue_depth": 8}, buffer_count=1, checksum="crc32"))
+    n = 3000
+    layouts = [s.register_sub_group(i, n) for i in range(2)]
+    for i in range(2):
+        s.initialize(i, _randn(n, i))
+    (tmp_path / "ckpt").mkdir()
+    sources = write_shard(tmp_path / "ckpt" / "shard.bin", [_randn(n, 20 + i) for i in range(3)],
+                          layouts[0].region_bytes)
+    t = s.swap_in(1)
+    t.master.add_(1.0)  # changed, in host memory
+    expected = t.master.clone()
+    staged = s.stage_state(0, sources, ChecksumAlgorithm.CRC32, link=False)
+    s.discard_staged(staged)
+    t = s.swap_in(1)
+    assert torch.equal(t.master, expected)
+    s.release(1)
+    s.swap_in(1, async_op=True)  # a read ahead in flight
+    staged = s.stage_state(0, sources, ChecksumAlgorithm.CRC32, link=False)
+    s.discard_staged(staged)
+    assert torch.equal(s.swap_in(1).master, expected)
+    s.release(1)
+    shutil.rmtree(tmp_path / "ckpt")
