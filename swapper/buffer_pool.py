@@ -20,6 +20,8 @@ from typing import Iterable, List, Optional
 
 import torch
 
+from nvmeio.file_ops import HUGE_PAGE_BYTES, advise_huge_pages
+
 from .errors import BufferTooSmallError, InsufficientHostMemoryError, PoolExhaustedError, SwapStateError
 from .host_memory import HostMemory, format_bytes
 
@@ -135,9 +137,11 @@ class PinnedBufferPool:
             # and ends the threads of a handle made here only to lock them.
             self._finalizer = weakref.finalize(self, _free_locked, handle, self._storage, own_handle)
         else:
-            raw = torch.empty(self.nbytes + PAGE_BYTES, dtype=torch.uint8)
-            skip = (-raw.data_ptr()) % PAGE_BYTES
+            # On huge pages where the kernel gives them, as the locked buffers (file_ops.advise_huge_pages).
+            raw = torch.empty(self.nbytes + HUGE_PAGE_BYTES, dtype=torch.uint8)
+            skip = (-raw.data_ptr()) % HUGE_PAGE_BYTES
             self._storage = raw[skip : skip + self.nbytes]
+            advise_huge_pages(self._storage.data_ptr(), self.nbytes)
             self._finalizer = None
         self._handle = handle
         self._buffers = [
