@@ -63,6 +63,21 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def proc_io() -> dict:
+    """This process's storage bytes so far (/proc/self/io: read_bytes, write_bytes; O_DIRECT
+    included, the I/O threads' too)."""
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def timed_io(fn) -> tuple:
+    """(seconds, bytes read from storage, bytes written) of ``fn()``."""
+    before = proc_io()
+    seconds = timed(fn)
+    after = proc_io()
+    return seconds, after["read_bytes"] - before["read_bytes"], after["write_bytes"] - before["write_bytes"]
+
+
 # -- fio ---------------------------------------------------------------------------------
 
 def fio_best(directory: str, size: str, repeats: int) -> dict:
@@ -102,6 +117,22 @@ def fio_best(directory: str, size: str, repeats: int) -> dict:
     return {"mem": mem, "rows": rows,
             "write": max((r["gibs"] for r in ok if r["rw"] == "write"), default=None),
             "read": max((r["gibs"] for r in ok if r["rw"] == "read"), default=None)}
+
+
+def fio_copy(directory: str, nbytes: int, repeats: int) -> dict:
+    """fio's time to read ``nbytes`` and write ``nbytes`` at once (tools/fio.py
+    read_write_together: one read job and one write job, bs 4M, iodepth 32): the disk's limit
+    for a copy, whose reads and writes share the disk."""
+    if not fio.available():
+        return {"error": "fio not installed"}
+    try:
+        return fio.read_write_together(nbytes, nbytes, directory, runs=repeats)
+    except fio.FioError as e:
+        return {"error": str(e)[-300:]}
+    finally:
+        for name in ("fio-read.bin", "fio-write.bin"):
+            if os.path.exists(os.path.join(directory, name)):
+                os.unlink(os.path.join(directory, name))
 
 
 # -- the fast writer alone ----------------------------------------------------------------
@@ -191,9 +222,10 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
         store = engine.parts.optimizer_store
         store._link_state = lambda *args, **kwargs: False
         store._adopt_file = lambda *args, **kwargs: False
+        store.link_on_load = False  # a staged load copies the shard too (checkpoint/load.py [Note])
     numel = engine.parts.rank_layout.numel
     ckpt = os.path.join(directory, "ckpt")
-    saves, loads, sizes = [], [], []
+    saves, loads, sizes, load_io = [], [], [], []
     for i in range(repeats):
         shutil.rmtree(ckpt, ignore_errors=True)
         fio.drop_page_cache()
@@ -203,7 +235,9 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
             moved = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ckpt, "t"))
                         for f in fs if os.stat(os.path.join(d, f)).st_nlink == 1)
         fio.drop_page_cache()
-        loads.append(timed(lambda: engine.load_checkpoint(ckpt, tag="t")))
+        seconds, read, written = timed_io(lambda: engine.load_checkpoint(ckpt, tag="t"))
+        loads.append(seconds)
+        load_io.append([read, written])
     ck_bytes = statistics.median(sizes)
     store = engine.parts.optimizer_store
     copied = sum(sg.numel * 4 * (1 + len(store.state_names)) for sg in engine.parts.rank_layout.sub_groups)
@@ -212,7 +246,8 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
     engine.destroy()
     shutil.rmtree(swap, ignore_errors=True)
     out = {"params": numel, "setup_s": round(setup_s, 1), "checkpoint_bytes": ck_bytes, "checksum": checksum,
-           "copy": copy, "state_bytes": copied, "written_bytes": moved, "save_s": saves, "load_s": loads}
+           "copy": copy, "state_bytes": copied, "written_bytes": moved, "save_s": saves, "load_s": loads,
+           "load_io_bytes": load_io}
     if not with_torch:
         shutil.rmtree(ckpt, ignore_errors=True)
         return out
@@ -263,6 +298,12 @@ def report(r: dict) -> tuple[str, dict]:
     rows = {key: rates(r[key]) for key in ("engine", "engine_checksums", "engine_copy") if key in r}
     off, on = rows["engine"], rows["engine_checksums"]
     cp = rows.get("engine_copy")
+    # a copy reads and writes each state byte: fio doing both at once on the same disk is its limit
+    fc_s = r.get("fio_copy", {}).get("seconds")
+    fc_runs = ", ".join(f"{x['seconds']:.2f}" for x in r.get("fio_copy", {}).get("runs", []))
+    if cp:
+        cp["vs_fio_copy_save"] = fc_s / cp["save_s"] if fc_s else None
+        cp["vs_fio_copy_load"] = fc_s / cp["load_s"] if fc_s else None
     ratios = {
         "save_vs_torch_save": off["vs_torch_save"], "save_checksums_vs_torch_save": on["vs_torch_save"],
         "save_copy_vs_torch_save": cp["vs_torch_save"] if cp else None,
@@ -270,6 +311,8 @@ def report(r: dict) -> tuple[str, dict]:
         "save_copy_vs_disk_limit": cp["vs_limit"] if cp else None,
         "load_vs_fio_read": off["load_vs_fio_read"], "load_checksums_vs_fio_read": on["load_vs_fio_read"],
         "load_copy_vs_fio_read": cp["load_vs_fio_read"] if cp else None,
+        "save_copy_vs_fio_copy": cp.get("vs_fio_copy_save") if cp else None,
+        "load_copy_vs_fio_copy": cp.get("vs_fio_copy_load") if cp else None,
         "load_vs_torch_load": off["load"] / tload_gibs,
         "writer_alone_vs_fio_write": alone["safetensors write"] / fw if fw else None,
         "torch_save_via_writer_crc_off_vs_fio_write": alone["torch.save via FastFileWriter (crc32 off)"] / fw
@@ -280,13 +323,16 @@ def report(r: dict) -> tuple[str, dict]:
         return "—" if x is None else f"{x:.{d}f}"
 
     def engine_row(what: str, e: dict, x: dict) -> str:
+        copy_load = ""
         if e["copy"]:
-            moved = f"**{f(x['vs_limit'])}×** the disk limit for its bytes ({f(x['limit_s'], 2)} s)"
+            moved = (f"**{f(x.get('vs_fio_copy_save'))}×** fio's copy (read + write at once, "
+                     f"{f(fc_s, 2)} s), {f(x['vs_limit'])}× issue 11's disk limit ({f(x['limit_s'], 2)} s)")
+            copy_load = f", **{f(x.get('vs_fio_copy_load'))}×** fio's copy"
         else:  # a few KiB written, fsynced: no disk-bandwidth limit applies
             moved = f"it writes {e['written_bytes'] / 1024:.0f} KiB (no state byte moves)"
         return (f"| {what} | {e['checkpoint_bytes'] / GIB:.2f} GiB | "
                 f"{f(x['save'])} | {f(x['load'])} | save **{f(x['vs_torch_save'], 1)}×** torch.save, {moved}; "
-                f"load **{f(x['load_vs_fio_read'])}×** fio read |")
+                f"load **{f(x['load_vs_fio_read'])}×** fio read{copy_load} |")
 
     ck = eng["checkpoint_bytes"]
     lines = [
@@ -298,7 +344,9 @@ def report(r: dict) -> tuple[str, dict]:
         f"goes to a new file (fio's too).",
         "",
         "Goals (issue 11): save ≥ 10× torch.save and ≥ 0.7× the disk's limit for the bytes it moves; load ≥ 0.7× "
-        "fio's best read; the fast writer alone ≥ 0.8× fio's best write.",
+        "fio's best read; the fast writer alone ≥ 0.8× fio's best write. Issue 23: a load with checksums on "
+        "≥ 0.8× fio's read (each byte read once); with links refused, save and load ≥ 0.7× the disk's limit "
+        "for a copy (fio reading and writing the state's bytes at once).",
         "",
         "| what | bytes | write / save GiB/s | read / load GiB/s | ratios |",
         "|---|---:|---:|---:|---|",
@@ -314,12 +362,14 @@ def report(r: dict) -> tuple[str, dict]:
         engine_row(f"engine save_checkpoint / load_checkpoint ({eng['params'] / 1e6:.0f}M GPT, params + optimizer "
                    "on NVMe), swap checksums off: swap files hard-linked, shards linked back", eng, off),
         engine_row("the same, swap checksums on (the default): linked, digests carried; the load reads every "
-                   "shard to verify it, then links it back", r["engine_checksums"], on),
+                   "shard once, hashing it as it streams into the staging buffer, then links it back "
+                   "(the masters come from that buffer)", r["engine_checksums"], on),
     ]
     if cp:
         lines.append(engine_row("the same, checksums on, links refused (a checkpoint on another file system): "
                                 "state copied swap file → shard through locked buffers (O_DIRECT); the load "
-                                "verifies, then reads into the swapper and writes new swap files",
+                                "reads each shard once, hashing it, into the swapper's buffer while writing it "
+                                "to a staging swap file, published once all verified",
                                 r["engine_copy"], cp))
     lines += [
         f"| torch.save / torch.load of the same state (buffered, fsync) | {eng['torch_bytes'] / GIB:.2f} GiB | "
@@ -338,10 +388,24 @@ def report(r: dict) -> tuple[str, dict]:
         "- fio: several jobs now split the new file between them; before (up to 2026-11-23 11:54) each of 4 "
         "jobs wrote the whole file, so fio counted 4x the bytes, the later jobs rewriting blocks already "
         "allocated: that run's 3.71 GiB/s \"best write\" was not a new file's speed (one job: 2.27-2.30)",
+        "- before issue 23 (run of 2026-11-23 14:05, commit b4e7024, fio read 2.69, write 2.36 GiB/s): checksums "
+        "on, the load read every shard twice (verify, then the masters again): 2.65 s, 0.49× fio read; links "
+        "refused: save 3.11 s (0.42× issue 11's limit), load 5.08 s (0.25× fio read: verify, read into the "
+        "swapper, write the swap file, one after the other)",
         "- the first save after a step waits for that step's last optimizer writes (the step leaves them in "
         "flight for the next forward): the first of each row's runs",
-        f"- load vs torch.load of the same state: {f(ratios['load_vs_torch_load'])}×; a load also writes the "
-        "fp32 parameters into the parameter swap files (1/3 of the state's bytes)",
+        f"- load vs torch.load of the same state: {f(ratios['load_vs_torch_load'])}×; the fp32 parameters live "
+        "in the optimizer's master region (stores/param_store.py), so a load writes no parameter file",
+        "- bytes each load moved (/proc/self/io, median over runs; the checkpoint holds "
+        f"{ck / GIB:.2f} GiB): " + "; ".join(
+            f"{key} read {med(v[0] for v in r[key]['load_io_bytes']) / GIB:.2f} GiB, wrote "
+            f"{med(v[1] for v in r[key]['load_io_bytes']) / GIB:.2f} GiB"
+            for key in rows if r[key].get("load_io_bytes")),
+        (f"- fio's copy (bench/checkpoint_io.py fio_copy; tools/fio.py read_write_together): read and write "
+         f"{r['fio_copy']['read_bytes'] / GIB:.2f} GiB each at once, {r['fio_copy']['engine']}, bs 4M, iodepth "
+         f"{r['fio_copy']['iodepth']}, --mem={r['fio_copy']['mem']}, fastest of {len(r['fio_copy']['runs'])}: "
+         f"{f(fc_s, 2)} s (runs: {fc_runs})"
+         if fc_s else "- fio's copy: not measured"),
         f"- fio grid (best of {r['repeats']} each): " + "; ".join(
             f"{x['rw']} iodepth {x['iodepth']} x {x['numjobs']} jobs "
             + (f"{x['gibs']:.2f}" if "gibs" in x else "failed") for x in fio.get("rows", [])),
@@ -423,6 +487,8 @@ def main(argv=None) -> int:
     print("engine_checksums", json.dumps(r["engine_checksums"]), flush=True)
     r["engine_copy"] = engine_and_torch(args.dir, args.repeats, args.layers, "auto", False, copy=True)
     print("engine_copy", json.dumps(r["engine_copy"]), flush=True)
+    r["fio_copy"] = fio_copy(args.dir, r["engine_copy"]["state_bytes"], args.repeats)
+    print("fio_copy", json.dumps(r["fio_copy"]), flush=True)
     r["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     body, ratios = report(r)
     r["ratios"] = ratios

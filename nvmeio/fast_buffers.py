@@ -82,6 +82,11 @@ class IOBuffers:
         self.stats = FastIOStats()
         self.closed = False
 
+    @property
+    def buffers_made(self) -> bool:
+        """Whether the locked buffers exist already (made at first use)."""
+        return bool(self._buffers)
+
     def buffers(self) -> list:
         """The locked buffers (uint8 tensors), allocated on first use."""
         if not self._buffers:

@@ -162,6 +162,13 @@ class SafetensorsWriter:
         self._file = file if file is not None else FastFileWriter(
             path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
         self.name = self._file.name
+        reserve = getattr(self._file, "reserve", None)  # the fast writer allocates the file at once
+        if reserve is not None:
+            try:
+                reserve(self.data_start + self.data_bytes)
+            except BaseException:
+                self._file.abort()
+                raise
         self._file.write(raw)
 
     def infos(self) -> List[TensorInfo]:

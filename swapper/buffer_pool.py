@@ -21,6 +21,7 @@ from typing import Iterable, List, Optional
 
 import torch
 
+
 from .errors import BufferTooSmallError, InsufficientHostMemoryError, PoolExhaustedError, SwapStateError
 from .host_memory import HostMemory, format_bytes
 

@@ -75,22 +75,38 @@ def _digest_fn(algorithm: ChecksumAlgorithm) -> Callable[[memoryview], int]:
         ) from exc
 
 
-def digest_chunks(algorithm: ChecksumAlgorithm, chunks: Iterable[memoryview]) -> int:
-    """The digest of the bytes of ``chunks`` taken in order: equal to the one
-    :meth:`ChecksumTable.digest` gives those bytes at once (to check a file while
-    streaming it, never whole in memory)."""
-    if algorithm is ChecksumAlgorithm.XXHASH:
-        _digest_fn(algorithm)  # the clear ImportError where the package is missing
-        import xxhash
+class StreamingDigest:
+    """A digest fed piece by piece (``update``), equal to the one :meth:`ChecksumTable.digest`
+    gives all the pieces' bytes at once (to check a file while streaming it, never whole in
+    memory)."""
 
-        state = xxhash.xxh3_64()
-        for chunk in chunks:
-            state.update(chunk)
-        return state.intdigest()
-    fn, value = _digest_fn(algorithm), 0
+    def __init__(self, algorithm: ChecksumAlgorithm):
+        fn = _digest_fn(algorithm)  # the clear ImportError where the package is missing
+        self._state = None
+        self._value = 0
+        if algorithm is ChecksumAlgorithm.XXHASH:
+            import xxhash
+
+            self._state = xxhash.xxh3_64()
+        else:
+            self._fn = fn
+
+    def update(self, piece: memoryview) -> None:
+        if self._state is not None:
+            self._state.update(piece)
+        else:
+            self._value = self._fn(piece, self._value)
+
+    def value(self) -> int:
+        return self._state.intdigest() if self._state is not None else self._value
+
+
+def digest_chunks(algorithm: ChecksumAlgorithm, chunks: Iterable[memoryview]) -> int:
+    """The digest of the bytes of ``chunks`` taken in order (see :class:`StreamingDigest`)."""
+    state = StreamingDigest(algorithm)
     for chunk in chunks:
-        value = fn(chunk, value)
-    return value
+        state.update(chunk)
+    return state.value()
 
 
 def _memory(t: torch.Tensor) -> memoryview:

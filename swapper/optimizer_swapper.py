@@ -40,6 +40,7 @@ from .sub_group import (
     SubGroupTensors,
     covered_elements,
 )
+from .staged_state import StagedState
 from .sub_group_files import SubGroupFiles
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
@@ -110,6 +111,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         self.swap_gradients = swap_gradients
         self._groups: Dict[int, SubGroupEntry] = {}
         self._grad_swapper: Optional[AsyncTensorSwapper] = None
+        self._staged: Dict[int, StagedState] = {}  # sub-group id -> state staged, not published yet
         super().__init__(
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,

@@ -247,6 +247,17 @@ class SwapDirectory:
         self._created.add(file_name)
         return path
 
+    def track(self, file_name: str) -> str:
+        """Count ``file_name``, made by other means (a hard link, a rename), as this swapper's:
+        removed at cleanup. Its mode is left as it is (a link shares it with another name)."""
+        path = self.file(file_name)
+        self._created.add(file_name)
+        return path
+
+    def untrack(self, file_name: str) -> None:
+        """Stop counting ``file_name`` (renamed away: nothing is left to remove)."""
+        self._created.discard(file_name)
+
     def size(self, file_name: str) -> int:
         """Current size of ``file_name`` in bytes; 0 if it does not exist."""
         try:

@@ -51,6 +51,7 @@ class SwapperBase(abc.ABC):
     ):
         self.dtype = dtype
         self.pin_memory = pin_memory
+        self.aio_config = config  # for a handle of its own where one is needed (staged_state.py)
         self._checksums = checksum_table(checksum)
         self.io_bytes = IoBytes()  # what this swapper's queues moved (tests and benchmarks read it)
         self._pool: Optional[PinnedBufferPool] = None

@@ -266,3 +266,23 @@ def test_a_character_device_is_written_in_place_not_replaced(nvme_dir):
     with nvmeio.FastFileWriter(node, **SMALL) as f:       # fsync's EINVAL is no error
         torch.save({"w": torch.ones(5000)}, f)
     assert stat.S_ISCHR(os.stat(node).st_mode) and os.listdir(nvme_dir) == ["null"]
+
+
+@pytest.mark.parametrize("written,reserved", [(5000, 10 << 20), (3 * 8192 + 7, 3 * 8192 + 7), (100, 0)])
+def test_reserved_bytes_not_written_are_cut_off_at_close(tmp_path, written, reserved):
+    """reserve() allocates the whole file up front; the file still ends at its last byte."""
+    data = random_bytes(written, 3).tobytes()
+    path = tmp_path / "f.bin"
+    with nvmeio.FastFileWriter(path, **SMALL) as f:
+        f.reserve(reserved)
+        f.write(data)
+    assert file_bytes(path) == data
+
+
+def test_a_reservation_the_disk_cannot_hold_fails_before_writing(tmp_path):
+    path = tmp_path / "f.bin"
+    f = nvmeio.FastFileWriter(path, **SMALL)
+    with pytest.raises(OSError, match="cannot allocate"):
+        f.reserve(1 << 60)
+    f.abort()
+    assert not path.exists() and os.listdir(tmp_path) == []

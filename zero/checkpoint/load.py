@@ -6,6 +6,17 @@ missing or damaged file (a shard whose bytes differ from the checksums it
 carries included) leaves weights and counters untouched. An I/O error
 while the checked state is written into the stores leaves the engine
 refusing to run until a checkpoint is loaded again.
+
+[Note: verified while loading]
+A shard that carries checksums is read once: where the store can stage it
+(the optimizer on NVMe, same layout), the check reads it into a staging swap
+file (a hard link of the shard, or a copy written as it is read) and hashes
+the bytes on the way (swapper/staged_state.py); only once every shard of the
+checkpoint matched on every rank does the apply step publish the staged
+files (a rename each) and take the masters from the staging buffers. A
+mismatch, or a failure on another rank, discards the staged files: the
+engine never saw them. Other shards are verified by a read of their own,
+then loaded.
 """
 from __future__ import annotations
 
@@ -17,11 +28,12 @@ from typing import Optional, Tuple
 import torch
 
 from nvmeio import SafetensorsReader
+from swapper.checksum import ChecksumAlgorithm
 
 from ..runtime.timers import log_rank0
 from .format import (BUFFERS, LATEST, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
                      sub_group_file, unsafe_error)
-from .shard_io import CheckpointIO, shard_checksums
+from .shard_io import CheckpointIO, check_digests, shard_checksums
 
 
 def _check_same_model(meta: dict, engine) -> None:
@@ -34,10 +46,19 @@ def _check_same_model(meta: dict, engine) -> None:
         raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
 
 
-def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_states: bool) -> torch.Tensor:
+def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_states: bool,
+                    staged) -> torch.Tensor:
     """A sub-group from this rank's own shard file (same layout), taken by the store that holds
-    it (file to file where it can); returns the master."""
+    it (file to file where it can, published where _stage_shards staged it); returns the master."""
     path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
+    if staged is not None:  # verified: the bytes staged are the ones the shard carries digests of
+        with SafetensorsReader(path, direct=False) as shard:  # its header alone
+            carried = shard_checksums(shard)
+        master = engine.checkpointed_state.publish_shard(sg, staged, carried)
+        if master is not None:
+            return master
+        with cio.shard_reader(path) as shard:  # its staging buffer went to a later sub-group
+            return shard.get_tensor("master")
     with cio.shard_reader(path) as shard:
         for k in keys:
             numel = shard.info(k).shape[0] if shard.info(k).shape else 1
@@ -52,6 +73,30 @@ def _check_carried(cio: CheckpointIO, paths, keys) -> None:
     """Every shard that carries checksums matches them (each file read once, streaming)."""
     for path in dict.fromkeys(paths):
         cio.verify_shard(path, keys)
+
+
+def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states: bool, staged: dict) -> list:
+    """Stage (read once, hashing) each own shard that carries checksums where the store can,
+    checking the digests ([Note: verified while loading]); ``staged`` gets sub-group index ->
+    staged state. Returns the paths left to verify by a read of their own."""
+    store, rest = engine.checkpointed_state, []
+    for sg in engine.rank_layout.sub_groups:
+        path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
+        with SafetensorsReader(path, direct=False) as shard:  # its header; the data is read staged
+            carried = shard_checksums(shard)
+            if carried is None:
+                continue  # nothing to verify: loaded as before
+            algorithm = ChecksumAlgorithm(carried[0])
+            missing = [k for k in keys if k not in carried[1]]
+            item = None if missing else store.stage_shard(sg, shard, path, keys, load_states, algorithm)
+        if item is None:
+            rest.append(path)
+            continue
+        staged[sg.index] = item
+        cio.stats.files_read += 1
+        cio.stats.bytes_read += item.bytes_read
+        check_digests(path, carried, keys, item.digests)
+    return rest
 
 
 def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
@@ -93,7 +138,7 @@ def _load_object(cio: CheckpointIO, path: str, checkpoint: str):
 
 
 def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReader, own_shards: bool,
-                  keys) -> None:
+                  keys, load_states: bool, staged: dict) -> None:
     """Every shard file, key and element range the load will read is there, and its bytes
     match the checksums it carries (see checkpoint_io.py [Note: checksums travel with the
     state])."""
@@ -118,6 +163,8 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
             for k in keys:
                 reader.check(index, first, first + unit.shard_numel, k)
             paths.extend(reader.files(index, first, first + unit.shard_numel))
+    if own_shards:
+        paths = _stage_shards(engine, cio, checkpoint, keys, load_states, staged)
     _check_carried(cio, paths, keys)
 
 
@@ -134,6 +181,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     cio = CheckpointIO(engine.config.checkpoint.writer)
     reader = None
     error = None
+    staged: dict = {}  # sub-group index -> its shard staged and verified, until published
     try:
         meta = read_meta(checkpoint)
         _check_same_model(meta, engine)
@@ -144,7 +192,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         load_states = load_optimizer_states and set(names) <= set(meta.get("state_names", []))
         keys = ["master"] + (list(names) if load_states else [])
         reader = ShardReader(checkpoint, meta)
-        _check_shards(engine, cio, checkpoint, reader, own_shards, keys)
+        _check_shards(engine, cio, checkpoint, reader, own_shards, keys, load_states, staged)
         path = engine_file(checkpoint, comm.rank if same_layout else 0)
         state = _load_object(cio, path, checkpoint)
         _check_engine_state(state, path)
@@ -158,13 +206,15 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
             raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")
         try:
             _apply(engine, cio, reader, checkpoint, own_shards, keys, load_states, state, buffers,
-                   load_optimizer_states, load_lr_scheduler_states)
+                   load_optimizer_states, load_lr_scheduler_states, staged)
         except BaseException as exc:
             engine.mark_unusable(f"load_checkpoint({checkpoint}) failed while writing the checked state into "
                                  f"the engine ({type(exc).__name__}: {exc}); the engine holds a mix of states. "
                                  f"Load a checkpoint again (engine.load_checkpoint) before using it")
             raise
     finally:
+        for item in staged.values():  # those not published (the load failed somewhere)
+            engine.checkpointed_state.discard_staged(item)
         if reader is not None:
             reader.close()
         cio.close("loaded", comm.rank)
@@ -175,14 +225,20 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
 
 def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_shards: bool, keys,
            load_states: bool, state: dict, buffers: dict, load_optimizer_states: bool,
-           load_lr_scheduler_states: bool) -> None:
+           load_lr_scheduler_states: bool, staged: dict) -> None:
+    store = engine.checkpointed_state
     with torch.no_grad():
         for sg in engine.rank_layout.sub_groups:
-            if own_shards:
-                master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states)
-            else:
-                master = _load_resharded(engine, reader, sg, keys, load_states)
-            engine.load_parameters(sg, master)
+            item = staged.pop(sg.index, None)
+            try:
+                if own_shards:
+                    master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states, item)
+                else:
+                    master = _load_resharded(engine, reader, sg, keys, load_states)
+                engine.load_parameters(sg, master)
+            finally:
+                if item is not None:
+                    store.discard_staged(item)  # its buffer (a published file stays)
         engine.finish_load()
     for key in _COUNTERS:
         setattr(engine, key, state[key])

@@ -17,12 +17,13 @@ page]); a load on the same layout links the shard back as the swap file and
 reads only the masters (for the parameters). The gradient written during
 backward has a file of its own, so nothing writes a linked file again. Where
 no link can be made (another file system), the bytes are copied: read O_DIRECT
-into the writer's locked buffers and written O_DIRECT (``type: fast``;
-faster on ext4 than ``copy_file_range``, which copies through the page cache
-and must then be fsynced: bench/checkpoint_io.py, bench/RESULTS.md) or by ``copy_file_range`` (``type:
-python``); on load, where no link can be made, read straight into the
-swapper's pool buffer (``import_state``). State in memory is written through
-the writer.
+into the writer's locked buffers and written O_DIRECT into a file allocated
+whole up front (``type: fast``; faster on ext4 than ``copy_file_range``, which
+copies through the page cache and must then be fsynced: bench/checkpoint_io.py,
+bench/RESULTS.md) or by ``copy_file_range`` (``type: python``); on load, where
+no link can be made, read straight into the swapper's pool buffer and written
+to a staging swap file as it arrives (load.py [Note: verified while loading]).
+State in memory is written through the writer.
 
 [Note: checksums travel with the state]
 With swap checksums on, the swapper recorded a digest of each tensor when it
@@ -30,9 +31,10 @@ wrote the state; the shard carries them in its metadata (``checksum``: the
 algorithm, ``checksum.<name>``: hex digests), so a save links or copies the
 bytes without reading them. A load reads every shard it uses front to back
 before it changes anything and refuses one whose bytes differ
-(:class:`CheckpointCorruptionError`, naming file and tensor); a shard linked
-back as a swap file keeps its digests, which the swapper verifies at each
-swap-in. Damage to a swap file between its write and a save is therefore
+(:class:`CheckpointCorruptionError`, naming file and tensor); where the store
+stages shards, that read is the load itself, each byte read once (load.py
+[Note: verified while loading]). A shard linked back as a swap file keeps
+its digests, which the swapper verifies at each swap-in. Damage to a swap file between its write and a save is therefore
 caught by the load of that checkpoint (and by the next swap-in of the
 sub-group), not by the save: verifying at save would mean reading every byte,
 which is what made saves slow, and would not cover damage after the save.
@@ -40,6 +42,7 @@ which is what made saves slow, and would not cover damage after the save.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -80,6 +83,21 @@ def shard_checksums(shard: SafetensorsReader) -> Optional[Tuple[str, Dict[str, i
         raise CheckpointCorruptionError(f"checkpoint shard {shard.name} is damaged: its checksums cannot be "
                                         f"read ({error})") from None
     return algorithm.value, digests
+
+
+def check_digests(path: str, carried: Tuple[str, Mapping[str, int]], keys: Sequence[str],
+                  actual: Mapping[str, int]) -> None:
+    """``actual`` (the digest of each of ``keys``, computed as the shard was read) equals what
+    the shard carries; else :class:`CheckpointCorruptionError` naming the file and the tensor."""
+    algorithm, digests = carried
+    for key in keys:
+        if key not in digests:
+            raise CheckpointCorruptionError(f"checkpoint shard {path} is damaged: it carries checksums "
+                                            f"but none of {key!r}")
+        if actual[key] != digests[key]:
+            raise CheckpointCorruptionError(
+                f"checkpoint shard {path} is damaged: {algorithm} of {key!r} is {actual[key]:016x}, "
+                f"saved as {digests[key]:016x}; nothing was loaded")
 
 
 def shard_spec(numel: int, names: Sequence[str]) -> Dict[str, Tuple[torch.dtype, Tuple[int]]]:
@@ -160,19 +178,18 @@ class CheckpointIO:
             carried = shard_checksums(shard)
             if carried is None:
                 return False
-            algorithm, digests = ChecksumAlgorithm(carried[0]), carried[1]
-            for key in keys:
-                if key not in digests:
-                    raise CheckpointCorruptionError(f"checkpoint shard {path} is damaged: it carries checksums "
-                                                    f"but none of {key!r}")
-                actual = digest_chunks(algorithm, shard.views(key))
-                if actual != digests[key]:
-                    raise CheckpointCorruptionError(
-                        f"checkpoint shard {path} is damaged: {algorithm.value} of {key!r} is {actual:016x}, "
-                        f"saved as {digests[key]:016x}; nothing was loaded")
+            algorithm = ChecksumAlgorithm(carried[0])
+            check_digests(path, carried, keys, {k: digest_chunks(algorithm, shard.views(k)) for k in keys})
         return True
 
     def _reader(self, path: str) -> FastFileReader:
+        size = os.path.getsize(path)
+        if self.io is None or not self.io.buffers_made:
+            if size < self.config.io_buffer_size:
+                # A small file (engine.pt, buffers.pt) on a buffer of its size: locking the
+                # writer's two io_buffer_size buffers for it cost more than reading it (~0.17 s
+                # for 2 x 64 MiB), and a staged load needs them for nothing else.
+                return FastFileReader(path, buffer_size=max(4096, size), double_buffer=False)
         return FastFileReader(path, io=self._read_io())
 
     def _read_io(self) -> FastIO:

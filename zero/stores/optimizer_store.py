@@ -115,6 +115,26 @@ class OptimizerStore(abc.ABC):
         self.load(sub_group, master, {k: shard.get_tensor(k) for k in keys[1:]} if load_states else None)
         return master
 
+    def stage_shard(self, sub_group: SubGroup, shard, path: str, keys: Sequence[str], load_states: bool,
+                    algorithm) -> Optional[object]:
+        """Read the sub-group's own shard once into a staging place, hashing each of ``keys``
+        with ``algorithm`` on the way, without changing the sub-group (see
+        swapper/staged_state.py [Note: a staged load reads each byte once]); returns the
+        staged state (its ``digests`` for the caller to check), or None where this store
+        cannot stage (the caller verifies and loads the shard as two reads)."""
+        return None
+
+    def publish_shard(self, sub_group: SubGroup, staged,
+                      carried: Tuple[str, Dict[str, int]]) -> Optional[torch.Tensor]:
+        """Make a staged shard (verified: its digests equal ``carried``) the sub-group's state;
+        returns the master from memory (valid until :meth:`discard_staged`), or None where
+        the staging buffer is gone (the caller reads the master from the shard)."""
+        raise NotImplementedError
+
+    def discard_staged(self, staged) -> None:
+        """Free what a staged shard holds: all of it where it was not published (the load
+        failed), the staging buffer where it was."""
+
     def check_free_space(self) -> None:
         """Refuse now if the swap files will not fit (before the model is handed over)."""
 
@@ -396,6 +416,31 @@ class NvmeOptimizerStore(OptimizerStore):
         if master is not None:
             return master
         return super().load_shard(sub_group, shard, path, keys, load_states)
+
+    link_on_load = True  # a staged shard is hard-linked where it can be (False: always copied)
+
+    def stage_shard(self, sub_group: SubGroup, shard, path: str, keys: Sequence[str], load_states: bool,
+                    algorithm) -> Optional[object]:
+        if not load_states or not sub_group.numel:
+            return None
+        offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
+        own = self.swapper.checksum
+        if (own is not None and own is not algorithm) or not self.swapper.can_stage(
+                sub_group.index, {k: (path, o) for k, o in offsets.items()}):
+            return None
+        t0 = time.perf_counter()
+        try:
+            return self.swapper.stage_state(sub_group.index, {k: (path, o) for k, o in offsets.items()},
+                                            algorithm, link=self.link_on_load)
+        finally:
+            self.read_wait_seconds += time.perf_counter() - t0
+
+    def publish_shard(self, sub_group: SubGroup, staged,
+                      carried: Tuple[str, Dict[str, int]]) -> Optional[torch.Tensor]:
+        return self.swapper.publish_staged(staged, carried if self.swapper.checksum is not None else None)
+
+    def discard_staged(self, staged) -> None:
+        self.swapper.discard_staged(staged)
 
     def _stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         # With checksums on, the checkpoint carries the digests recorded when the file was

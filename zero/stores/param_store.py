@@ -346,5 +346,11 @@ class MasterFromParameters:
     def load_shard(self, sub_group: SubGroup, shard, path: str, keys, load_states: bool, carried=None) -> torch.Tensor:
         return shard.get_tensor("master")
 
+    def stage_shard(self, sub_group: SubGroup, shard, path: str, keys, load_states: bool, algorithm):
+        return None  # verified by a read of its own, then its master read (the parameters' values)
+
+    def discard_staged(self, staged) -> None:
+        pass
+
     def load(self, sub_group: SubGroup, master: torch.Tensor, states) -> None:
         """Nothing beside the parameters, which the engine writes from the master."""
