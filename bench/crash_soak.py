@@ -293,7 +293,7 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
     os.makedirs(nvme)
     live = _live_job(nvme)  # another job's directory under the same nvme_path: never touched
     phases, loads, saved, failures, lives, full = Counter(), 0, [], [], 0, 0
-    survivor_s, survivor_errors = [], Counter()
+    survivor_s, survivor_errors = [], Counter()  # [phase of the kill, s], exception names
     t0 = time.perf_counter()
     while True:
         faults, kill, victim = {}, None, rng.randrange(ranks)
@@ -311,8 +311,8 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
         loads += sum(1 for line in life.logs[0].splitlines() if line.startswith("loaded "))
         saved += [line.split()[1] for line in life.logs[0].splitlines() if line.startswith("saved ")]
         for rank, seconds in life.survivor_s.items():
-            if life.codes[rank] != 0:
-                survivor_s.append(seconds)
+            if life.codes[rank] != 0:  # (0: its peer died after the last collective)
+                survivor_s.append([life.phase or "enospc", seconds])
                 survivor_errors[_error_name(life.logs[rank])] += 1
         problem = _life_problem(life, faults, root, lives, bound)
         if problem:
