@@ -3,6 +3,7 @@ optimizer states on NVMe, checkpointing every few steps, and is SIGKILLed at ran
 instants, restarting from ``latest`` each time.
 
     python bench/crash_soak.py --kills 200 --results-md bench/RELIABILITY.md
+    python bench/crash_soak.py --ranks 2 --kills 60 --enospc 0.1 --results-md bench/RELIABILITY.md
 
 Each kill lands in a phase the worker last recorded (start-up, load_checkpoint,
 forward, backward, step, save_checkpoint). What is checked:
@@ -14,6 +15,14 @@ forward, backward, step, save_checkpoint). What is checked:
   completed checkpoint lost);
 - the swap directories of killed workers are reclaimed by the next one (they share a
   job id), and a live job's directory beside them is untouched.
+
+With ``--ranks 2`` each life is two gloo ranks (each on its half of every batch, in a
+group of its own with timeout ``--pg-timeout``); one of them, at random, is killed (or
+gets the ENOSPC), and the other must then exit with an error on its own within
+``--bound`` s: one still running is stopped (SIGABRT: its stacks in the report) and the
+soak fails. A rank killed during start-up leaves its peer in the rendezvous, which gives
+up after the group's timeout; a death later makes the peer's next collective fail at once
+(the TCP connection is reset). Every rank's digest must equal the uninterrupted run's.
 
 The test suite runs a small version (tests/test_crash_soak.py); this script is the
 long one, results in bench/RELIABILITY.md.
@@ -314,6 +323,8 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
             if life.codes[rank] != 0:  # (0: its peer died after the last collective)
                 survivor_s.append([life.phase or "enospc", seconds])
                 survivor_errors[_error_name(life.logs[rank])] += 1
+        print(f"life {lives}: exits {life.codes}, killed {life.killed} in {life.phase or '-'}, faults {faults or '-'}, "
+              f"the others exited {life.survivor_s or '-'} s after", file=sys.stderr, flush=True)  # progress
         problem = _life_problem(life, faults, root, lives, bound)
         if problem:
             failures.append(problem)
@@ -476,8 +487,30 @@ def markdown(result: dict, command: str) -> str:
              f"{len(result.get('swap_leftovers', []))} | "
              f"{'yes' if any('live job' in f for f in result['failures']) else 'no'} | {verdict} |", "",
              f"- kills by phase: {phases}.",
+             *(_survivors(result) if result.get("ranks", 1) > 1 else []),
              *[f"- failure: {f[:500]}" for f in result["failures"]], ""]
     return "\n".join(lines)
+
+
+def _survivors(result: dict) -> list:
+    """The lines of a multi-rank run: how long the other rank took to fail, by the phase of the death."""
+    import statistics
+
+    def stats(seconds):
+        return f"median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s over {len(seconds)}"
+
+    times = result["survivor_fail_s"]
+    if not times:
+        return ["- no rank outlived its peer's death."]
+    by_phase = {}
+    for at, seconds in times:
+        by_phase.setdefault(at, []).append(seconds)
+    errors = ", ".join(f"{name} {n}" for name, n in sorted(result["survivor_errors"].items(), key=lambda e: -e[1]))
+    return [f"- {result['ranks']} gloo ranks, one killed (or given the ENOSPC) per life; the other must exit on its "
+            f"own within {result['bound_s']:g} s of that death. It did: {stats([s for _, s in times])}.",
+            "- by the phase of the death: " + "; ".join(f"{at} {stats(by_phase[at])}"
+                                                         for at in (*PHASES, "enospc") if at in by_phase) + ".",
+            f"- what the survivors died of: {errors}."]
 
 
 def main(argv=None) -> int:
