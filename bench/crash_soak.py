@@ -229,8 +229,8 @@ def run_life(procs: list, work: str, kill: Optional[tuple], bound: float, timeou
                 kill = None
         if (death is not None and now - death > bound) or now - t0 > timeout:
             life.hung = [r for r, p in enumerate(procs) if p.poll() is None]
-            _stop([procs[r] for r in life.hung])
-            continue
+            _stop([procs[r] for r in life.hung])  # not exits of their own: no survivor time
+            break
         time.sleep(0.01)
     if death is not None:
         life.survivor_s = {r: round(t - death, 3) for r, t in exited.items() if r != life.first}
