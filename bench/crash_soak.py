@@ -6,7 +6,7 @@ instants, restarting from ``latest`` each time.
     python bench/crash_soak.py --ranks 2 --kills 60 --enospc 0.1 --results-md bench/RELIABILITY.md
 
 Each kill lands in a phase the worker last recorded (start-up, load_checkpoint,
-forward, backward, step, save_checkpoint). What is checked:
+forward, backward, step, save_checkpoint, the end after the last step). What is checked:
 - every restart loads the checkpoint ``latest`` names (a worker that fails to load
   exits with status 3 and the soak fails);
 - the run ends bit-identical to an uninterrupted run of the same steps (a digest of
@@ -49,7 +49,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Crash anywhere, resume exactly (bench/crash_soak.py)"
 SECTION_RANKS = "## Crash anywhere, resume exactly: two ranks (bench/crash_soak.py --ranks 2)"
-PHASES = ("start", "load", "forward", "backward", "step", "save")
+PHASES = ("start", "load", "forward", "backward", "step", "save", "end")
 
 
 def config(nvme: str, job: str) -> dict:
@@ -140,6 +140,7 @@ def worker(args) -> int:
             phase("save")
             engine.save_checkpoint(ckpt)
             print(f"saved global_step{engine.global_steps}", flush=True)
+    phase("end")  # the digest (collectives), destroy, the result: a peer killed here may leave us done
     result = {"digest": state_digest(engine), "losses": losses}
     engine.destroy()
     out = os.path.join(args.work, f"result{args.rank}.json")
