@@ -296,16 +296,16 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
     it must fail with an error naming the file, and the next life resume from ``latest``
     (the Nth write under ``root``, N uniform in 1 .. ``enospc_nth_max``). With ``ranks`` > 1 a
     life is that many gloo ranks; one (at random) is killed or gets the ENOSPC, and every other
-    must then fail on its own within ``bound`` s (default: 2 ``pg_timeout`` + 30, see the
+    must then fail on its own within ``bound`` s (default: ``pg_timeout`` + 120, see the
     [Note] below)."""
     rng = random.Random(seed)
     job = Job(steps, save_every, layers, d_model, ranks, pg_timeout)
     # [Note: how long a survivor may take] A rank dying in a collective fails its peer at once
-    # (the connection resets: ~1-2 s here). One dying in start-up, before rank 0's TCPStore
+    # (the connection resets: ~1-4 s here). One dying in start-up, before rank 0's TCPStore
     # listens, leaves the peer's store client connecting until the timeout; torch then sleeps
-    # a jittered backoff (13-23 s seen) and tries once more before it raises: up to about
-    # twice the timeout after its own imports.
-    bound = bound or 2 * pg_timeout + 30.0
+    # one jittered backoff (c10d ExponentialBackoffWithJitter: up to 1.5 x 60 s) and tries
+    # once more before it raises: the peer's imports + the timeout + up to 90 s.
+    bound = bound or pg_timeout + 120.0
     ref = reference(root, job, timeout)
     work, nvme = os.path.join(root, "soak"), os.path.join(root, "soak-nvme")
     os.makedirs(work)
@@ -316,7 +316,9 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
     t0 = time.perf_counter()
     while True:
         faults, kill, victim = {}, None, rng.randrange(ranks)
-        if enospc and rng.random() < enospc and sum(phases.values()) < kills:
+        if _trained(work, steps):
+            pass  # a life from the last step only loads and ends: it runs out, and the training starts over
+        elif enospc and rng.random() < enospc and sum(phases.values()) < kills:
             faults[victim] = f"fail_nth={rng.randint(1, enospc_nth_max)},errno=ENOSPC,op=write,path_contains={root}"
         elif sum(phases.values()) < kills:
             # a fraction ``start_kills`` from the start (start-up); the others at a uniform instant
@@ -387,6 +389,15 @@ def _error_name(log: str) -> str:
     if not lines:
         return "LOAD FAILED" if "LOAD FAILED" in log else "no traceback"
     return re.sub(r"^\[rank\d+\]: ", "", lines[-1]).split(":")[0]
+
+
+def _trained(work: str, steps: int) -> bool:
+    """``latest`` names the checkpoint of the last step."""
+    try:
+        with open(os.path.join(work, "ckpt", "latest")) as f:
+            return f.read().strip() == f"global_step{steps}"
+    except FileNotFoundError:
+        return False
 
 
 def _reset(work: str, ranks: int) -> None:
@@ -548,7 +559,7 @@ def main(argv=None) -> int:
     p.add_argument("--pg-timeout", type=float, default=30.0,
                    help="timeout of the ranks' gloo group, s (with --ranks > 1)")
     p.add_argument("--bound", type=float, default=0.0,
-                   help="a survivor must fail within this many s of its peer's death (default: 2 pg timeouts + 30)")
+                   help="a survivor must fail within this many s of its peer's death (default: pg timeout + 120)")
     p.add_argument("--enospc", type=float, default=0.0,
                    help="this fraction of lives gets ENOSPC at a random write instead of a kill")
     p.add_argument("--dir", default=None, help="where the runs' files go (default: a fresh temporary folder)")
