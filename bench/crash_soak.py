@@ -3,9 +3,10 @@ optimizer states on NVMe, checkpointing every few steps, and is SIGKILLed at ran
 instants, restarting from ``latest`` each time.
 
     python bench/crash_soak.py --kills 200 --results-md bench/RELIABILITY.md
+    python bench/crash_soak.py --ranks 2 --kills 60 --enospc 0.1 --results-md bench/RELIABILITY.md
 
 Each kill lands in a phase the worker last recorded (start-up, load_checkpoint,
-forward, backward, step, save_checkpoint). What is checked:
+forward, backward, step, save_checkpoint, the end after the last step). What is checked:
 - every restart loads the checkpoint ``latest`` names (a worker that fails to load
   exits with status 3 and the soak fails);
 - the run ends bit-identical to an uninterrupted run of the same steps (a digest of
@@ -14,6 +15,15 @@ forward, backward, step, save_checkpoint). What is checked:
   completed checkpoint lost);
 - the swap directories of killed workers are reclaimed by the next one (they share a
   job id), and a live job's directory beside them is untouched.
+
+With ``--ranks 2`` each life is two gloo ranks (each on its half of every batch, in a
+group of its own with timeout ``--pg-timeout``); one of them, at random, is killed (or
+gets the ENOSPC), and the other must then exit with an error on its own within
+``--bound`` s: one still running is stopped (SIGABRT: its stacks in the report) and the
+soak fails. A rank killed during start-up leaves its peer in the rendezvous, which gives
+up after the group's timeout (and torch's retry: [Note: how long a survivor may take]); a
+death later makes the peer's next collective fail at once (the TCP connection is reset).
+Every rank's digest must equal the uninterrupted run's.
 
 The test suite runs a small version (tests/test_crash_soak.py); this script is the
 long one, results in bench/RELIABILITY.md.
@@ -27,15 +37,19 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Crash anywhere, resume exactly (bench/crash_soak.py)"
-PHASES = ("start", "load", "forward", "backward", "step", "save")
+SECTION_RANKS = "## Crash anywhere, resume exactly: two ranks (bench/crash_soak.py --ranks 2)"
+PHASES = ("start", "load", "forward", "backward", "step", "save", "end")
 
 
 def config(nvme: str, job: str) -> dict:
@@ -67,13 +81,27 @@ def state_digest(engine) -> str:
     return h.hexdigest()
 
 
+def _join_group(timeout_s: float) -> None:
+    """The gloo group of a multi-rank life (RANK, WORLD_SIZE, MASTER_* come from the soak), made
+    here so that its timeout is ours: zero.initialize uses a group that exists, and without
+    one it would make gloo's default, 30 minutes, the time a survivor may wait for a dead peer."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # two ranks on a few shared cores
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def worker(args) -> int:
-    """One life of the training job: resume from latest, train to the end, or die trying."""
-    phase_file = os.path.join(args.work, "phase")
+    """One life of one rank of the training job: resume from latest, train to the end, or die trying."""
+    phase_file = os.path.join(args.work, f"phase{args.rank}")
 
     def phase(name: str) -> None:
-        with open(phase_file, "w") as f:  # read by the parent when it kills us
-            f.write(name)
+        with open(phase_file + ".tmp", "w") as f:  # read by the parent when it kills us: replaced
+            f.write(name)                          # whole, so that it never reads an empty file
+        os.replace(phase_file + ".tmp", phase_file)
 
     phase("start")
     import torch
@@ -81,10 +109,14 @@ def worker(args) -> int:
     import zero
     from zero.examples import GPT, GPTConfig, make_batches
 
+    if args.world_size > 1:
+        _join_group(args.pg_timeout)
     torch.manual_seed(0)
     c = GPTConfig(layers=args.layers, d_model=args.d_model)
     engine, _, _, _ = zero.initialize(model=GPT(c), config=config(args.nvme, args.job))
-    batches = make_batches(c, args.steps, 4, seed=1)
+    # Each rank takes its part of the same batches, so the reference of a world size is one run of it.
+    batches = [(x.chunk(args.world_size)[args.rank], y.chunk(args.world_size)[args.rank])
+               for x, y in make_batches(c, args.steps, 4 * args.world_size, seed=1)]
     ckpt = os.path.join(args.work, "ckpt")
     phase("load")
     if os.path.exists(os.path.join(ckpt, "latest")):
@@ -108,116 +140,273 @@ def worker(args) -> int:
             phase("save")
             engine.save_checkpoint(ckpt)
             print(f"saved global_step{engine.global_steps}", flush=True)
+    phase("end")  # the digest (collectives), destroy, the result: a peer killed here may leave us done
     result = {"digest": state_digest(engine), "losses": losses}
     engine.destroy()
-    with open(os.path.join(args.work, "result.json.tmp"), "w") as f:
+    out = os.path.join(args.work, f"result{args.rank}.json")
+    with open(out + ".tmp", "w") as f:
         json.dump(result, f)
-    os.replace(os.path.join(args.work, "result.json.tmp"), os.path.join(args.work, "result.json"))
+    os.replace(out + ".tmp", out)
     return 0
 
 
-def _spawn(work: str, nvme: str, job: str, steps: int, save_every: int, layers: int, d_model: int,
-           faults: str = ""):
-    env = dict(os.environ, NVMEIO_FAULTS=faults) if faults else None
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--worker", "--work", work, "--nvme", nvme, "--job", job,
-         "--steps", str(steps), "--save-every", str(save_every), "--layers", str(layers), "--d-model", str(d_model)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir(), env=env)
+@dataclass
+class Job:
+    """The training job every life runs, and how its ranks are started."""
+
+    steps: int = 12
+    save_every: int = 3
+    layers: int = 2
+    d_model: int = 32
+    ranks: int = 1
+    pg_timeout: float = 30.0  # the gloo group's timeout of a multi-rank life (_join_group)
+
+    def spawn(self, work: str, nvme: str, faults: Optional[dict] = None) -> list:
+        """One process per rank, each printing into ``work``/rank<r>.log; ``faults``: rank -> NVMEIO_FAULTS."""
+        port = _free_port()
+        procs = []
+        for rank in range(self.ranks):
+            with open(os.path.join(work, f"phase{rank}"), "w") as f:
+                f.write("start")  # not the last life's phase
+            env = dict(os.environ, PYTHONFAULTHANDLER="1")  # a hung rank stopped by SIGABRT prints its stacks
+            if (faults or {}).get(rank):
+                env["NVMEIO_FAULTS"] = faults[rank]
+            if self.ranks > 1:
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.ranks), OMP_NUM_THREADS="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            with open(os.path.join(work, f"rank{rank}.log"), "w") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--worker", "--work", work, "--nvme", nvme,
+                     "--job", "soak", "--steps", str(self.steps), "--save-every", str(self.save_every),
+                     "--layers", str(self.layers), "--d-model", str(self.d_model), "--rank", str(rank),
+                     "--world-size", str(self.ranks), "--pg-timeout", str(self.pg_timeout)],
+                    stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tempfile.gettempdir(), env=env))
+        return procs
 
 
-def _finish(proc, timeout: float):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def reference(root: str, steps: int, save_every: int, layers: int, d_model: int, timeout: float) -> dict:
+@dataclass
+class Life:
+    """What happened to the ranks of one life."""
+
+    codes: list
+    logs: list
+    killed: Optional[int] = None  # the rank the soak SIGKILLed
+    phase: str = ""  # ... in this phase
+    first: Optional[int] = None  # the rank that died first (killed, or exited with an error)
+    survivor_s: dict = field(default_factory=dict)  # other rank -> seconds from that death to its exit
+    hung: list = field(default_factory=list)  # ranks still running ``bound`` s after it: stopped
+
+
+def run_life(procs: list, work: str, kill: Optional[tuple], bound: float, timeout: float, suspect: int = 0) -> Life:
+    """Wait for the ranks of one life. ``kill`` = (wait_started, delay, victim): SIGKILL rank
+    ``victim`` ``delay`` s after every rank's phase left "start" (at once without wait_started),
+    unless a rank has exited by then. Once one rank is dead, every other must exit within
+    ``bound`` s; one that does not is stopped (SIGABRT: its stacks; then SIGKILL). Ranks seen
+    dead in the same poll: the death is ``suspect``'s (the one given a fault)."""
+    t0 = time.monotonic()
+    started = None if kill and kill[0] else t0
+    exited, life, death = {}, Life(codes=[], logs=[]), None
+    order = sorted(range(len(procs)), key=lambda r: r != suspect)
+    while len(exited) < len(procs):
+        now = time.monotonic()
+        for rank in order:
+            p = procs[rank]
+            if rank not in exited and p.poll() is not None:
+                exited[rank] = now
+                if p.returncode != 0 and death is None:
+                    life.first, death = rank, now
+        if kill and death is None:
+            if started is None and (exited or all(_phase(work, r) != "start" for r in range(len(procs)))):
+                started = now
+            if started is not None and now >= started + kill[1]:
+                if not exited:
+                    life.killed, life.phase, life.first, death = kill[2], _phase(work, kill[2]), kill[2], now
+                    procs[kill[2]].send_signal(signal.SIGKILL)
+                kill = None
+        if (death is not None and now - death > bound) or now - t0 > timeout:
+            life.hung = [r for r, p in enumerate(procs) if p.poll() is None]
+            _stop([procs[r] for r in life.hung])  # not exits of their own: no survivor time
+            break
+        time.sleep(0.01)
+    if death is not None:
+        life.survivor_s = {r: round(t - death, 3) for r, t in exited.items() if r != life.first}
+    life.codes = [p.returncode for p in procs]
+    for rank in range(len(procs)):
+        with open(os.path.join(work, f"rank{rank}.log")) as f:
+            life.logs.append(f.read())
+    return life
+
+
+def _phase(work: str, rank: int) -> str:
+    try:
+        with open(os.path.join(work, f"phase{rank}")) as f:
+            return f.read().strip() or "start"
+    except FileNotFoundError:
+        return "start"
+
+
+def _stop(procs: list) -> None:
+    """SIGABRT (a Python with faulthandler prints every thread's stack), then SIGKILL."""
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+        if sig == signal.SIGABRT:
+            time.sleep(5.0)
+    for p in procs:
+        p.wait()
+
+
+def _results(work: str, ranks: int) -> Optional[list]:
+    """Each rank's result of the life that ran to the end (None if one is missing)."""
+    out = []
+    for rank in range(ranks):
+        path = os.path.join(work, f"result{rank}.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
+def reference(root: str, job: Job, timeout: float) -> list:
+    """Each rank's result of an uninterrupted run."""
     work, nvme = os.path.join(root, "reference"), os.path.join(root, "reference-nvme")
     os.makedirs(work)
     os.makedirs(nvme)
-    code, out = _finish(_spawn(work, nvme, "soak", steps, save_every, layers, d_model), timeout)
-    if code != 0:
-        raise RuntimeError(f"the uninterrupted run failed ({code}):\n{out[-3000:]}")
-    with open(os.path.join(work, "result.json")) as f:
-        return json.load(f)
+    life = run_life(job.spawn(work, nvme), work, None, timeout, timeout)
+    if any(life.codes):
+        logs = "\n".join(log[-3000:] for log in life.logs)
+        raise RuntimeError(f"the uninterrupted run failed ({life.codes}):\n{logs}")
+    return _results(work, job.ranks)
 
 
 def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: int = 2, d_model: int = 32,
          max_delay: float = 2.0, seed: int = 0, timeout: float = 600.0, enospc: float = 0.0,
-         enospc_nth_max: int = 200) -> dict:
+         enospc_nth_max: int = 200, ranks: int = 1, pg_timeout: float = 30.0, bound: float = 0.0,
+         start_kills: float = 0.1) -> dict:
     """The uninterrupted reference, then a run killed ``kills`` times; what happened. With
     ``enospc`` > 0 that fraction of lives instead gets ENOSPC at a random write (nvmeio.faults):
     it must fail with an error naming the file, and the next life resume from ``latest``
-    (the Nth write under ``root``, N uniform in 1 .. ``enospc_nth_max``)."""
+    (the Nth write under ``root``, N uniform in 1 .. ``enospc_nth_max``). With ``ranks`` > 1 a
+    life is that many gloo ranks; one (at random) is killed or gets the ENOSPC, and every other
+    must then fail on its own within ``bound`` s (default: ``pg_timeout`` + 120, see the
+    [Note] below)."""
     rng = random.Random(seed)
-    ref = reference(root, steps, save_every, layers, d_model, timeout)
+    job = Job(steps, save_every, layers, d_model, ranks, pg_timeout)
+    # [Note: how long a survivor may take] A rank dying in a collective fails its peer at once
+    # (the connection resets: ~1-4 s here). One dying in start-up, before rank 0's TCPStore
+    # listens, leaves the peer's store client connecting until the timeout; torch then sleeps
+    # one jittered backoff (c10d ExponentialBackoffWithJitter: up to 1.5 x 60 s) and tries
+    # once more before it raises: the peer's imports + the timeout + up to 90 s.
+    bound = bound or pg_timeout + 120.0
+    ref = reference(root, job, timeout)
     work, nvme = os.path.join(root, "soak"), os.path.join(root, "soak-nvme")
     os.makedirs(work)
     os.makedirs(nvme)
     live = _live_job(nvme)  # another job's directory under the same nvme_path: never touched
     phases, loads, saved, failures, lives, full = Counter(), 0, [], [], 0, 0
+    survivor_s, survivor_errors = [], Counter()  # [phase of the kill, s], exception names
     t0 = time.perf_counter()
     while True:
-        with open(os.path.join(work, "phase"), "w") as f:
-            f.write("start")  # not the last life's phase
-        faults = ""
-        if enospc and rng.random() < enospc and sum(phases.values()) < kills:
-            faults = f"fail_nth={rng.randint(1, enospc_nth_max)},errno=ENOSPC,op=write,path_contains={root}"
-        proc = _spawn(work, nvme, "soak", steps, save_every, layers, d_model, faults)
-        lives += 1
-        if sum(phases.values()) < kills and not faults:
-            # one kill in ten during start-up; the others at a uniform instant of the training
+        faults, kill, victim = {}, None, rng.randrange(ranks)
+        if _trained(work, steps):
+            pass  # a life from the last step only loads and ends: it runs out, and the training starts over
+        elif enospc and rng.random() < enospc and sum(phases.values()) < kills:
+            faults[victim] = f"fail_nth={rng.randint(1, enospc_nth_max)},errno=ENOSPC,op=write,path_contains={root}"
+        elif sum(phases.values()) < kills:
+            # a fraction ``start_kills`` from the start (start-up); the others at a uniform instant
+            # of the training
             delay = rng.uniform(0.0, max_delay)
-            if rng.random() >= 0.1:
-                _wait_started(proc, os.path.join(work, "phase"))
-            try:
-                proc.wait(timeout=delay)
-            except subprocess.TimeoutExpired:
-                with open(os.path.join(work, "phase")) as f:
-                    at = f.read().strip() or "start"
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                phases[at] += 1
-        code, out = _finish(proc, timeout)
-        loads += sum(1 for line in out.splitlines() if line.startswith("loaded "))
-        saved += [line.split()[1] for line in out.splitlines() if line.startswith("saved ")]
-        if faults and code not in (0, -signal.SIGKILL) and "LOAD FAILED" not in out:
-            if "No space left on device" not in out or not re.search(re.escape(root) + r"\S+", out):
-                failures.append(f"life {lives} (ENOSPC injected) failed without naming the file: {out[-2000:]}")
-                break
+            kill = (rng.random() >= start_kills, delay, victim)
+        life = run_life(job.spawn(work, nvme, faults), work, kill, bound, timeout, suspect=victim)
+        lives += 1
+        if life.killed is not None:
+            phases[life.phase] += 1
+        loads += sum(1 for line in life.logs[0].splitlines() if line.startswith("loaded "))
+        saved += [line.split()[1] for line in life.logs[0].splitlines() if line.startswith("saved ")]
+        for rank, seconds in life.survivor_s.items():
+            # Of a kill only: after an ENOSPC every rank raises together (the engine agrees on a
+            # failed backward), the faulted one often last. Exit 0: the kill came after the last collective.
+            if life.killed is not None and life.codes[rank] != 0:
+                survivor_s.append([life.phase, seconds])
+                survivor_errors[_error_name(life.logs[rank])] += 1
+        print(f"life {lives}: exits {life.codes}, killed {life.killed} in {life.phase or '-'}, faults {faults or '-'}, "
+              f"the others exited {life.survivor_s or '-'} s after", file=sys.stderr, flush=True)  # progress
+        problem = _life_problem(life, faults, root, lives, bound)
+        if problem:
+            failures.append(problem)
+            break
+        if faults and life.codes[victim] != 0:
             full += 1
             continue
-        if "LOAD FAILED" in out or code not in (0, -signal.SIGKILL):
-            failures.append(f"life {lives} exited {code}: {out[-2000:]}")
-            break
-        if code == 0:
+        if not any(life.codes):
             if sum(phases.values()) >= kills:
                 break
-            os.remove(os.path.join(work, "result.json"))  # finished before enough kills: start over
-            _reset(work)
-    result = _check(work, nvme, ref, saved, live, failures, steps, layers, d_model)
+            _reset(work, ranks)  # finished before enough kills: start over
+    result = _check(work, nvme, ref, saved, live, failures, job)
     result.update(kills=sum(phases.values()), phases=dict(phases), lives=lives, loads=loads, enospc_failures=full,
-                  checkpoints_completed=len(set(saved)), seconds=round(time.perf_counter() - t0, 1))
+                  checkpoints_completed=len(set(saved)), seconds=round(time.perf_counter() - t0, 1), ranks=ranks,
+                  survivor_fail_s=survivor_s, survivor_errors=dict(survivor_errors), bound_s=bound)
     live["close"]()
     return result
 
 
-def _wait_started(proc, phase_file: str) -> None:
-    """Until the worker has imported and built its engine (its phase leaves "start")."""
-    while proc.poll() is None:
-        try:
-            with open(phase_file) as f:
-                if f.read().strip() not in ("", "start"):
-                    return
-        except FileNotFoundError:
-            pass
-        time.sleep(0.005)
+def _life_problem(life: Life, faults: dict, root: str, number: int, bound: float) -> str:
+    """Why this life fails the soak ("" if it does not)."""
+    logs = "\n".join(f"--- rank {r} (exit {c}):\n{log[-2000:]}"
+                     for r, (c, log) in enumerate(zip(life.codes, life.logs)))
+    if life.hung and life.first is None:
+        return f"life {number}: rank(s) {life.hung} did not finish within the life's timeout; stopped:\n{logs}"
+    if life.hung:
+        return (f"life {number}: rank(s) {life.hung} still running {bound:g} s after rank {life.first} died "
+                f"(killed in: {life.phase or '-'}); stopped:\n{logs}")
+    for rank in faults:
+        log = life.logs[rank]
+        if life.codes[rank] == 0:
+            continue  # the Nth write never came
+        if "No space left on device" not in log or not re.search(re.escape(root) + r"\S+", log):
+            return f"life {number}: rank {rank} (ENOSPC injected) failed without naming the file:\n{logs}"
+        # It failed as it must (in load_checkpoint too: the disk was full, the checkpoint is
+        # intact, and the next life loads it); the others after it, in any way.
+        return ""
+    if life.killed is not None and life.first == life.killed:
+        return ""  # the survivors may fail in any way (their peer is gone); the next life must load
+    if any(life.codes) or any("LOAD FAILED" in log for log in life.logs):
+        return f"life {number} failed on its own (exits {life.codes}):\n{logs}"
+    return ""
 
 
-def _reset(work: str) -> None:
+def _error_name(log: str) -> str:
+    """The exception a survivor died of (the last line naming one, up to its colon)."""
+    lines = [line for line in log.splitlines() if re.match(r"^(\[rank\d+\]: )?[\w.]+(Error|Exception)\b", line)]
+    if not lines:
+        return "LOAD FAILED" if "LOAD FAILED" in log else "no traceback"
+    return re.sub(r"^\[rank\d+\]: ", "", lines[-1]).split(":")[0]
+
+
+def _trained(work: str, steps: int) -> bool:
+    """``latest`` names the checkpoint of the last step."""
+    try:
+        with open(os.path.join(work, "ckpt", "latest")) as f:
+            return f.read().strip() == f"global_step{steps}"
+    except FileNotFoundError:
+        return False
+
+
+def _reset(work: str, ranks: int) -> None:
     """Start the training over (the soak needs more kills than one run gave)."""
     import shutil
 
     shutil.rmtree(os.path.join(work, "ckpt"), ignore_errors=True)
+    for rank in range(ranks):
+        os.remove(os.path.join(work, f"result{rank}.json"))
 
 
 def _live_job(nvme: str) -> dict:
@@ -254,18 +443,16 @@ def _files(directory: str) -> dict:
     return out
 
 
-def _check(work, nvme, ref, saved, live, failures, steps, layers, d_model) -> dict:
+def _check(work, nvme, ref, saved, live, failures, job: Job) -> dict:
     result = {"failures": list(failures)}
-    path = os.path.join(work, "result.json")
-    if not os.path.exists(path):
+    final = _results(work, job.ranks)
+    if final is None:
         result["failures"].append("the killed run never finished")
         return result
-    with open(path) as f:
-        final = json.load(f)
-    result["bit_identical"] = final["digest"] == ref["digest"]
+    result["bit_identical"] = all(mine["digest"] == theirs["digest"] for mine, theirs in zip(final, ref))
     if not result["bit_identical"]:
         result["failures"].append("the final state differs from the uninterrupted run's")
-    same = all(ref["losses"].get(k) == v for k, v in final["losses"].items())
+    same = all(theirs["losses"].get(k) == v for mine, theirs in zip(final, ref) for k, v in mine["losses"].items())
     result["losses_equal"] = same
     if not same:
         result["failures"].append("losses of the last life differ from the uninterrupted run's")
@@ -275,15 +462,16 @@ def _check(work, nvme, ref, saved, live, failures, steps, layers, d_model) -> di
         result["failures"].append(f"swap directories left under nvme_path: {leftovers}")
     if _files(live["dir"]) != live["files"]:
         result["failures"].append("the live job's swap directory was changed")
-    lost = _completed_checkpoints_lost(work, sorted(set(saved)), steps, layers, d_model)
+    lost = _completed_checkpoints_lost(work, sorted(set(saved)), job.layers, job.d_model)
     result["completed_checkpoints_lost"] = lost
     if lost:
         result["failures"].append(f"completed checkpoints that no longer load: {lost}")
     return result
 
 
-def _completed_checkpoints_lost(work, tags, steps, layers, d_model) -> list:
-    """Tags a worker reported saved that do not load now (a fresh process loads each)."""
+def _completed_checkpoints_lost(work, tags, layers, d_model) -> list:
+    """Tags a worker reported saved that do not load now: a fresh process of one rank loads each
+    (a checkpoint of several ranks through all of their shards)."""
     if not tags:
         return []
     nvme = tempfile.mkdtemp(prefix="soak-verify-", dir=work)
@@ -325,8 +513,30 @@ def markdown(result: dict, command: str) -> str:
              f"{len(result.get('swap_leftovers', []))} | "
              f"{'yes' if any('live job' in f for f in result['failures']) else 'no'} | {verdict} |", "",
              f"- kills by phase: {phases}.",
+             *(_survivors(result) if result.get("ranks", 1) > 1 else []),
              *[f"- failure: {f[:500]}" for f in result["failures"]], ""]
     return "\n".join(lines)
+
+
+def _survivors(result: dict) -> list:
+    """The lines of a multi-rank run: how long the other rank took to fail, by the phase of the death."""
+    import statistics
+
+    def stats(seconds):
+        return f"median {statistics.median(seconds):.2f} s, max {max(seconds):.2f} s over {len(seconds)}"
+
+    times = result["survivor_fail_s"]
+    if not times:
+        return ["- no rank outlived its peer's death."]
+    by_phase = {}
+    for at, seconds in times:
+        by_phase.setdefault(at, []).append(seconds)
+    errors = ", ".join(f"{name} {n}" for name, n in sorted(result["survivor_errors"].items(), key=lambda e: -e[1]))
+    return [f"- {result['ranks']} gloo ranks, one killed (or given the ENOSPC) per life; the other must exit on its "
+            f"own within {result['bound_s']:g} s of that death. After a kill it did: {stats([s for _, s in times])}.",
+            "- by the phase of the kill: " + "; ".join(f"{at} {stats(by_phase[at])}"
+                                                         for at in PHASES if at in by_phase) + ".",
+            f"- what the survivors died of: {errors}."]
 
 
 def main(argv=None) -> int:
@@ -341,8 +551,15 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--max-delay", type=float, default=2.0,
-                   help="kills land uniformly in [0, this) s after the engine is built (one in ten after start)")
+                   help="kills land uniformly in [0, this) s after the engine is built (one in ten from the start)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks", type=int, default=1, help="ranks of the job (gloo processes); one is killed per life")
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--pg-timeout", type=float, default=30.0,
+                   help="timeout of the ranks' gloo group, s (with --ranks > 1)")
+    p.add_argument("--bound", type=float, default=0.0,
+                   help="a survivor must fail within this many s of its peer's death (default: pg timeout + 120)")
     p.add_argument("--enospc", type=float, default=0.0,
                    help="this fraction of lives gets ENOSPC at a random write instead of a kill")
     p.add_argument("--dir", default=None, help="where the runs' files go (default: a fresh temporary folder)")
@@ -353,7 +570,7 @@ def main(argv=None) -> int:
         return worker(args)
     root = tempfile.mkdtemp(prefix="crash-soak-", dir=args.dir)
     result = soak(root, args.kills, args.steps, args.save_every, args.layers, args.d_model, args.max_delay, args.seed,
-                  enospc=args.enospc)
+                  enospc=args.enospc, ranks=args.ranks, pg_timeout=args.pg_timeout, bound=args.bound)
     print(json.dumps({k: v for k, v in result.items()}, indent=1))
     if args.out:
         with open(args.out, "w") as f:
@@ -364,7 +581,7 @@ def main(argv=None) -> int:
 
         from tools.results_md import replace_section
 
-        replace_section(Path(args.results_md), SECTION,
+        replace_section(Path(args.results_md), SECTION if args.ranks == 1 else SECTION_RANKS,
                         markdown(result, "python bench/crash_soak.py " + " ".join(argv or sys.argv[1:])))
     return 0 if not result["failures"] else 1
 

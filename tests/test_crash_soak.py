@@ -3,13 +3,17 @@ job with parameters and optimizer on NVMe, SIGKILLed 20 times at random instants
 restarted from `latest`, ends bit-identical to an uninterrupted run; every restart loads,
 every checkpoint reported complete still loads, killed jobs' swap directories are
 reclaimed and a live job's beside them is untouched. Some lives get ENOSPC at a random
-write instead: each fails naming the file, and the next resumes from the checkpoint before."""
+write instead: each fails naming the file, and the next resumes from the checkpoint before.
+The same on two gloo ranks: one rank killed (or given the ENOSPC) per life, the other must
+fail on its own within a bound, and both resume."""
 import importlib.util
 import os
+import sys
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("crash_soak", os.path.join(TESTS, "..", "bench", "crash_soak.py"))
 crash_soak = importlib.util.module_from_spec(_spec)
+sys.modules["crash_soak"] = crash_soak  # its dataclasses look their module up there
 _spec.loader.exec_module(crash_soak)
 
 
@@ -22,3 +26,18 @@ def test_twenty_kills_anywhere_resume_bit_identical(tmp_path):
     assert result["loads"] > 0 and result["checkpoints_completed"] > 0
     assert result["completed_checkpoints_lost"] == [] and result["swap_leftovers"] == []
     assert len(result["phases"]) >= 3, result["phases"]  # the kills land in several phases
+
+
+def test_two_ranks_one_killed_the_other_fails_within_bound_both_resume_bit_identical(tmp_path):
+    # No kill during start-up here: the survivor would wait out the rendezvous (pg_timeout),
+    # which the long soak does (bench/RELIABILITY.md). Every wait is bounded by the soak:
+    # a rank still running `bound` s after its peer died is stopped and reported, and a life
+    # longer than `timeout` s too.
+    result = crash_soak.soak(str(tmp_path), kills=8, steps=6, save_every=2, max_delay=1.0, seed=3, timeout=300,
+                             enospc=0.15, enospc_nth_max=40, ranks=2, pg_timeout=30, start_kills=0.0)
+    assert result["failures"] == []
+    assert result["kills"] == 8 and result["bit_identical"] and result["losses_equal"]
+    assert result["survivor_fail_s"]  # survivors failed on their own (a hung one is a failure above)
+    assert result["loads"] > 0 and result["checkpoints_completed"] > 0
+    assert result["completed_checkpoints_lost"] == [] and result["swap_leftovers"] == []
+    assert len(result["phases"]) >= 2, result["phases"]

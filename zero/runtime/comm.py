@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from nvmeio.env import env_int
 
 # torch 2.13 names the flat collectives *_single and warns (FutureWarning) on the old names,
 # which older torch has alone.
@@ -105,8 +108,21 @@ class Comm:
         return box[0]
 
 
+TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"
+
+
+def process_group_timeout() -> Optional[timedelta]:
+    """``$DEEPSPEED_TIMEOUT`` minutes (DeepSpeed's variable, an integer as it reads it), else None:
+    torch's default (30 minutes for gloo). The rendezvous and every collective wait that long for
+    a rank: a rank that dies in a collective fails the others at once (its connections reset),
+    but one that dies during start-up, or hangs, leaves them waiting this long."""
+    minutes = env_int(TIMEOUT_ENV, 0, 1)
+    return timedelta(minutes=minutes) if minutes else None
+
+
 def init_distributed(dist_backend: Optional[str] = None) -> Comm:
-    """The :class:`Comm` of this process, joining the default process group if launched.
+    """The :class:`Comm` of this process, joining the default process group if launched
+    (with :func:`process_group_timeout`).
 
     ``dist_backend`` overrides the choice of NCCL (CUDA) or gloo (CPU).
     """
@@ -114,7 +130,8 @@ def init_distributed(dist_backend: Optional[str] = None) -> Comm:
         rank, world = dist.get_rank(), dist.get_world_size()
     elif dist.is_available() and _launched():
         backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend=backend)
+        timeout = process_group_timeout()
+        dist.init_process_group(backend=backend, **({"timeout": timeout} if timeout else {}))
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         return Comm(local_rank=int(os.environ.get("LOCAL_RANK", 0)))
