@@ -286,8 +286,7 @@ def main(argv=None) -> int:
     chart(run, png)
     if args.results_md:
         ratio = f"; the iteration is **{summary['iteration_s'] / fio_s:.2f}x** fio's time" if fio_s else ""
-        body = [SECTION, "",
-                f"Run {started}, `{record['command']}`; load average {load_start} at the start, {record['load_end']} "
+        body = [f"Run {started}, `{record['command']}`; load average {load_start} at the start, {record['load_end']} "
                 f"at the end. {run['params'] / 1e6:.0f}M parameters, k = {args.k}, {args.dtype}, "
                 f"{summary['iterations']} measured iterations of {summary['iteration_s']:.2f} s{ratio}; the disk "
                 f"sampled every {args.interval_ms:g} ms. Per iteration:", "", *rows, "",
