@@ -130,9 +130,7 @@ def fio_copy(directory: str, nbytes: int, repeats: int) -> dict:
     except fio.FioError as e:
         return {"error": str(e)[-300:]}
     finally:
-        for name in ("fio-read.bin", "fio-write.bin"):
-            if os.path.exists(os.path.join(directory, name)):
-                os.unlink(os.path.join(directory, name))
+        fio.remove_together_files(directory)
 
 
 # -- the fast writer alone ----------------------------------------------------------------

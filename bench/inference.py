@@ -228,9 +228,7 @@ def fio_read(work: str) -> float:
     try:
         best = fio.read_write_together(FIO_READ_BYTES, 0, work, runs=3)
     finally:
-        for name in ("fio-read.bin", "fio-write.bin"):
-            if os.path.exists(os.path.join(work, name)):
-                os.remove(os.path.join(work, name))
+        fio.remove_together_files(work)
     return best["read_bytes"] / best["seconds"] / 2 ** 30
 
 

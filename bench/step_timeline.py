@@ -181,9 +181,7 @@ def fio_reference(read: int, written: int, work: str, runs: int) -> dict:
     try:
         return fio.read_write_together(read, written, work, runs=runs)
     finally:
-        for name in ("fio-read.bin", "fio-write.bin"):
-            if os.path.exists(os.path.join(work, name)):
-                os.remove(os.path.join(work, name))
+        fio.remove_together_files(work)
 
 
 def table(summary: dict, fio_s) -> list:

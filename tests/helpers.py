@@ -170,6 +170,16 @@ def base_config(offload_param: str = "none", offload_optimizer: str = "none", nv
     return config
 
 
+def load_error(engine, load_dir):
+    """``engine.load_checkpoint(load_dir)``'s error as "Type: message" (for a rank to report to
+    its test), or None when it loaded."""
+    try:
+        engine.load_checkpoint(load_dir)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 # -- processes a test starts: never waited for longer than a timeout ------------------------------------
 
 # [Note: timeouts of multi-process tests]

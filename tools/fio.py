@@ -163,6 +163,17 @@ def _ensure_written(path: str, nbytes: int, bs: int) -> None:
     run(FioJob("write", nbytes, bs=bs, iodepth=32), path)
 
 
+def _together_paths(work_dir: str) -> dict:
+    return {"read": os.path.join(work_dir, "fio-read.bin"), "write": os.path.join(work_dir, "fio-write.bin")}
+
+
+def remove_together_files(work_dir: str) -> None:
+    """Remove the files :func:`read_write_together` keeps in ``work_dir`` for its next call."""
+    for path in _together_paths(work_dir).values():
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def read_write_together(read_bytes: int, write_bytes: int, work_dir: str, runs: int = 3,
                         bs: int = 4 << 20, iodepth: int = 32, engine: str = "io_uring",
                         mem: str = "mmaphuge", file_cap: int = 8 << 30) -> dict:
@@ -172,7 +183,7 @@ def read_write_together(read_bytes: int, write_bytes: int, work_dir: str, runs: 
     caller removes them). Returns a dict: ``seconds`` (the fastest run's slower job), ``runs``
     (every run's jobs), ``mem`` actually used and ``mem_note`` (why not huge pages)."""
     read_bytes, write_bytes = _round_up(read_bytes, bs), _round_up(write_bytes, bs)
-    paths = {"read": os.path.join(work_dir, "fio-read.bin"), "write": os.path.join(work_dir, "fio-write.bin")}
+    paths = _together_paths(work_dir)
     regions = {"read": min(read_bytes, _round_up(file_cap, bs)), "write": min(write_bytes, _round_up(file_cap, bs))}
     wanted = {"read": read_bytes, "write": write_bytes}
     for rw in ("read", "write"):

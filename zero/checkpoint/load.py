@@ -52,9 +52,8 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
     it (file to file where it can, published where _stage_shards staged it); returns the master."""
     path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
     if staged is not None:  # verified: the bytes staged are the ones the shard carries digests of
-        with SafetensorsReader(path, direct=False) as shard:  # its header alone
-            carried = shard_checksums(shard)
-        master = engine.checkpointed_state.publish_shard(sg, staged, carried)
+        item, carried = staged
+        master = engine.checkpointed_state.publish_shard(sg, item, carried)
         if master is not None:
             return master
         with cio.shard_reader(path) as shard:  # its staging buffer went to a later sub-group
@@ -78,7 +77,7 @@ def _check_carried(cio: CheckpointIO, paths, keys) -> None:
 def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states: bool, staged: dict) -> list:
     """Stage (read once, hashing) each own shard that carries checksums where the store can,
     checking the digests ([Note: verified while loading]); ``staged`` gets sub-group index ->
-    staged state. Returns the paths left to verify by a read of their own."""
+    (staged state, the checksums the shard carries). Returns the paths left to verify by a read of their own."""
     store, rest = engine.checkpointed_state, []
     for sg in engine.rank_layout.sub_groups:
         path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
@@ -92,7 +91,7 @@ def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states:
         if item is None:
             rest.append(path)
             continue
-        staged[sg.index] = item
+        staged[sg.index] = item, carried
         cio.stats.files_read += 1
         cio.stats.bytes_read += item.bytes_read
         check_digests(path, carried, keys, item.digests)
@@ -181,7 +180,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     cio = CheckpointIO(engine.config.checkpoint.writer)
     reader = None
     error = None
-    staged: dict = {}  # sub-group index -> its shard staged and verified, until published
+    staged: dict = {}  # sub-group index -> (its shard staged and verified, carried checksums), until published
     try:
         meta = read_meta(checkpoint)
         _check_same_model(meta, engine)
@@ -213,7 +212,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
                                  f"Load a checkpoint again (engine.load_checkpoint) before using it")
             raise
     finally:
-        for item in staged.values():  # those not published (the load failed somewhere)
+        for item, _ in staged.values():  # those not published (the load failed somewhere)
             engine.checkpointed_state.discard_staged(item)
         if reader is not None:
             reader.close()
@@ -229,16 +228,16 @@ def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_
     store = engine.checkpointed_state
     with torch.no_grad():
         for sg in engine.rank_layout.sub_groups:
-            item = staged.pop(sg.index, None)
+            entry = staged.pop(sg.index, None)
             try:
                 if own_shards:
-                    master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states, item)
+                    master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states, entry)
                 else:
                     master = _load_resharded(engine, reader, sg, keys, load_states)
                 engine.load_parameters(sg, master)
             finally:
-                if item is not None:
-                    store.discard_staged(item)  # its buffer (a published file stays)
+                if entry is not None:
+                    store.discard_staged(entry[0])  # its buffer (a published file stays)
         engine.finish_load()
     for key in _COUNTERS:
         setattr(engine, key, state[key])

@@ -128,8 +128,10 @@ class OptimizerStore(abc.ABC):
                       carried: Tuple[str, Dict[str, int]]) -> Optional[torch.Tensor]:
         """Make a staged shard (verified: its digests equal ``carried``) the sub-group's state;
         returns the master from memory (valid until :meth:`discard_staged`), or None where
-        the staging buffer is gone (the caller reads the master from the shard)."""
-        raise NotImplementedError
+        the staging buffer is gone (the caller reads the master from the shard). Only called
+        with what :meth:`stage_shard` returned, which is never anything here."""
+        raise TypeError(f"{type(self).__name__} stages no shard (its stage_shard returns None), so there is "
+                        f"nothing to publish for sub-group {sub_group.index}")
 
     def discard_staged(self, staged) -> None:
         """Free what a staged shard holds: all of it where it was not published (the load
