@@ -176,8 +176,9 @@ def run_small(args, root: str) -> int:
     print(f"throughput: {tokens_per_s:,.0f} tokens/s; peak RSS {peak_rss_bytes() / 2**20:,.0f} MiB")
     where = "on NVMe" if args.offload == "nvme" else f"on disk (offload {args.offload}: they stay in memory)"
     print(f"model states {where} during training: {on_disk / 2**20:.1f} MiB "
-          f"({STATE_BYTES_PER_PARAM} bytes x {n_params:,} params = "
-          f"{STATE_BYTES_PER_PARAM * n_params / 2**20:.1f} MiB)")
+          f"(of {STATE_BYTES_PER_PARAM} bytes x {n_params:,} params = "
+          f"{STATE_BYTES_PER_PARAM * n_params / 2**20:.1f} MiB; the gradient's {STATE_BYTES_PER_PARAM - NVME_BYTES_PER_PARAM} "
+          f"go to NVMe only past the host memory the engine may hold it in)")
     ok = err <= 1e-6 and after < before
     print("OK" if ok else "MISMATCH" if err > 1e-6 else "LOSS DID NOT FALL")
     return 0 if ok else 1
