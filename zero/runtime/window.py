@@ -77,7 +77,8 @@ class MicroBatchWindow:
         self._local = threading.local()
         self._turn = 0
         self._alive = [True] * k
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._gates = [threading.Event() for _ in range(k)]  # gate i open: thread i's turn (or stopped)
         self._events: List[nn.Module] = []  # the first thread's units, in forward order
         self._count = [0] * k
         self.stopped: Optional[BaseException] = None
@@ -129,11 +130,14 @@ class MicroBatchWindow:
 
     # -- taking turns ----------------------------------------------------------------------------
     def _wait_turn(self, i: int) -> None:
-        with self._cond:
-            while self._turn != i and self.stopped is None:
-                self._cond.wait()
-            if self.stopped is not None:
-                raise _Stopped()
+        # One gate per thread, so a pass wakes the next thread only: with one condition for all,
+        # each pass woke the k - 1 waiting threads to fight for the GIL and sleep again (hundreds
+        # of thousands of context switches an iteration at k = 16).
+        gate = self._gates[i]
+        gate.wait()
+        gate.clear()
+        if self.stopped is not None:
+            raise _Stopped()
         if self.rng_state is not None:
             self._turn_rng = self.rng_state()
 
@@ -146,13 +150,13 @@ class MicroBatchWindow:
 
     def _pass_turn(self, i: int) -> None:
         """Hand the baton to the next live thread after ``i``."""
-        with self._cond:
+        with self._lock:
             for step in range(1, self.k + 1):
                 j = (i + step) % self.k
                 if self._alive[j]:
                     self._turn = j
+                    self._gates[j].set()
                     break
-            self._cond.notify_all()
 
     def reached(self, module: nn.Module) -> None:
         """This thread's forward reached ``module``'s units: let the others catch up first."""
@@ -173,15 +177,19 @@ class MicroBatchWindow:
             self._wait_turn(i)
 
     def _stop(self, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self.stopped is None:
                 self.stopped = error
-            self._cond.notify_all()
+            for gate in self._gates:
+                gate.set()
 
     def run(self, fn: Callable[[int], object]) -> List[object]:
         """``fn(i)`` on k threads taking turns; their results, or the first error raised."""
         results: List[object] = [None] * self.k
         self._turn, self._alive, self._count, self._events = 0, [True] * self.k, [0] * self.k, []
+        for gate in self._gates:
+            gate.clear()
+        self._gates[0].set()
 
         def body(i: int) -> None:
             self._local.index = i
@@ -197,7 +205,7 @@ class MicroBatchWindow:
             except BaseException as error:  # noqa: BLE001 - handed to the caller
                 self._stop(error)
             finally:
-                with self._cond:
+                with self._lock:
                     self._alive[i] = False
                 self._pass_turn(i)
 
