@@ -21,6 +21,7 @@ and write throughput over time with the phases behind it to ``bench/step_timelin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -103,8 +104,29 @@ def engine_waits(engine):
     return waits
 
 
+ENGINE_PHASES = {"forward": "forward", "backward": "backward", "optimizer": "step"}
+
+
+def sample_engine_phases(engine, sampler) -> None:
+    """train_batch runs its window's forwards, backwards and step inside the engine: the sampler
+    takes the phase from the engine's timers (wall_clock_breakdown's), the outermost one."""
+    timed = engine.timers.phase
+
+    @contextlib.contextmanager
+    def phase(name):
+        outer = sampler.phase
+        if outer == "between" and name in ENGINE_PHASES:
+            sampler.phase = ENGINE_PHASES[name]
+        try:
+            with timed(name):
+                yield
+        finally:
+            sampler.phase = outer
+    engine.timers.phase = phase
+
+
 def train(model: dict, k: int, dtype: str, iters: int, warmup: int, nvme: str, interval: float,
-          checksum: str = "auto") -> dict:
+          checksum: str = "auto", loop: bool = False) -> dict:
     import torch
 
     import zero
@@ -129,10 +151,16 @@ def train(model: dict, k: int, dtype: str, iters: int, warmup: int, nvme: str, i
             sampler.phase = "between"
 
     def iteration():
+        if k > 1 and not loop:
+            engine.train_batch(micro_batches)  # its phases come from the engine's timers (below)
+            return
         for x, y in micro_batches:
             loss = phase("forward", engine, x, y)
             phase("backward", engine.backward, loss)
             phase("step", engine.step)
+
+    if k > 1 and not loop:
+        sample_engine_phases(engine, sampler)
 
     for _ in range(warmup):
         iteration()
@@ -245,6 +273,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a small model (a smoke run)")
     p.add_argument("--k", type=int, default=1)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--loop", action="store_true",
+                   help="k > 1: the micro-batch loop (forward/backward/step k times) instead of train_batch")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--interval-ms", type=float, default=5.0)
@@ -260,7 +290,7 @@ def main(argv=None) -> int:
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     try:
         run = train(model, args.k, args.dtype, args.iters, args.warmup, work, args.interval_ms / 1000,
-                    args.checksum)
+                    args.checksum, loop=args.loop)
         summary = summarise(run)
         per = summary["per_iteration"]
         read = int(sum(d["read"] for d in per.values()))

@@ -19,6 +19,19 @@ unavailable parameter's unit while a forward is running, holds it until the
 forward of the module on top of the stack ends, and remembers the pairing so
 that module's backward gathers the unit too.
 
+[Note: lending in training]
+A unit read from NVMe arrives in a pool buffer; copying it out costs a pass over
+every parameter, twice an iteration, plus fresh pages for each copy. Inference
+lets the parameters view the buffer itself (prefetch.py). Training does too when
+nothing can keep that view past the unit's release (the buffer then holds other
+data): the unit's one user is an nn.Linear running ZeroLinear (linear.py), whose
+autograd keeps the parameter, not its data. A read of the unit by another module
+(``F.linear(x, self.wte.weight)``) or a Linear forward that would keep the data
+(F.linear on a non-contiguous input) copies it first and ends the lending for that
+unit (``ParamUnit.unlend``). A step during backward (optimizer.py) rewrites a
+sub-group's shards in their buffers only once all its units' gradients are in,
+when no backward needs their old values.
+
 The prefetch and keep policy (which units to read ahead, which to keep gathered,
 the live-parameter bound) is prefetch.py's.
 """
@@ -159,8 +172,28 @@ class Coordinator:
         if self.memory_efficient_linear:
             for m, units in self.module_units.items():
                 if type(m) is nn.Linear and not all(u.free for u in units):
-                    linear.install(m)
+                    linear.install(m, before_saving_weight=lambda units=units: self._unlend(units))
                     self._linears.append(m)
+        self._choose_lent()
+
+    def _choose_lent(self) -> None:
+        """Training lends a unit's pool buffer only to an nn.Linear that is the unit's one user and
+        keeps no view of it (see [Note: lending in training])."""
+        users: Dict[ParamUnit, List[nn.Module]] = {}
+        for m, units in self.module_units.items():
+            for u in units:
+                users.setdefault(u, []).append(m)
+        linears = set(self._linears)
+        for u, ms in users.items():
+            only = ms[0] if len(ms) == 1 else None
+            if only in linears and {id(p) for p in u.params} == {id(p) for p in only._parameters.values()
+                                                                  if p is not None}:
+                u.owner = only
+
+    def _unlend(self, units: List[ParamUnit]) -> None:
+        for u in units:
+            u.owner = None  # from now on copied: this use would keep a view past the release
+            u.unlend()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -169,12 +202,15 @@ class Coordinator:
         for m in self._linears:
             linear.uninstall(m)
         self._linears.clear()
+        for u in self.units:
+            u.owner = None
         for m in self.root.modules():
             if isinstance(m._parameters, _ZeroParams):
                 m.__dict__["_parameters"] = dict(m._parameters)
 
     # -- fetch and release ----------------------------------------------------------------------
-    def fetch(self, u: ParamUnit) -> None:
+    def fetch(self, u: ParamUnit, by: Optional[nn.Module] = None) -> None:
+        """Gather ``u`` for module ``by``'s forward or backward (None: a parameter read elsewhere)."""
         if self.window is None or self.window.first:  # a window's trace is its first micro-batch's
             self.prefetcher.record(u)
         if u.state is ParamState.AVAILABLE:
@@ -182,8 +218,9 @@ class Coordinator:
         prefetched = u.state is ParamState.INFLIGHT
         if not u.persistent and not prefetched:  # a prefetched unit was counted when its read began
             self.live.make_room(u.layout.numel)
+        lend = not u.persistent and (self.inference or (by is not None and by is u.owner))
         with self.timers.phase("param fetch"):
-            u.gather(lend=self.inference and not u.persistent)
+            u.gather(lend=lend)
         if not u.persistent and not prefetched:
             self.live.count(u.layout.numel)
 
@@ -219,7 +256,7 @@ class Coordinator:
         for u in self.module_units.get(module, ()):
             u.hold()
             frame.units.append(u)
-            self.fetch(u)
+            self.fetch(u, by=module)
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         frame = self.stack.pop()
@@ -235,10 +272,14 @@ class Coordinator:
 
     def on_param_access(self, p: nn.Parameter) -> None:
         entry = self.slot_of.get(p)
-        if entry is None or entry[0].state is ParamState.AVAILABLE:
+        if entry is None:
             return
         u = entry[0]
         frame = self.stack[-1]
+        if u.owner is not None and frame.module is not u.owner:
+            self._unlend([u])  # read by another module, which may keep a view of the data
+        if u.state is ParamState.AVAILABLE:
+            return
         u.hold()
         frame.units.append(u)
         self.externals.setdefault(frame.module, set()).add(u)
@@ -258,7 +299,7 @@ class Coordinator:
         for u in units:
             if u.grad_count and not u.reduced:
                 u.in_backward = True
-            self.fetch(u)
+            self.fetch(u, by=module)
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
         u, slot = self.slot_of[p]

@@ -41,14 +41,23 @@ class ZeroLinear(torch.autograd.Function):
 
 
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if input.dim() < 2 or not input.is_contiguous() or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
+        return F.linear(input, self.weight, self.bias)
+    if input.dim() < 2 or not input.is_contiguous():
+        before_saving = self.__dict__.get("_zero_before_saving_weight")
+        if before_saving is not None:
+            before_saving()  # F.linear's autograd keeps a view of the weight's data
         return F.linear(input, self.weight, self.bias)
     return ZeroLinear.apply(input, self.weight, self.bias)
 
 
-def install(module: nn.Linear) -> None:
+def install(module: nn.Linear, before_saving_weight=None) -> None:
+    """``before_saving_weight()`` runs before a forward whose autograd would keep the weight's data."""
     module.__dict__["forward"] = types.MethodType(_forward, module)
+    if before_saving_weight is not None:
+        module.__dict__["_zero_before_saving_weight"] = before_saving_weight
 
 
 def uninstall(module: nn.Linear) -> None:
     module.__dict__.pop("forward", None)
+    module.__dict__.pop("_zero_before_saving_weight", None)

@@ -49,6 +49,7 @@ class ParamUnit:
         self.state = ParamState.NOT_AVAILABLE
         self.full: torch.Tensor = None
         self.lent = False  # ``full`` is the store's fetched tensor, handed back at release
+        self.owner = None  # the one module using the unit, when training may lend it (hooks.py)
         self.persistent = False  # stays gathered between uses (threshold, or gathering is free)
         self.free = False  # gathering is free (see free_gather); decided once the stores are filled
         self.fwd_refs = 0  # holds: forwards in progress, GatheredParameters blocks, saves (hold())
@@ -118,13 +119,25 @@ class ParamUnit:
         finally:
             if shard is not None and not lent:
                 self.store.fetched(self.layout)
+        self._point(full)
+        self.lent = lent
+        self.state = ParamState.AVAILABLE
+
+    def unlend(self) -> None:
+        """View a copy instead of the store's tensor, which goes back to the store now (something
+        may keep the data past the release: see hooks.py [Note: lending in training])."""
+        if not self.lent:
+            return
+        self._point(self.full.clone())
+        self.lent = False
+        self.store.fetched(self.layout)
+
+    def _point(self, full: torch.Tensor) -> None:
         for slot, p in zip(self.layout.slots, self.params):
             p.data = full[slot.offset:slot.stop].view(slot.shape)
         for p, alias in self.aliases:
             alias.data = p.data
         self.full = full
-        self.lent = lent
-        self.state = ParamState.AVAILABLE
 
     def release(self, force: bool = False) -> None:
         """Point the parameters at an empty tensor; ``force`` also when the unit was never gathered."""
