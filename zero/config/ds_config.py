@@ -19,7 +19,7 @@ from .aio import AioConfig
 from .base import StrictModel, join, problems_from, raise_problems, sections
 from .batch import ACCUM, MICRO, TRAIN, derive_batch_sizes
 from .errors import ConfigDeprecationWarning, ConfigError, IgnoredSettingWarning, Problem, short
-from .activation_checkpointing import ActivationCheckpointingConfig
+from .activation_checkpointing import ActivationCheckpointingConfig, spill_offload
 from .checkpoint import CheckpointConfig
 from .monitoring import CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig, TensorBoardConfig, WandbConfig
 from .optimizer import OptimizerConfig
@@ -113,6 +113,13 @@ class DeepSpeedConfig(StrictModel):
                 f"aio is given both at the top level ({short(self.aio.model_dump(exclude_unset=True))}) "
                 f"and in zero_optimization ({short(zero_aio.model_dump(exclude_unset=True))}) with "
                 f"different values; keep one"), None))
+        budget = self.activation_checkpointing.max_in_cpu_bytes
+        if budget is not None and spill_offload(self.zero_optimization) is None:
+            problems.append((("activation_checkpointing", "max_in_cpu_bytes"), (
+                "saved activations past max_in_cpu_bytes go to NVMe, but neither zero_optimization."
+                "offload_param nor offload_optimizer has device 'nvme' (with the nvme_path they go to); "
+                "offload one of them to NVMe, or drop max_in_cpu_bytes to keep them all in host memory"),
+                budget))
         if self.fp16.raw("enabled") is True and self.bf16.raw("enabled") is True:
             problems.append((("bf16", "enabled"), (
                 "fp16.enabled and bf16.enabled are both true; enable at most one"), True))

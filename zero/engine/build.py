@@ -38,18 +38,20 @@ from nvmeio.handle_choice import require_gds
 
 from ..runtime.comm import Comm
 from ..config import ConfigError, DeepSpeedConfig, Problem
+from ..config.activation_checkpointing import spill_offload
 from ..runtime.hooks import Coordinator
 from ..stores import memory_check
 from ..runtime.grad_stash import GradStash
 from ..runtime.grad_reducer import GradReducer
+from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
 from ..partitioning.active_context import meta_parameter_names
 from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
-from ..runtime.timers import Timers
+from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
-from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore
+from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
 from ..stores.layouts import RankLayout, build_rank_layout
 from ..runtime.unit import ParamUnit, plan_units
 
@@ -79,6 +81,7 @@ class EngineParts:
     coordinator: Coordinator
     job_id: str
     release: contextlib.ExitStack  # gives back everything above (see the module's note)
+    activations: Optional[SavedActivations] = None  # train_batch's saved-tensor store (cpu_checkpointing)
 
 
 def _aio(config: DeepSpeedConfig) -> AioSettings:
@@ -192,7 +195,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     dtype = DTYPES[config.precision]
     check_no_meta(module)
     check_has_values(module)
-    module_units, rank_layout, units, headroom = _plan(module, config, comm, device, dtype, spec)
+    module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release)
     _link_units(units, param_store, opt_store, release)
@@ -202,14 +205,16 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     reducer, optimizer = _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device,
                                          dtype, headroom)
     coordinator = _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release)
+    activations = _make_activation_store(config, aio, job_id, comm, device, activation_budget, release) \
+        if optimizer is not None else None  # train_batch needs an optimizer
     # The engine owns the releases now: its destroy() closes them, a failure before it is returned too.
     return EngineParts(dtype, units, rank_layout, param_store, opt_store, reducer, optimizer, coordinator, job_id,
-                       release.pop_all())
+                       release.pop_all(), activations)
 
 
 def _plan(module, config, comm, device, dtype, spec):
     """Units (one per module owning parameters), this rank's layout, and the host-memory check
-    (with the headroom it leaves, in bytes)."""
+    (with the headroom it leaves for the gradient stash and the default activation budget, in bytes)."""
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
     rank_layout = build_rank_layout(layouts, comm.rank, config.zero_optimization.sub_group_size)
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
@@ -218,7 +223,8 @@ def _plan(module, config, comm, device, dtype, spec):
                                            adam_states, spec is not None)
     memory = memory_check.probe()
     memory_check.check_host_memory(parts, memory)
-    return module_units, rank_layout, units, memory_check.headroom_bytes(parts, memory)
+    return module_units, rank_layout, units, (memory_check.headroom_bytes(parts, memory),
+                                              memory_check.activation_budget_bytes(parts, memory))
 
 
 def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release):
@@ -330,6 +336,29 @@ def _install_hooks(module, units, module_units, reducer, param_store, zc, timers
         if u.free:
             u.gather()
     return coordinator
+
+
+def _make_activation_store(config, aio, job_id, comm, device, default_budget, release) -> Optional[SavedActivations]:
+    """With ``activation_checkpointing.cpu_checkpointing``: the store of the tensors train_batch
+    windows save for backward, spilling past the budget under an offload section's nvme_path;
+    without one, none on the CPU (they are in host memory already) and one that only moves
+    them to host memory on CUDA."""
+    ac = config.activation_checkpointing
+    if not ac.cpu_checkpointing:
+        return None
+    offload = spill_offload(config.zero_optimization)
+    if offload is None:
+        log_rank0(comm.rank, "[zero] activation_checkpointing.cpu_checkpointing: saved activations stay in host "
+                             "memory, all of them (no zero_optimization offload has device nvme to spill to)")
+        return SavedActivations(None) if device.type == "cuda" else None
+    from swapper.activation_swapper import ActivationSwapper
+
+    swapper = _swap_store(lambda: ActivationSwapper(
+        offload.nvme_path, aio, job_id=job_id, rank=comm.rank, name="activations",
+        checksum=swap_checksum(offload.checksum), pin_memory=offload.pin_memory, remove_stale=True))
+    release.callback(swapper.close)
+    budget = ac.max_in_cpu_bytes if ac.max_in_cpu_bytes is not None else default_budget
+    return SavedActivations(budget, swapper)
 
 
 def _group_ranges(spec: OptimizerSpec, units: List[ParamUnit], rank_layout: RankLayout):

@@ -12,10 +12,14 @@ own training step there). Activation checkpointing works: on the CPU each micro-
 backward runs on its own thread; on CUDA (one autograd call) Hugging Face models'
 checkpoint function is bound to each micro-batch for the window, and a forward
 recomputed by another checkpoint function is refused with an error that says to use
-the loop.
+the loop. With ``activation_checkpointing.cpu_checkpointing`` the tensors a window (or each
+micro-batch of the loop) saves for backward go through the engine's saved-tensor store:
+host memory up to ``max_in_cpu_bytes``, past it NVMe (runtime/activation_spill.py); its
+swap file goes when the window ends, failed or not.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from typing import Callable, Iterable, List, Optional
@@ -91,11 +95,56 @@ def _model_loss(engine) -> Callable:
 def _loop(engine, items: List, loss_fn: Callable, scale_wrt_gas: bool) -> List[torch.Tensor]:
     losses = []
     for mb in items:
-        loss = _loss_of(loss_fn(mb))
-        engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
-        engine.step()
+        _begin_activations(engine, backward_turns=False)
+        with _activations_ended(engine):
+            with _saving(engine, 0):
+                loss = _loss_of(loss_fn(mb))
+            _forward_done(engine)
+            engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+            engine.step()
         losses.append(loss.detach())
     return losses
+
+
+# -- the saved-tensor store (activation_checkpointing.cpu_checkpointing) ---------------------------
+
+def _begin_activations(engine, backward_turns: bool) -> None:
+    if engine.parts.activations is not None:
+        engine.parts.activations.begin(backward_turns)
+
+
+def _saving(engine, micro_batch: int, turns_passed: Callable[[], int] = lambda: 0):
+    """The block's saved tensors go to the store (nothing changes without one)."""
+    store = engine.parts.activations
+    return store.saving(micro_batch, turns_passed) if store is not None else contextlib.nullcontext()
+
+
+def _forward_done(engine) -> None:
+    if engine.parts.activations is not None:
+        engine.parts.activations.forward_done()
+
+
+def _end_activations(engine, error: BaseException) -> None:
+    """End the store because ``error`` is being raised: an error of its own is noted on it."""
+    if engine.parts.activations is None:
+        return
+    try:
+        engine.parts.activations.end()
+    except BaseException as other:  # noqa: BLE001 - noted; the window's own error is the one to raise
+        error.add_note(f"ending the window's saved activations also failed: {type(other).__name__}: {other}")
+
+
+@contextlib.contextmanager
+def _activations_ended(engine):
+    """End the store after the block, failed or not (its own error raised only after a block that
+    raised none)."""
+    try:
+        yield
+    except BaseException as error:
+        _end_activations(engine, error)
+        raise
+    if engine.parts.activations is not None:
+        engine.parts.activations.end()
 
 
 def _rng_state(engine) -> Callable[[], List[torch.Tensor]]:
@@ -119,16 +168,23 @@ def _forward_window(engine, items: List, loss_fn: Callable) -> List[torch.Tensor
     coordinator.window = window
     if not _threaded_backward(engine):
         _bind_checkpointing(engine.module, window)
+    _begin_activations(engine, backward_turns=_threaded_backward(engine))
     engine.comm.deferring = engine._defer_reads
+
+    def micro_batch_loss(i: int) -> torch.Tensor:
+        with _saving(engine, i, lambda: window.turns_passed):
+            return _loss_of(loss_fn(items[i]))
+
     try:
         with engine.timers.phase("forward"):
-            losses = window.run(lambda i: _loss_of(loss_fn(items[i])))
+            losses = window.run(micro_batch_loss)
+        _forward_done(engine)
         window.rng_state = None  # backward draws none of its own (a recomputed forward restores them)
         if engine._defer_reads:
             engine._raise_if_failed_anywhere("forward", engine.comm.take_deferred())
         return losses
-    except BaseException:
-        _end_window(engine, failed=True)
+    except BaseException as error:
+        _end_window(engine, failed=True, error=error)
         raise
     finally:
         engine.comm.deferring = False
@@ -154,8 +210,11 @@ def _unbind_checkpointing(module) -> None:
             m.__dict__[_CHECKPOINT_FUNC] = func
 
 
-def _end_window(engine, failed: bool) -> None:
-    """Forget the window's aliases; after a failure also its kept gradients and holds."""
+def _end_window(engine, failed: bool, error: Optional[BaseException] = None) -> None:
+    """Forget the window's aliases; after a failure (``error``) also its kept gradients, holds and
+    saved activations (after a success those end with the step)."""
+    if failed:
+        _end_activations(engine, error)
     coordinator = engine.parts.coordinator
     window, coordinator.window = coordinator.window, None
     if not _threaded_backward(engine):
@@ -216,12 +275,13 @@ def window_losses(engine, micro_batches, loss_fn: Optional[Callable] = None,
         scaled = [engine._scaled(loss, scale_wrt_gas) for loss in losses]
         engine.micro_steps += len(items) - 1  # the backward ends the window
         engine._backward(lambda: _backward_window(engine, scaled), boundary=True)
-    except BaseException:
+    except BaseException as error:
         engine.micro_steps -= len(items) - 1
-        _end_window(engine, failed=True)
+        _end_window(engine, failed=True, error=error)
         raise
     _end_window(engine, failed=False)
-    engine.step()
+    with _activations_ended(engine):
+        engine.step()
     return [loss.detach() for loss in losses]
 
 

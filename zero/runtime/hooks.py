@@ -269,6 +269,8 @@ class Coordinator:
             tensors = output_tensors(output)
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+                if self.window is not None:
+                    self.window.finished(module)  # its backwards take turns there
 
     def on_param_access(self, p: nn.Parameter) -> None:
         entry = self.slot_of.get(p)

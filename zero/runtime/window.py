@@ -81,6 +81,7 @@ class MicroBatchWindow:
         self._gates = [threading.Event() for _ in range(k)]  # gate i open: thread i's turn (or stopped)
         self._events: List[nn.Module] = []  # the first thread's units, in forward order
         self._count = [0] * k
+        self._outputs = [0] * k
         self.stopped: Optional[BaseException] = None
         self.aliases: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
         self.grads: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
@@ -119,6 +120,20 @@ class MicroBatchWindow:
                     return fn(*a, **k)
             return checkpoint(as_micro_batch, *args, **kwargs) if i is not None else checkpoint(fn, *args, **kwargs)
         return checkpointed
+
+    @property
+    def turns_passed(self) -> int:
+        """How many places where its backward will take a turn this thread's forward has passed:
+        the outputs of modules, hooked for their backward (0 outside the window's threads). A tensor
+        saved for backward after n of them is used between the backward's turns n + 1 and n."""
+        i = self.index
+        return self._outputs[i] if i is not None else 0
+
+    def finished(self, module: nn.Module) -> None:
+        """This thread's forward finished ``module``, whose backward starts with a turn."""
+        i = self.index
+        if i is not None and not self.replaying:
+            self._outputs[i] += 1
 
     @property
     def first(self) -> bool:
@@ -187,6 +202,7 @@ class MicroBatchWindow:
         """``fn(i)`` on k threads taking turns; their results, or the first error raised."""
         results: List[object] = [None] * self.k
         self._turn, self._alive, self._count, self._events = 0, [True] * self.k, [0] * self.k, []
+        self._outputs = [0] * self.k
         for gate in self._gates:
             gate.clear()
         self._gates[0].set()

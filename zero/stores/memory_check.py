@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
+from swapper import activation_swapper
 from swapper.buffer_pool import align_up
 from swapper.host_memory import HostMemory, format_bytes
 
 from ..config import ConfigError, DeepSpeedConfig, Problem
+from ..config.activation_checkpointing import spill_offload
 from .param_store import swap_buffer_count
 from .layouts import RankLayout
 
@@ -71,6 +73,11 @@ def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize
         parts.append(MemoryPart(
             "fp32 master weights, optimizer states and gradients in host memory (offload_optimizer.device cpu)",
             (2 + state_count) * numel * 4, "zero_optimization.offload_optimizer.device"))
+    spill = spill_offload(zc) if config.activation_checkpointing.cpu_checkpointing else None
+    if spill is not None:
+        count, size = activation_swapper.BUFFER_COUNT, activation_swapper.BUFFER_BYTES
+        parts.append(MemoryPart(f"activation swap buffers ({count} x {format_bytes(size)})", count * size,
+                                "activation_checkpointing.cpu_checkpointing", locked=spill.pin_memory))
     if par.device != "none":  # gathered parameters live in host memory when computing on the CPU
         live = max(largest_unit, min(zc.stage3_max_live_parameters, total_numel))
         parts.append(MemoryPart(
@@ -109,9 +116,18 @@ def headroom_bytes(parts: List[MemoryPart], memory: HostMemory) -> int:
     return max(0, memory.available_bytes - sum(p.nbytes for p in parts)) // 2
 
 
+def activation_budget_bytes(parts: List[MemoryPart], memory: HostMemory) -> int:
+    """The default ``activation_checkpointing.max_in_cpu_bytes``: half of the half that
+    :func:`headroom_bytes` leaves to activations and everything else, so that the forward's and
+    backward's working tensors keep the other quarter of what MemAvailable leaves."""
+    return headroom_bytes(parts, memory) // 2
+
+
 def _fix(setting: str) -> str:
     if setting.endswith(".device"):
         return f"set {setting} to 'nvme'"
+    if setting.endswith("cpu_checkpointing"):
+        return f"set {setting} to false (its buffers stage the saved activations written to NVMe)"
     if setting.endswith("max_in_cpu"):
         return f"lower {setting} (0 keeps every partition on NVMe)"
     return f"lower {setting}"
