@@ -64,6 +64,10 @@ class PoolBuffer:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def name(self) -> str:
+        return f"buffer {self.index}"
+
     def bytes(self) -> torch.Tensor:
         return byte_view(self.tensor)
 
@@ -73,7 +77,7 @@ class PoolBuffer:
         end = byte_offset + numel * itemsize
         if byte_offset % itemsize or end > self.nbytes:
             raise BufferTooSmallError(
-                f"{numel} elements of {dtype} at byte {byte_offset} do not fit buffer {self.index} "
+                f"{numel} elements of {dtype} at byte {byte_offset} do not fit {self.name} "
                 f"of {self.nbytes} bytes"
             )
         return self.bytes()[byte_offset:end].view(dtype)
@@ -85,6 +89,36 @@ def _free_locked(handle, storage: torch.Tensor, close_handle: bool) -> None:
     finally:
         if close_handle:
             handle.close()
+
+
+def allocate_staging(owner, nbytes: int, what: str, pin_memory: bool, handle=None):
+    """``nbytes`` of page-aligned host memory for ``owner`` (a pool) as a uint8 tensor, refused
+    up front when the machine cannot give it (host_memory.py): locked through ``handle`` (one
+    made here when None) when ``pin_memory``, else on transparent huge pages. Returns
+    ``(storage, finalizer, handle)``; the finalizer (None when not pinned) unlocks the memory,
+    at the latest when ``owner`` dies."""
+    refusal = HostMemory.probe().refusal(nbytes, what, pin_memory)
+    if refusal is not None:
+        raise InsufficientHostMemoryError(refusal)
+    if not pin_memory:
+        from nvmeio.locked import huge_page_tensor
+
+        return huge_page_tensor(nbytes), None, handle  # not locked, but on huge pages: whole requests
+    own_handle = handle is None
+    if own_handle:
+        import nvmeio
+
+        handle = nvmeio.aio_handle()
+    example = torch.empty(0, dtype=torch.uint8)
+    try:
+        storage = handle.new_cpu_locked_tensor(nbytes, example)
+    except BaseException:
+        if own_handle:
+            handle.close()
+        raise
+    # Unlocks the pages (the memory itself lives as long as any view of it, nvmeio.locked),
+    # and ends the threads of a handle made here only to lock them.
+    return storage, weakref.finalize(owner, _free_locked, handle, storage, own_handle), handle
 
 
 class PinnedBufferPool:
@@ -116,32 +150,7 @@ class PinnedBufferPool:
             f"PinnedBufferPool(buffer_count={self.buffer_count}, buffer_size={self.buffer_size}, "
             f"dtype={dtype})"
         )
-        refusal = HostMemory.probe().refusal(self.nbytes, what, pin_memory)
-        if refusal is not None:
-            raise InsufficientHostMemoryError(refusal)
-
-        if pin_memory:
-            own_handle = handle is None
-            if own_handle:
-                import nvmeio
-
-                handle = nvmeio.aio_handle()
-            example = torch.empty(0, dtype=torch.uint8)
-            try:
-                self._storage = handle.new_cpu_locked_tensor(self.nbytes, example)
-            except BaseException:
-                if own_handle:
-                    handle.close()
-                raise
-            # Unlocks the pages (the memory itself lives as long as any view of it, nvmeio.locked),
-            # and ends the threads of a handle made here only to lock them.
-            self._finalizer = weakref.finalize(self, _free_locked, handle, self._storage, own_handle)
-        else:
-            from nvmeio.locked import huge_page_tensor
-
-            self._storage = huge_page_tensor(self.nbytes)  # not locked, but on huge pages: whole requests
-            self._finalizer = None
-        self._handle = handle
+        self._storage, self._finalizer, self._handle = allocate_staging(self, self.nbytes, what, pin_memory, handle)
         self._buffers = [
             PoolBuffer(
                 index=i,

@@ -15,6 +15,13 @@ order) stay in ordinary host memory for good and never touch NVMe. Swap files
 are named after the caller's ids (``param_<id>.swp``), which must therefore be
 stable across runs: a parameter's name or its index, never ``id()``.
 
+With ``packed=True`` the pool is a :class:`SpanPool` of the same ``buffer_count
+× buffer_size`` elements, and each partition takes a span of its own size
+(whole pages): the memory bounds the bytes held, not the number of partitions
+(span_pool.py, [Note: read-ahead bounded by bytes, not by buffers]). Its last
+``spare_buffers`` buffers' worth is kept for blocking swap-ins and writes;
+:meth:`read_ahead`, which never fails for want of room, stays out of it.
+
 [Note: a ring of read queues, so a fetch waits for its own read only]
 A handle's ``wait()`` completes every op submitted on it (io_queue.py), so
 with one read queue a blocking :meth:`swap_in` of a prefetched partition waits
@@ -60,6 +67,7 @@ from .buffer_pool import PAGE_BYTES, PoolBuffer, align_up, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapFileTruncatedError, SwapStateError, add_note
 from .io_queue import IoKind, IoQueue, ReadRing, WriteRing
+from .span_pool import SpanPool
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
 
@@ -164,6 +172,8 @@ class PartitionedParamSwapper(SwapperBase):
         remove_stale: bool = False,
         read_queues: int = 1,
         write_queues: int = 1,
+        packed: bool = False,
+        spare_buffers: int = 0,
     ):
         config = AioSettings.coerce(aio_config)
         read_queues = as_count(read_queues, "read_queues")
@@ -173,6 +183,14 @@ class PartitionedParamSwapper(SwapperBase):
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
             raise ValueError(f"max_in_cpu must be a non-negative integer, got {max_in_cpu!r}")
         self.max_in_cpu = int(max_in_cpu)
+        if isinstance(spare_buffers, bool) or not isinstance(spare_buffers, int) or \
+                not 0 <= spare_buffers <= self.buffer_count:
+            raise ValueError(f"spare_buffers must be an integer from 0 to buffer_count ({self.buffer_count}), "
+                             f"got {spare_buffers!r}")
+        if spare_buffers and not packed:
+            raise ValueError("spare_buffers needs packed=True (a pool of whole buffers has no spare region)")
+        self.packed = packed
+        self.spare_buffers = spare_buffers
         self._parts: Dict[ParamId, _Partition] = {}
         self._by_file: Dict[str, ParamId] = {}
         self._cpu_numel = 0
@@ -261,6 +279,22 @@ class PartitionedParamSwapper(SwapperBase):
         """Bytes the registered NVMe-resident partitions take on disk."""
         return self._nvme_bytes
 
+    def buffer_bytes(self, param_id: ParamId) -> int:
+        """The pool memory ``param_id`` takes while in a buffer: its span (packed), else one whole
+        buffer; 0 for a partition kept in host memory."""
+        part = self._lookup([param_id])[0]
+        if part.cpu_tensor is not None:
+            return 0
+        if self.packed:
+            return self._span_bytes(part)
+        return align_up(self._buffer_nbytes() or self._span_bytes(part))
+
+    def in_spare(self, param_id: ParamId) -> bool:
+        """Whether the partition's buffer lies in the packed pool's spare region (span_pool.py):
+        memory kept for blocking swap-ins and writes, which should go back soon."""
+        buffer = self._lookup([param_id])[0].buffer
+        return getattr(buffer, "spare", False)
+
     # -- data movement ------------------------------------------------------------------------
     def get_buffer(self, param_id: ParamId) -> torch.Tensor:
         """Memory to write new data of ``param_id`` into (then :meth:`swap_out` it).
@@ -273,7 +307,7 @@ class PartitionedParamSwapper(SwapperBase):
         if part.cpu_tensor is not None:
             part.has_data = True
         elif part.buffer is None:
-            part.buffer = self._acquire(1, [part], "get_buffer")[0]
+            part.buffer = self._acquire([part], "get_buffer")[0]
             part.state = PartitionState.AVAILABLE
         if part.home is not None:  # new data of its own: written to its own file again
             self._unhome(part)
@@ -334,33 +368,72 @@ class PartitionedParamSwapper(SwapperBase):
         changed file raises :class:`SwapCorruptionError` (both name the file).
         """
         parts = self._lookup(param_ids)
+        self._check_readable(parts)
+        self._start_swap_in(parts, spare=True)
+        if not async_op:
+            self._complete(parts)
+        return [p.tensor() for p in parts]
+
+    def read_ahead(self, param_ids: Sequence[ParamId], copies: Optional[Dict[ParamId, torch.Tensor]] = None) -> int:
+        """Start bringing in the leading partitions of ``param_ids`` that the pool holds now
+        (packed: outside its spare region, see span_pool.py), completing the oldest writes
+        first if that makes room; never raises :class:`PoolExhaustedError`. A partition in
+        ``copies`` (stored with :meth:`store_at`, its data still in its owner's memory, as for
+        :meth:`fill`) is copied from there, the others are read, on one read queue. Returns how
+        many of ``param_ids``, from the first, are held or on their way."""
+        parts = self._lookup(param_ids)
+        self._check_readable(parts)
+        fit = self._leading_that_fit(parts)
+        while fit < len(parts) and len(self._writes):
+            self._writes.drain_some()
+            fit = self._leading_that_fit(parts)
+        self._start_swap_in(parts[:fit], spare=False, copies=copies)
+        return fit
+
+    def _check_readable(self, parts: List[_Partition]) -> None:
         for p in parts:
             if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
                 raise SwapStateError(f"partition {p.param_id!r} was never written; nothing to swap in")
+
+    def _start_swap_in(self, parts: List[_Partition], spare: bool,
+                       copies: Optional[Dict[ParamId, torch.Tensor]] = None) -> None:
+        """Take buffers for the partitions of ``parts`` on NVMe, all or none, and start their
+        reads (or copy them from ``copies``)."""
+        copies = copies or {}
         for p in parts:  # being written: kept in its buffer, also if taking buffers completes the write
             if p.state is PartitionState.WRITING:
                 p.keep_after_write = True
         wanted = list({id(p): p for p in parts if p.state is PartitionState.ON_NVME}.values())
-        for p in wanted:
+        if not wanted:
+            return
+        copied = [p for p in wanted if p.param_id in copies]
+        if any(p.home is None for p in copied):
+            raise SwapStateError("copies are for partitions stored with store_at")
+        reads = [p for p in wanted if p.param_id not in copies]
+        for p in reads:
             self._check_stored_size(p)
-        buffers = self._acquire(len(wanted), wanted, "swap_in") if wanted else []
-        queue = self._read_ring.next_queue() if wanted else None
+        buffers = self._acquire(wanted, "swap_in", spare)
         for p, buf in zip(wanted, buffers):
-            p.buffer, p.state, p.queue = buf, PartitionState.READING, queue
+            p.buffer = buf
+        for p in copied:
+            p.state, p.on_nvme = PartitionState.AVAILABLE, True
+            p.tensor().copy_(copies[p.param_id].reshape(-1))
+        if not reads:
+            return
+        queue = self._read_ring.next_queue()
+        for p in reads:
+            p.state, p.queue = PartitionState.READING, queue
         submitted = 0
         try:
-            for p in wanted:
+            for p in reads:
                 offset, nbytes = p.read_span()
                 path, data = self._stored_path(p), p.buffer.bytes()[:nbytes]
                 queue.submit(IoKind.READ, data, path, offset, self._on_read(p, path, offset, data))
                 submitted += 1
         except BaseException:
-            for p in wanted[submitted + 1 :]:  # never submitted (the failed one was called back)
+            for p in reads[submitted + 1 :]:  # never submitted (the failed one was called back)
                 self._evict(p)
             raise
-        if not async_op:
-            self._complete(parts)
-        return [p.tensor() for p in parts]
 
     # -- partitions homed in another owner's file (see the note) --------------------------------
     def store_at(self, param_ids: Sequence[ParamId], homes: Sequence[Home], tensors: Sequence[torch.Tensor]) -> None:
@@ -388,6 +461,12 @@ class PartitionedParamSwapper(SwapperBase):
                 p.cpu_tensor.copy_(t.reshape(-1))
                 p.has_data = True
                 continue
+            need = self._span_bytes(p, skew=int(home[1]) % PAGE_BYTES)
+            if self.packed and p.state is PartitionState.AVAILABLE and p.buffer.nbytes < need:
+                # its span holds the data from the old home's offset in a page, too few pages for the new one's
+                wider = self._acquire([p], "store_at", sizes=[need])[0]
+                self._pool.release([p.buffer])
+                p.buffer = wider
             if p.home is None:
                 self.swap_dir.remove(p.file_name)
                 self._nvme_bytes -= p.nbytes
@@ -409,7 +488,7 @@ class PartitionedParamSwapper(SwapperBase):
         wanted = [(p, t) for p, t in zip(parts, tensors) if p.state is PartitionState.ON_NVME]
         if any(p.home is None for p, _ in wanted):
             raise SwapStateError("fill() is for partitions stored with store_at")
-        buffers = self._acquire(len(wanted), [p for p, _ in wanted], "fill") if wanted else []
+        buffers = self._acquire([p for p, _ in wanted], "fill") if wanted else []
         for (p, t), buf in zip(wanted, buffers):
             p.buffer, p.state, p.on_nvme = buf, PartitionState.AVAILABLE, True
             p.tensor().copy_(t.reshape(-1))
@@ -521,20 +600,47 @@ class PartitionedParamSwapper(SwapperBase):
             raise KeyError(f"partition id {exc.args[0]!r} is not registered") from None
 
     def _buffer_nbytes(self) -> Optional[int]:
+        """The bytes of the largest partition a buffer (packed: a span) may hold."""
         if self._pool is not None:
-            return self._pool.buffer_nbytes
+            return self._buffer_bytes
         if self.buffer_size is not None:
             return self.buffer_size * self._itemsize()
         return None
 
-    def _acquire(self, count: int, parts: List[_Partition], what: str) -> List[PoolBuffer]:
+    def _make_pool(self, buffer_size: int):
+        self._buffer_bytes = buffer_size * self._itemsize()
+        if not self.packed:
+            return super()._make_pool(buffer_size)
+        stride = align_up(self._buffer_bytes)
+        return SpanPool(self.buffer_count * stride, self.spare_buffers * stride, pin_memory=self.pin_memory,
+                        handle=self._reads.handle)
+
+    def _span_bytes(self, p: _Partition, skew: Optional[int] = None) -> int:
+        """What a buffer of ``p`` takes from a packed pool: its data from ``skew`` (default: its
+        home's), in whole pages."""
+        return align_up((p.skew if skew is None else skew) + p.nbytes)
+
+    def _acquire(self, parts: List[_Partition], what: str, spare: bool = True,
+                 sizes: Optional[List[int]] = None) -> List[PoolBuffer]:
+        count = len(parts)
         holder = f"partition {parts[0].param_id!r}" if count == 1 else f"{what} of {count} partitions"
         buffers = self._take_buffers(
-            count, holder, hint="release() partitions that are no longer needed, or raise buffer_count"
+            count, holder, hint="release() partitions that are no longer needed, or raise buffer_count",
+            sizes=sizes or [self._span_bytes(p) for p in parts], spare=spare,
         )
         for p, b in zip(parts, buffers):
             b.holder = f"partition {p.param_id!r}"
         return buffers
+
+    def _leading_that_fit(self, parts: List[_Partition]) -> int:
+        """How many of ``parts``, from the first, the pool can hold now outside its spare region."""
+        pool = self._ensure_pool()
+        needing = [i for i, p in enumerate(parts) if p.state is PartitionState.ON_NVME]
+        if isinstance(pool, SpanPool):
+            placed = pool.fits([self._span_bytes(parts[i]) for i in needing], spare=False)
+        else:
+            placed = min(len(needing), pool.free_count)
+        return needing[placed] if placed < len(needing) else len(parts)
 
     def _submit_write(self, p: _Partition) -> None:
         self._check_space()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Union
 
 import torch
 
@@ -25,6 +25,7 @@ from .buffer_pool import PinnedBufferPool, PoolBuffer
 from .checksum import checksum_table
 from .errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
 from .io_queue import IoBytes, IoQueue
+from .span_pool import SpanPool
 from .swap_dir import SwapDirectory
 
 
@@ -54,7 +55,7 @@ class SwapperBase(abc.ABC):
         self.aio_config = config  # for a handle of its own where one is needed (staged_state.py)
         self._checksums = checksum_table(checksum)
         self.io_bytes = IoBytes()  # what this swapper's queues moved (tests and benchmarks read it)
-        self._pool: Optional[PinnedBufferPool] = None
+        self._pool: Optional[Union[PinnedBufferPool, SpanPool]] = None
         self._space_checked = 0
         self._closed = False
         # A directory that cannot be claimed (in use, stale) must not leave the handles' threads
@@ -93,7 +94,7 @@ class SwapperBase(abc.ABC):
         return self._checksums.algorithm if self._checksums is not None else None
 
     @property
-    def pool(self) -> Optional[PinnedBufferPool]:
+    def pool(self) -> Optional[Union[PinnedBufferPool, SpanPool]]:
         """The buffer pool; ``None`` until first needed when it is sized from the entries."""
         return self._pool
 
@@ -155,20 +156,24 @@ class SwapperBase(abc.ABC):
             self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory, handle=self._reads.handle
         )
 
-    def _ensure_pool(self) -> PinnedBufferPool:
+    def _ensure_pool(self) -> Union[PinnedBufferPool, SpanPool]:
         """The pool; made at first use with buffers that hold the largest entry."""
         if self._pool is None:
             largest = max((e.nbytes for e in self._swapped_entries()), default=0)
             self._pool = self._make_pool(max(1, math.ceil(largest / self._itemsize())))
         return self._pool
 
-    def _take_buffers(self, count: int, holder: str, hint: Optional[str] = None) -> List[PoolBuffer]:
-        """``count`` pool buffers; when none are free, completes the writes in flight (which
-        return theirs) and tries once more. ``hint`` is noted on a final PoolExhaustedError."""
+    def _take_buffers(self, count: int, holder: str, hint: Optional[str] = None,
+                      sizes: Optional[List[int]] = None, spare: bool = True) -> List[PoolBuffer]:
+        """``count`` pool buffers (from a :class:`SpanPool`: spans of ``sizes`` bytes, in its
+        spare region too when ``spare``); when they do not fit, completes the writes in flight
+        (which return theirs) and tries again. ``hint`` is noted on a final PoolExhaustedError."""
         pool = self._ensure_pool()
         try:
             while True:
                 try:
+                    if isinstance(pool, SpanPool):
+                        return pool.acquire(sizes, holder=holder, spare=spare)
                     return pool.acquire(count, holder=holder)
                 except PoolExhaustedError:
                     if not len(self._writes):

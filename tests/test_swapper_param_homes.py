@@ -26,14 +26,14 @@ def owner_file(directory, values):
     return path, homes
 
 
-@pytest.fixture
-def homed(tmp_path, tmp_path_factory, swappers):
+@pytest.fixture(params=[False, True], ids=["buffers", "packed"])
+def homed(request, tmp_path, tmp_path_factory, swappers):
     g = torch.Generator().manual_seed(0)
     values = {k: torch.randn(n, generator=g) for k, n in SIZES.items()}
     path, homes = owner_file(tmp_path_factory.mktemp("owner"), values)
     s = swappers(PartitionedParamSwapper(
         tmp_path, {"queue_depth": 8}, buffer_count=3, max_in_cpu=0, checksum="xxhash",
-        buffer_size=max(SIZES.values()) + HOME_SLACK_BYTES // 4, read_queues=2))
+        buffer_size=max(SIZES.values()) + HOME_SLACK_BYTES // 4, read_queues=2, packed=request.param))
     for key, n in SIZES.items():
         s.register(key, n)
     s.store_at(list(SIZES), [homes[k] for k in SIZES], [values[k] for k in SIZES])
@@ -131,3 +131,35 @@ def test_partitions_kept_in_host_memory_just_copy(tmp_path, swappers):
     assert s.register("small", 10) is PartitionState.IN_CPU
     s.store_at(["small"], [("/nonexistent/f", 4)], [torch.arange(10.0)])
     assert torch.equal(s.swap_in(["small"])[0], torch.arange(10.0)) and os.listdir(s.swap_dir.path) == []
+
+
+def test_a_packed_span_covers_its_homes_skew_and_widens_for_a_new_home_that_needs_more(homed, tmp_path_factory):
+    s, values, path, homes = homed
+    if not s.packed:
+        pytest.skip("whole buffers have the slack for any skew")
+    held = s.swap_in(["a"])[0]  # 4000 bytes, 8 into a page: one page
+    assert s.buffer_bytes("a") == 4096 and torch.equal(held, values["a"])
+    new = values["a"] + 1
+    moved = tmp_path_factory.mktemp("moved") / "owner.swp"
+    moved.write_bytes(b"\x00" * (4096 + 200) + new.numpy().tobytes() + b"\x00" * 4096)  # 200 into a page: 2 pages
+    s.store_at(["a"], [(str(moved), 4096 + 200)], [new])
+    assert s.state("a") is PartitionState.AVAILABLE and s.buffer_bytes("a") == 2 * 4096
+    assert torch.equal(s.swap_in(["a"])[0], new)
+    s.release(["a"])
+    assert torch.equal(s.swap_in(["a"])[0], new)  # read again from the new home
+    s.release(["a"])
+
+
+def test_read_ahead_copies_what_the_owner_still_holds_instead_of_reading(homed):
+    s, values, path, homes = homed
+    with open(path, "r+b") as f:  # the owner's write is still in flight: the file is stale
+        f.seek(homes["c"][1])
+        f.write(b"\xff" * 16)
+    assert s.read_ahead(["c", "a"], copies={"c": values["c"]}) == 2
+    assert s.state("c") is PartitionState.AVAILABLE and s.state("a") is PartitionState.READING
+    s.synchronize()
+    assert torch.equal(s.swap_in(["c"])[0], values["c"]) and torch.equal(s.swap_in(["a"])[0], values["a"])
+    s.release(["a", "c"])
+    with pytest.raises(SwapStateError, match="copies are for partitions stored with store_at"):
+        s.swap_out_tensors(["b"], [values["b"]])
+        s.read_ahead(["b"], copies={"b": values["b"]})

@@ -49,11 +49,11 @@ def test_inference_from_nvme_gives_the_plain_logits_forward_after_forward(tmp_pa
         for i, (x, _) in enumerate(make_batches(CFG, 4, 2, seed=1)):
             with torch.no_grad():
                 assert torch.equal(engine(x), plain(x)), f"forward {i}"
-            # Every buffer is back but those read ahead for the next forward.
+            # Every span is back but those read ahead for the next forward.
             assert not any(u.lent for u in engine.parts.units)
-            assert store.swapper.pool.free_count == buffer_count - len(store._prefetched)
+            assert store.swapper.pool.held_bytes == sum(store._prefetched.values())
             if i >= 1:  # the trace is known: the next forward's first units are on their way
-                assert store._prefetched & set(coord.prefetcher.trace[:3])
+                assert store._prefetched.keys() & set(coord.prefetcher.trace[:3])
         assert any(seen), "no unit computed on a lent pool buffer"
         if buffer_count == 4:  # 2 spare buffers: some units must be copied instead
             assert not all(seen)
@@ -140,3 +140,33 @@ def test_a_blocking_swap_in_waits_for_its_own_read_only(tmp_path, read_queues):
 def test_read_queues_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="read_queues must be a positive integer, got 0"):
         PartitionedParamSwapper(tmp_path, buffer_count=2, buffer_size=10, read_queues=0)
+
+
+def test_read_ahead_is_bounded_by_the_pools_bytes_not_its_buffer_count(tmp_path):
+    # A large embedding sizes the pool's buffers; the blocks' units are a small fraction of it.
+    cfg = GPTConfig(layers=4, vocab=4096, tie=False)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    plain = copy.deepcopy(model)
+    buffer_count = 4
+    engine, _, _, _ = zero.initialize(model=model, config=inference_config(tmp_path, buffer_count))
+    store = engine.parts.param_store
+    pool = store.swapper.pool
+    largest = max(store.swapper.buffer_bytes(pid) for pid in store._ids.values())
+    ahead = []  # (units, bytes) read ahead and not fetched yet, after each prefetch
+
+    def prefetch(layouts, original=store.prefetch):
+        started = original(layouts)
+        ahead.append((len(store._prefetched), sum(store._prefetched.values())))
+        return started
+
+    store.prefetch = prefetch
+    try:
+        for x, _ in make_batches(cfg, 3, 2, seed=1):
+            with torch.no_grad():
+                assert torch.equal(engine(x), plain(x))
+        # Whole buffers would have held buffer_count - SPARE_BUFFERS units ahead at most.
+        assert max(units for units, _ in ahead) > buffer_count - store.SPARE_BUFFERS
+        assert max(nbytes for _, nbytes in ahead) <= pool.main_bytes == (buffer_count - store.SPARE_BUFFERS) * largest
+    finally:
+        engine.destroy()

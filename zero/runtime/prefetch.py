@@ -5,9 +5,21 @@ keep gathered after use, and the bound on live parameters.
 The order units are fetched in during one iteration (forward and backward) is
 recorded; in the next iteration each fetch that matches the recorded order
 starts the NVMe reads of the next units (up to ``stage3_prefetch_bucket_size``
-elements and the free pool buffers). When the order differs, prefetching stops
+elements and the bytes the store has room for). When the order differs, prefetching stops
 for the rest of that iteration and the new order is recorded: no warnings, no
 stale trace.
+
+[Note: read-ahead in batches]
+The store says how many bytes may be read ahead (``prefetch_capacity``) and
+what each unit costs (``prefetch_cost``): the pool's bytes, not its buffers,
+bound the read-ahead (swapper/span_pool.py). Each fetch frees about one
+unit's bytes. Read ahead one unit at a time, the reads would spread over
+every read queue, and a fetch, which waits for its whole queue
+(swapper/param_swapper.py, [Note: a ring of read queues, so a fetch waits
+for its own read only]), would wait for reads far ahead of it. So while room
+is what limits it, the read-ahead waits until a batch's worth
+(``prefetch_batch_bytes``) is free, and the store gives each batch a queue
+of its own.
 
 [Note: inference reads ahead across forwards, into the buffers it computes on]
 With no optimizer (a ZeRO-Inference engine) nothing changes the shards
@@ -135,27 +147,40 @@ class Prefetcher:
             return
         if self.store.resident:
             return
-        room = self.store.prefetch_capacity()
+        room = self.store.prefetch_capacity()  # bytes
         budget = self.prefetch_numel
-        wanted: Dict[int, object] = {}
+        wanted: List[ParamUnit] = []
+        wraps: Set[int] = set()  # of those, units of the next forward
         ahead = self.trace[pos + 1:]
         if self.inference:
             ahead = ahead + self.trace[:pos]  # the next forward's (see the note)
+        short = False  # stopped for want of room (not by the budget, the live bound or the trace's end)
+        wanted_bytes = live = 0
         for at, index in enumerate(ahead):
-            if room <= 0 or budget <= 0:
+            if budget <= 0:
                 break
             nxt = self.units[index]
-            if nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or index in wanted:
+            if nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or nxt in wanted:
                 continue
-            if self.live.numel + nxt.layout.numel > self.live.limit:
+            if self.live.numel + live + nxt.layout.numel > self.live.limit:
                 break
-            wanted[index] = nxt.layout
+            cost = self.store.prefetch_cost(nxt.layout)
+            if cost > room:
+                short = True
+                break
+            wanted.append(nxt)
             if at >= len(self.trace) - pos - 1:
-                self.ahead.add(index)
-            nxt.state = ParamState.INFLIGHT
-            room -= 1
+                wraps.add(index)
+            room -= cost
+            wanted_bytes += cost
             budget -= nxt.layout.shard_numel
+            live += 0 if nxt.persistent else nxt.layout.numel
+        if not wanted or (short and wanted_bytes < self.store.prefetch_batch_bytes()):
+            return  # wait for a batch's worth of room (see the note)
+        started = self.store.prefetch([w.layout for w in wanted])
+        for nxt in wanted[:started]:
+            if nxt.index in wraps:
+                self.ahead.add(nxt.index)
+            nxt.state = ParamState.INFLIGHT
             if not nxt.persistent:
                 self.live.count(nxt.layout.numel)
-        if wanted:
-            self.store.prefetch(list(wanted.values()))

@@ -31,7 +31,7 @@ import abc
 import logging
 
 import time
-from typing import Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -98,10 +98,21 @@ class ParamStore(abc.ABC):
         calls :meth:`fetched` (instead of copying it first); True records the loan."""
         return False
 
-    def prefetch(self, layouts: Iterable[UnitLayout]) -> None:
-        """Start bringing these shards in (NVMe); a later :meth:`fetch` finds them ready."""
+    def prefetch(self, layouts: Iterable[UnitLayout]) -> int:
+        """Start bringing these shards in (NVMe); a later :meth:`fetch` finds them ready. Returns
+        how many of them, from the first, are on their way (the rest found no room)."""
+        return 0
 
     def prefetch_capacity(self) -> int:
+        """Bytes of shards that may be read ahead now (see :meth:`prefetch_cost`)."""
+        return 0
+
+    def prefetch_cost(self, layout: UnitLayout) -> int:
+        """Bytes of :meth:`prefetch_capacity` that prefetching this shard takes."""
+        return 0
+
+    def prefetch_batch_bytes(self) -> int:
+        """Read ahead in batches of at least this many bytes when room is what limits it."""
         return 0
 
     def drop_prefetched(self, keep: Iterable[int] = ()) -> None:
@@ -158,10 +169,10 @@ class FlatParamStore(ParamStore):
 
 
 def swap_buffer_count(offload, largest_shard: int, total_numel: int) -> int:
-    """Pool buffers of the parameter swapper. Each holds one shard, so it is sized for the
-    largest shard rather than ``buffer_size``; the ``buffer_count x buffer_size`` elements the
-    user allowed then hold more of them (more shards in flight: fewer waits for a free buffer,
-    prefetch reads further ahead), up to 4x ``buffer_count`` and a quarter of the rank's
+    """The parameter swapper's pool, in buffers of the largest shard (rather than of
+    ``buffer_size``). Its spans hold each shard in its own size, so the ``buffer_count x
+    buffer_size`` elements the user allowed hold more shards in flight (fewer waits for room,
+    read-ahead further ahead), up to 4x ``buffer_count`` buffers and a quarter of the rank's
     parameters (more would not be in flight at once)."""
     allowed = min(offload.buffer_count * offload.buffer_size, total_numel // 4)
     return max(offload.buffer_count, min(allowed // max(1, largest_shard), 4 * offload.buffer_count))
@@ -171,18 +182,23 @@ class NvmeParamStore(ParamStore):
     """Shards in swap files under ``offload_param.nvme_path``, one file per unit.
 
     The first ``max_in_cpu`` elements stay in host memory (DeepSpeed's rule).
-    Pool buffers are sized for the largest shard; ``offload_param.buffer_size``
-    smaller than that is refused when the engine is built. Reads go through
-    :data:`READ_QUEUES` handles, so a fetch waits for its own shard only
-    (see the note in swapper/param_swapper.py). Buffers that are prefetched or
-    lent (:meth:`lend`) never leave fewer than :data:`SPARE_BUFFERS` for a fetch
-    that was not prefetched and for writes.
+    The pool holds ``swap_buffer_count`` buffers' worth of the largest shard and
+    gives each shard a span of its own size (swapper/span_pool.py, [Note:
+    read-ahead bounded by bytes, not by buffers]); ``offload_param.buffer_size``
+    smaller than the largest shard is refused when the engine is built. The
+    last :data:`SPARE_BUFFERS` buffers' worth is kept for a fetch that was not
+    prefetched and for writes: prefetched and lent (:meth:`lend`) shards never
+    hold it. Reads go through :data:`READ_QUEUES` handles, so a fetch waits for
+    its own batch of reads only (see the note in swapper/param_swapper.py):
+    read-ahead goes in batches of at least 1/:data:`READ_AHEAD_BATCHES` of the
+    room, each on a queue of its own, one queue left for a fetch.
     """
 
     resident = False
     READ_QUEUES = 8
     WRITE_QUEUES = 4  # a full pool waits for the oldest writes only (swapper/io_queue.py WriteRing)
     SPARE_BUFFERS = 2
+    READ_AHEAD_BATCHES = READ_QUEUES - 1
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int,
                  master=None):
@@ -199,12 +215,14 @@ class NvmeParamStore(ParamStore):
                 f"{offload.buffer_size} elements is smaller than the largest parameter partition "
                 f"({largest} elements, module '{unit.module_name or '<root>'}' on this rank); each "
                 f"partition must fit one buffer: set buffer_size >= {largest}"))])
+        count = swap_buffer_count(offload, largest, rank_layout.numel)
         self.swapper = PartitionedParamSwapper(
-            offload.nvme_path, aio, buffer_count=swap_buffer_count(offload, largest, rank_layout.numel),
+            offload.nvme_path, aio, buffer_count=count,
             buffer_size=max(1, largest) + (HOME_SLACK_BYTES // 4 if master is not None else 0),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
-            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES)
+            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES, packed=True,
+            spare_buffers=min(self.SPARE_BUFFERS, count))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
         try:
             for u in rank_layout.units:
@@ -212,8 +230,10 @@ class NvmeParamStore(ParamStore):
         except BaseException:
             self.swapper.cleanup()  # never returned, so never closed by the caller
             raise
-        self._prefetched: Set[int] = set()
-        self._lent: Set[int] = set()  # fetched shards whose pool buffers their units view
+        # Unit index -> pool bytes, of the shards read ahead and not fetched yet, and of the fetched
+        # shards whose pool buffers their units view (lent).
+        self._prefetched: Dict[int, int] = {}
+        self._lent: Dict[int, int] = {}
         if master is not None:
             master.swapper.on_rewrite = self._settle_sub_group
 
@@ -247,22 +267,21 @@ class NvmeParamStore(ParamStore):
         self._fill_from_master([layout])
         tensor = self.swapper.swap_in([self._ids[layout.index]])[0]
         self.read_wait_seconds += time.perf_counter() - t0
-        self._prefetched.discard(layout.index)
+        self._prefetched.pop(layout.index, None)
         return tensor
 
     def fetched(self, layout: UnitLayout) -> None:
-        self._lent.discard(layout.index)
+        self._lent.pop(layout.index, None)
         self.swapper.release_or_write([self._ids[layout.index]])  # retries a write that failed
 
     def lend(self, layout: UnitLayout) -> bool:
         from swapper.param_swapper import PartitionState
 
         pid = self._ids[layout.index]
-        held = len(self._prefetched) + len(self._lent) + 1
-        if self.swapper.state(pid) is not PartitionState.AVAILABLE or \
-                self.swapper.buffer_count - held < self.SPARE_BUFFERS:
+        # A shard in the spare region is copied instead: that memory must come back at once.
+        if self.swapper.state(pid) is not PartitionState.AVAILABLE or self.swapper.in_spare(pid):
             return False
-        self._lent.add(layout.index)
+        self._lent[layout.index] = self.swapper.buffer_bytes(pid)
         return True
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
@@ -274,21 +293,57 @@ class NvmeParamStore(ParamStore):
         return self.swapper.swap_in([pid])[0]  # the partition's host tensor; no I/O
 
     def prefetch_capacity(self) -> int:
-        # One buffer for the shard being fetched, one for a write after the step.
-        return max(0, self.swapper.buffer_count - self.SPARE_BUFFERS - len(self._prefetched) - len(self._lent))
+        held = sum(self._prefetched.values()) + sum(self._lent.values())
+        return max(0, self.swapper.pool.main_bytes - held)
 
-    def prefetch(self, layouts: Iterable[UnitLayout]) -> None:
-        wanted = [u for u in layouts if u.index not in self._prefetched and u.shard_numel > 0]
-        self._prefetched.update(u.index for u in wanted)
-        to_read = self._fill_from_master(wanted)
-        if to_read:
-            self.swapper.swap_in([self._ids[u.index] for u in to_read], async_op=True)
+    def prefetch_cost(self, layout: UnitLayout) -> int:
+        return self.swapper.buffer_bytes(self._ids[layout.index]) if layout.shard_numel else 0
+
+    def prefetch_batch_bytes(self) -> int:
+        return self.swapper.pool.main_bytes // self.READ_AHEAD_BATCHES
+
+    def prefetch(self, layouts: Iterable[UnitLayout]) -> int:
+        layouts = list(layouts)
+        costs = [self.prefetch_cost(u) for u in layouts]
+        total = sum(costs)
+        batches = max(1, min(len(layouts), total // max(1, self.prefetch_batch_bytes())))
+        first, done = 0, 0
+        for b in range(1, batches + 1):  # cut where the running bytes pass b/batches of the total
+            end = first
+            while end < len(layouts) and (b == batches or done < total * b // batches):
+                done += costs[end]
+                end += 1
+            batch = [u for u in layouts[first:end] if u.index not in self._prefetched and u.shard_numel > 0]
+            started = self._read_ahead(batch)
+            if started < len(batch):
+                return layouts.index(batch[started])
+            first = end
+        return len(layouts)
+
+    def _read_ahead(self, layouts: List[UnitLayout]) -> int:
+        """Starts one batch (one read queue); returns how many, from the first, are on their way."""
+        if not layouts:
+            return 0
+        from swapper.param_swapper import PartitionState
+
+        ids = [self._ids[u.index] for u in layouts]
+        copies = {}  # shards whose master the optimizer still holds in memory: copied, not read
+        for u, pid in zip(layouts, ids):
+            if self._homed(u) and self.swapper.state(pid) is PartitionState.ON_NVME:
+                values = self.master.resident_master(u.index)
+                if values is not None:
+                    copies[pid] = values
+        started = self.swapper.read_ahead(ids, copies)
+        for u, pid in zip(layouts[:started], ids):
+            self._prefetched[u.index] = self.swapper.buffer_bytes(pid)
+        return started
 
     def drop_prefetched(self, keep: Iterable[int] = ()) -> None:
-        dropped = sorted(self._prefetched.difference(keep))
+        dropped = sorted(set(self._prefetched).difference(keep))
         if dropped:
             self.swapper.release_or_write([self._ids[i] for i in dropped])
-            self._prefetched.difference_update(dropped)
+            for i in dropped:
+                del self._prefetched[i]
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         t0 = time.perf_counter()
