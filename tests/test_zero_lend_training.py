@@ -4,7 +4,9 @@ With parameters on NVMe, a unit read into a pool buffer is computed on in place
 when its one user is an nn.Linear running ZeroLinear. Anything that could keep a
 view of the data past the unit's release (another module reading the weight, a
 Linear fed a strided input, whose F.linear keeps ``weight.t()``) copies it first
-and ends the lending for that unit. Losses equal plain PyTorch's in every case.
+and ends the lending for that unit; so does a forward recomputed by
+torch.utils.checkpoint, whose saved-tensor hook keeps the weight's data. Losses equal
+plain PyTorch's in every case.
 """
 import copy
 
@@ -13,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zero
+from zero.runtime.linear import KEEPS_LEAVES
 from zero.examples import GPT, Embedding, GPTConfig, make_batches, train_reference
 from helpers import base_config
 
@@ -42,7 +45,10 @@ class SavedInPool:
         return t
 
     def __call__(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        def pack(t):
+            return self.pack(t)
+        setattr(pack, KEEPS_LEAVES, True)  # it keeps a parameter as itself: lending goes on under it
+        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def train_watched(engine, batches, steps, watch: SavedInPool):
@@ -117,3 +123,36 @@ def test_a_use_that_keeps_the_data_copies_it_and_ends_the_lending(tmp_path):
     finally:
         engine.destroy()
     assert losses == train_reference(reference, batches, 5, lr=1e-2)
+
+
+class Checkpointed(GPT):
+    """Blocks recomputed in backward (non-reentrant): the recomputation saves ``weight.detach()``,
+    a view of whatever the weight's data is then."""
+
+    def forward(self, idx, targets):
+        from torch.utils.checkpoint import checkpoint
+        x = self.wte(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_a_checkpointed_forward_copies_the_weights_it_recomputes_with(tmp_path):
+    torch.manual_seed(0)
+    model = Checkpointed(CFG)
+    reference = copy.deepcopy(model)
+    batches = make_batches(CFG, 4, 4)
+    engine, _, _, _ = zero.initialize(model=model, config=nvme_config(tmp_path))
+    try:
+        assert "blocks.0.attn.qkv" in lent_units(engine)
+        losses = []
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert not any(name.startswith("blocks.") for name in lent_units(engine))
+    finally:
+        engine.destroy()
+    assert losses == train_reference(reference, batches, 4, lr=1e-2)

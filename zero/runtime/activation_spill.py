@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from .linear import KEEPS_LEAVES
 
 MIN_SPILL_BYTES = 64 << 10  # below this a storage stays where autograd keeps it
 
@@ -156,6 +157,7 @@ class SavedActivations:
         backward will take turns at (window.py ``turns_passed``; 0 for a lone micro-batch)."""
         def pack(t: torch.Tensor):
             return self._pack(t, micro_batch, turns_passed)
+        setattr(pack, KEEPS_LEAVES, True)  # a lent parameter stays lendable (linear.py)
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             yield
 

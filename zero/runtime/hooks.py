@@ -27,8 +27,10 @@ nothing can keep that view past the unit's release (the buffer then holds other
 data): the unit's one user is an nn.Linear running ZeroLinear (linear.py), whose
 autograd keeps the parameter, not its data. A read of the unit by another module
 (``F.linear(x, self.wte.weight)``) or a Linear forward that would keep the data
-(F.linear on a non-contiguous input) copies it first and ends the lending for that
-unit (``ParamUnit.unlend``). A step during backward (optimizer.py) rewrites a
+(F.linear on a non-contiguous input, or any Linear forward under a saved-tensor
+hook that may store the data: torch.utils.checkpoint's recomputation saves
+``weight.detach()``) copies it first and ends the lending for that unit
+(``ParamUnit.unlend``). A step during backward (optimizer.py) rewrites a
 sub-group's shards in their buffers only once all its units' gradients are in,
 when no backward needs their old values.
 

@@ -40,13 +40,29 @@ class ZeroLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
+KEEPS_LEAVES = "_zero_keeps_leaves"  # set on a saved-tensor pack hook that hands a leaf back as itself
+
+
+def _hooks_may_keep_data() -> bool:
+    """A saved-tensor pack hook is active that may keep a saved parameter's *data* rather than the
+    parameter (torch.utils.checkpoint's recomputation stores ``t.detach()``): a view of a lent pool
+    buffer that would outlive the unit's release. Unknown (no such torch API): assume it may."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    hooks = top(False)
+    return hooks is not None and not getattr(hooks[0], KEEPS_LEAVES, False)
+
+
 def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if not torch.is_grad_enabled():
         return F.linear(input, self.weight, self.bias)
-    if input.dim() < 2 or not input.is_contiguous():
+    keeps_data = input.dim() < 2 or not input.is_contiguous()  # F.linear keeps a view of weight's data
+    if keeps_data or _hooks_may_keep_data():
         before_saving = self.__dict__.get("_zero_before_saving_weight")
         if before_saving is not None:
-            before_saving()  # F.linear's autograd keeps a view of the weight's data
+            before_saving()
+    if keeps_data:
         return F.linear(input, self.weight, self.bias)
     return ZeroLinear.apply(input, self.weight, self.bias)
 
