@@ -26,7 +26,8 @@ model states about 2x this machine's RAM), built under
 ``zero.Init(remote_device="nvme")`` and trained 3 steps with parameters and
 optimizer on NVMe. Peak RSS is printed beside the model-state bytes (16 per
 parameter: fp32 weights, gradients, exp_avg, exp_avg_sq) and the estimator's
-NVMe row. Free disk space is checked first; swap files are deleted after.
+NVMe row. The in-memory estimate of a scale model's step: plain torch (in memory, fused AdamW) at the same width with 2 and 4 layers (``layers-<model>-<n>``), a line through the two step times read at 32 layers.
+Free disk space is checked first; swap files are deleted after.
 """
 from __future__ import annotations
 
@@ -109,7 +110,12 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
         from zero.examples import GPT, GPTConfig
 
     scale = name.startswith("scale-")
-    cfg = GPTConfig(**(SCALE_MODELS[name[6:]] if scale else SPEED_MODEL))
+    if name.startswith("layers-"):  # plain torch, a scale model's width with fewer layers (in memory)
+        model_name, layers = name[7:].rsplit("-", 1)
+        cfg = GPTConfig(**dict(SCALE_MODELS[model_name], layers=int(layers)))
+        name = "torch"
+    else:
+        cfg = GPTConfig(**(SCALE_MODELS[name[6:]] if scale else SPEED_MODEL))
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
@@ -165,7 +171,7 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
         loss = step()
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
-    out = {"contender": name, "params": params, "init_s": round(init_s, 1),
+    out = {"contender": name, "layers": cfg.layers, "params": params, "init_s": round(init_s, 1),
            "median_s": statistics.median(times[warmup:]), "times_s": [round(t, 2) for t in times],
            "peak_rss_bytes": _vm("VmHWM"), "losses": losses}
     if scale:
@@ -241,12 +247,25 @@ def paired_ratio(results: dict, name: str):
     return statistics.median(ratios) if ratios else None
 
 
+ESTIMATE_LAYERS = (2, 4)  # plain torch in memory at these depths: step = fixed + per-layer x layers
+
+
+def in_memory_estimate(results: dict, model: str):
+    """The scale model's step in memory, from plain torch at the same width with fewer layers
+    (``layers-<model>-<n>``): a line through the two depths, read at the model's layer count."""
+    runs = [results.get(f"layers-{model}-{n}", {}) for n in ESTIMATE_LAYERS]
+    if not all("median_s" in r for r in runs):
+        return None
+    (l1, t1), (l2, t2) = ((r["layers"], r["median_s"]) for r in runs)
+    return t1 + (SCALE_MODELS[model]["layers"] - l1) * (t2 - t1) / (l2 - l1)
+
+
 def table(results: dict) -> list:
     base = results.get("torch", {}).get("median_s")
     lines = ["| contender | params | median step s | / plain torch | peak RSS GiB | steps s |",
              "|---|---:|---:|---:|---:|---|"]
     for name, r in results.items():
-        if name.startswith("scale-"):
+        if name.startswith("scale-") or name.startswith("layers-"):
             continue
         if "error" in r:
             lines.append(f"| {name} | | failed: {r['error'][:90]} | | | |")
@@ -263,16 +282,24 @@ def table(results: dict) -> list:
     scale = {n: r for n, r in results.items() if n.startswith("scale-")}
     if scale:
         lines += ["", "| model | params | model states GiB | peak RSS GiB | peak / states | RSS after build GiB | "
-                      "estimator (nvme/nvme) host GiB | NVMe GiB | steps s |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+                      "estimator (nvme/nvme) host GiB | NVMe GiB | steps s | in-memory estimate s | "
+                      "median / estimate |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for name, r in scale.items():
             if "error" in r:
-                lines.append(f"| {name[6:]} | failed: {r['error'][:90]} | | | | | | | |")
+                lines.append(f"| {name[6:]} | failed: {r['error'][:90]} | | | | | | | | | |")
                 continue
             states = 16 * r["params"]
+            est = in_memory_estimate(results, name[6:])
+            vs = (f"{est:.1f} | {r['median_s'] / est:.2f}" if est else "- | -")
             lines.append(f"| {name[6:]} | {r['params'] / 1e9:.2f}B | {states / GiB:.1f} | "
                          f"{r['peak_rss_bytes'] / GiB:.2f} | {100 * r['peak_rss_bytes'] / states:.1f}% | "
                          f"{r['built_rss_bytes'] / GiB:.2f} | {r['estimate_cpu_bytes'] / GiB:.2f} | "
-                         f"{r['estimate_nvme_bytes'] / GiB:.1f} | {', '.join(map(str, r['times_s']))} |")
+                         f"{r['estimate_nvme_bytes'] / GiB:.1f} | {', '.join(map(str, r['times_s']))} | {vs} |")
+        for name, r in results.items():
+            if name.startswith("layers-"):
+                shown = f"{r['median_s']:.2f} s" if "median_s" in r else f"failed: {r['error'][:90]}"
+                lines.append(f"- in memory, plain torch, {name[7:].rsplit('-', 1)[0]} width with "
+                             f"{r.get('layers', name.rsplit('-', 1)[1])} layers: {shown}")
     return lines
 
 
@@ -312,6 +339,11 @@ def verdicts(results: dict) -> list:
             goal = 0.15 if r["params"] > 2.5e9 else 0.20
             out.append(f"- {name[6:]}: peak RSS {100 * share:.1f}% of the model-state bytes "
                        f"({'meets' if share <= goal else 'misses'} the {100 * goal:.0f}% goal)")
+            est = in_memory_estimate(results, name[6:])
+            if est and r["params"] > 2.5e9:
+                ratio = r["median_s"] / est
+                out.append(f"- {name[6:]}: median step {r['median_s']:.1f} s = {ratio:.2f}x its in-memory estimate "
+                           f"({est:.1f} s) ({'meets' if ratio <= 1.3 else 'misses'} issue 21's 1.3x goal)")
     return out
 
 
@@ -381,7 +413,9 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown part {sorted(unknown)}: choose speed and/or scale")
     names = args.contenders or ((SPEED if "speed" in args.parts else [])
-                                + ([f"scale-{m}" for m in SCALE_MODELS] if "scale" in args.parts else []))
+                                + ([f"scale-{m}" for m in SCALE_MODELS] if "scale" in args.parts else [])
+                                + ([f"layers-{m}-{n}" for m in SCALE_MODELS for n in ESTIMATE_LAYERS]
+                                   if "scale" in args.parts else []))
     names = [n for n in names if not n.startswith("ds-") or os.path.exists(args.ds_python)]
     nvme_root = args.nvme_path or tempfile.mkdtemp(prefix="scale-", dir="/tmp")
     need, free = disk_needed(names), shutil.disk_usage(nvme_root).free
