@@ -74,6 +74,23 @@ def test_digests_recorded_later_on_a_helper_thread_equal_those_taken_at_once():
     table.verify("f", 4096, torch.cat([regions[0][1], torch.zeros(120), regions[1][1]]))
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_helper_threads_hash_at_idle_priority_and_the_caller_keeps_its_own():
+    """A helper runs only on a core nothing else wants (checksum.py's note): the matrix products'
+    threads are never made to wait for a core it holds."""
+    seen = []
+
+    class Watched(ChecksumTable):
+        def digest(self, data):
+            seen.append(os.sched_getscheduler(0))
+            return super().digest(data)
+
+    table = Watched("crc32")
+    table.record_later("f", [(0, torch.randn(1000)), (4096, torch.randn(10))]).wait()
+    assert seen == [os.SCHED_IDLE, os.SCHED_IDLE]
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
 @pytest.mark.parametrize("damaged", [0, 1, 2])
 def test_a_read_of_several_large_regions_is_verified_in_parallel_and_any_damage_found(damaged):
     table = ChecksumTable("crc32")

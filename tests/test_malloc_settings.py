@@ -1,0 +1,62 @@
+"""glibc malloc settings for CPU training (zero/stores/malloc_settings.py): an engine that trains on
+the CPU keeps freed memory for the next tensor instead of mapping fresh pages for each one;
+NVMEIO_MALLOC_TUNING=0 leaves malloc alone. Each case runs in a process of its own (the settings
+are the process's)."""
+import os
+import sys
+
+import pytest
+
+from helpers import run_process
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+
+# A 20 MiB tensor (below the fixed 32 MiB mmap threshold, above glibc's dynamic one) is an mmap of its
+# own with glibc's defaults, and comes from the heap once the engine has tuned malloc.
+SCRIPT = r"""
+import ctypes, tempfile, torch, zero
+from zero.examples import GPT, GPTConfig
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3}}
+engine, _, _, _ = zero.initialize(model=GPT(GPTConfig(layers=1)), config=config)
+before = libc.mallinfo2().hblkhd
+t = torch.empty(20 << 20, dtype=torch.uint8)
+t.fill_(1)
+print(libc.mallinfo2().hblkhd - before)
+engine.destroy()
+"""
+
+
+def mapped_bytes_of_a_20_mib_tensor(env_value):
+    env = dict(os.environ)
+    env.pop("NVMEIO_MALLOC_TUNING", None)
+    if env_value is not None:
+        env["NVMEIO_MALLOC_TUNING"] = env_value
+    done = run_process([sys.executable, "-c", SCRIPT], env=env, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1]), done
+
+
+def test_a_cpu_training_engine_takes_tensors_from_the_heap():
+    mapped, _ = mapped_bytes_of_a_20_mib_tensor(None)
+    assert mapped == 0
+
+
+def test_nvmeio_malloc_tuning_off_leaves_glibc_s_defaults():
+    mapped, _ = mapped_bytes_of_a_20_mib_tensor("0")
+    assert mapped >= 20 << 20
+
+
+def test_a_value_that_is_not_a_flag_is_refused_by_name():
+    env = dict(os.environ, NVMEIO_MALLOC_TUNING="sometimes")
+    done = run_process([sys.executable, "-c", SCRIPT], env=env, cwd=os.path.dirname(__file__))
+    assert done.returncode != 0
+    assert "NVMEIO_MALLOC_TUNING='sometimes' is not a boolean" in done.stderr
