@@ -156,3 +156,43 @@ def test_a_checkpointed_forward_copies_the_weights_it_recomputes_with(tmp_path):
     finally:
         engine.destroy()
     assert losses == train_reference(reference, batches, 4, lr=1e-2)
+
+
+def test_kept_units_give_their_pool_room_to_forward_s_read_ahead(tmp_path):
+    """Every unit is reused in backward, so kept lent units filled the small pool and the forward
+    read one unit at a time (prefetch.py, [Note: kept units give way to read-ahead]). Now forward's
+    fetches find their units read ahead, and backward still reads no parameter again: a unit given
+    way is kept as a copy."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=6))
+    reference = copy.deepcopy(model)
+    batches = make_batches(GPTConfig(layers=6), 4, 4)
+    config = base_config("nvme", "nvme", tmp_path, lr=1e-2)  # fp32 shards homed in the master
+    config["zero_optimization"]["offload_param"]["buffer_count"] = 2
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    coordinator, found = engine.parts.coordinator, []
+    fetch = coordinator.fetch
+
+    def watched(u, by=None):
+        if not any(x.in_backward for x in coordinator.units):
+            found.append(u.state.name)
+        return fetch(u, by)
+
+    coordinator.fetch = watched
+    try:
+        losses, after_backward = [], 0
+        swapper = engine.parts.param_store.swapper
+        for x, y in batches:
+            found.clear()
+            loss = engine(x, y)
+            before = swapper.io_bytes.read
+            engine.backward(loss)
+            engine.step()
+            after_backward = swapper.io_bytes.read - before
+            losses.append(loss.item())
+        ahead = found.count("INFLIGHT")
+    finally:
+        engine.destroy()
+    assert ahead >= len(found) // 2, f"forward's fetches found {found}"
+    assert after_backward == 0  # backward's parameters: kept copies and the optimizer's master
+    assert losses == train_reference(reference, batches, 4, lr=1e-2)

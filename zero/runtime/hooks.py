@@ -298,6 +298,8 @@ class Coordinator:
         elif not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
             self._callback_queued = True
+        if window is None or window.first:
+            self.prefetcher.backward_begins()
         units = list(self.module_units.get(module, ()))
         units += sorted(self.externals.get(module, ()), key=lambda u: u.index)
         for u in units:

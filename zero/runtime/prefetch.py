@@ -31,6 +31,18 @@ to its parameters (no copy) until it is released, when the store can spare
 the buffer (see ``NvmeParamStore.lend``). A training engine neither lends nor
 wraps: its step rewrites shards after backward.
 
+[Note: kept units give way to read-ahead]
+A training unit lent its pool buffer (hooks.py, [Note: lending in training])
+and kept for a near reuse holds that buffer's bytes. Kept units fill the pool
+during forward (every unit is reused in backward), and the read-ahead, with no
+room left, stopped: forward read one block at a time, the disk idle half of
+it. So a read-ahead for forward short of room releases kept lent units, oldest
+first, whose next use comes after the unit it reads ahead: that one is needed
+sooner. Backward's read-ahead does not: an fp32 unit homed in the optimizer's
+master is copied from its sub-group once the optimizer has read it (its
+read-ahead runs in front of backward), so reading it early from NVMe would
+read those bytes twice.
+
 [Note: live parameters and reuse distance]
 ``stage3_max_live_parameters`` bounds the elements of non-persistent units that
 are gathered or being prefetched at once: prefetching stops at the bound, and
@@ -54,7 +66,19 @@ from .unit import ParamUnit
 class LiveBound:
     """Elements of non-persistent units gathered or being prefetched (``numel``, its ``peak``),
     bounded by ``stage3_max_live_parameters`` (``limit``); ``kept``: units gathered after use
-    for a near reuse, oldest first (see [Note: live parameters and reuse distance])."""
+    for a near reuse, oldest first (see [Note: kept units give way to read-ahead]
+A training unit lent its pool buffer (hooks.py, [Note: lending in training])
+and kept for a near reuse holds that buffer's bytes. Kept units fill the pool
+during forward (every unit is reused in backward), and the read-ahead, with no
+room left, stopped: forward read one block at a time, the disk idle half of
+it. So a read-ahead for forward short of room releases kept lent units, oldest
+first, whose next use comes after the unit it reads ahead: that one is needed
+sooner. Backward's read-ahead does not: an fp32 unit homed in the optimizer's
+master is copied from its sub-group once the optimizer has read it (its
+read-ahead runs in front of backward), so reading it early from NVMe would
+read those bytes twice.
+
+[Note: live parameters and reuse distance])."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -69,11 +93,14 @@ class LiveBound:
     def make_room(self, numel: int) -> None:
         """Release units kept for reuse, oldest first, until ``numel`` more fit the bound."""
         while self.kept and self.numel + numel > self.limit:
-            kept = next(iter(self.kept))
-            del self.kept[kept]
-            if kept.state is ParamState.AVAILABLE and kept.releasable:
-                kept.release()
-                self.numel -= kept.layout.numel
+            self.release(next(iter(self.kept)))
+
+    def release(self, kept: ParamUnit) -> None:
+        """Stop keeping ``kept``; release it unless something holds it."""
+        del self.kept[kept]
+        if kept.state is ParamState.AVAILABLE and kept.releasable:
+            kept.release()
+            self.numel -= kept.layout.numel
 
 
 class Prefetcher:
@@ -95,6 +122,8 @@ class Prefetcher:
         self.trace_numel: List[int] = []  # prefix sums of the fetched units' elements
         self.last_fetch: Dict[int, int] = {}  # unit -> its latest position in this iteration
         self.ahead: Set[int] = set()  # units prefetched for the next forward (inference)
+        self.backward_at: Optional[int] = None  # the trace position of backward's first fetch
+        self._backward_recorded: Optional[int] = None
 
     def reused_soon(self, u: ParamUnit) -> bool:
         """Whether the trace fetches ``u`` again within the reuse distance, with room to keep it."""
@@ -107,13 +136,36 @@ class Prefetcher:
             return False
         return self.trace_numel[nxt] - self.trace_numel[now + 1] <= self.max_reuse_distance
 
+    def backward_begins(self) -> None:
+        """The next fetch is the iteration's first of backward."""
+        if self._backward_recorded is None:
+            self._backward_recorded = len(self.recording)
+
+    def _release_kept_lent(self, needed_at: int) -> bool:
+        """Copy out the oldest unit kept for reuse that holds a pool buffer (lent, hooks.py) and is
+        next used after trace position ``needed_at``: a read ahead for that position needs the room
+        sooner (see [Note: kept units give way to read-ahead]). False when there is none, and
+        in backward, whose fp32 fetches the optimizer's reads serve."""
+        if self.backward_at is None or needed_at >= self.backward_at:
+            return False
+        for kept in self.live.kept:
+            if kept.lent:
+                last = self.last_fetch.get(kept.index, -1)
+                nxt = self.next_use[last] if 0 <= last < len(self.next_use) else -1
+                if nxt == -1 or nxt > needed_at:
+                    kept.unlend()  # a copy kept instead: backward reads it from memory, not NVMe
+                    return True
+        return False
+
     def begin_iteration(self) -> None:
         if self.recording:
             if self.trace is not None and self.trace != self.recording:
                 logger.debug("zero: the order of parameter fetches changed; recording the new order")
             self.trace = self.recording
+            self.backward_at = self._backward_recorded
             self._index_trace()
         self.recording = []
+        self._backward_recorded = None
         self.last_fetch = {}
         self.trace_ok = self.trace is not None
         ahead = {i for i in self.ahead if self.trace_ok and self.units[i].state is ParamState.INFLIGHT}
@@ -165,6 +217,8 @@ class Prefetcher:
             if self.live.numel + live + nxt.layout.numel > self.live.limit:
                 break
             cost = self.store.prefetch_cost(nxt.layout)
+            while cost > room and self._release_kept_lent(pos + 1 + at):
+                room = self.store.prefetch_capacity() - wanted_bytes
             if cost > room:
                 short = True
                 break
