@@ -141,9 +141,9 @@ def child_compute(spec: dict) -> dict:
 
     ex = _examples("")
     if spec.get("malloc_tuning", True):  # plain torch at its best: the engine's glibc malloc settings
-        from zero.stores.malloc_settings import tune_for_cpu_training
+        from zero.stores import malloc_settings
 
-        tune_for_cpu_training()
+        malloc_settings.hold()
     cfg = ex.GPTConfig(**spec["model"])
     torch.manual_seed(0)
     model = ex.GPT(cfg)

@@ -122,9 +122,9 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
     y = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
     t0 = time.perf_counter()
     if name == "torch":
-        from zero.stores.malloc_settings import tune_for_cpu_training
+        from zero.stores import malloc_settings
 
-        tune_for_cpu_training()  # plain torch at its best: the engine's glibc malloc settings too
+        malloc_settings.hold()  # plain torch at its best: the engine's glibc malloc settings too
         model = GPT(cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
 

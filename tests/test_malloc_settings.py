@@ -1,6 +1,6 @@
 """glibc malloc settings for CPU training (zero/stores/malloc_settings.py): an engine that trains on
-the CPU keeps freed memory for the next tensor instead of mapping fresh pages for each one;
-NVMEIO_MALLOC_TUNING=0 leaves malloc alone. Each case runs in a process of its own (the settings
+the CPU keeps freed memory for the next tensor instead of mapping fresh pages for each one, and
+gives it back once destroyed; NVMEIO_MALLOC_TUNING=0 leaves malloc alone. Each case runs in a process of its own (the settings
 are the process's)."""
 import os
 import sys
@@ -30,8 +30,18 @@ engine, _, _, _ = zero.initialize(model=GPT(GPTConfig(layers=1)), config=config)
 before = libc.mallinfo2().hblkhd
 t = torch.empty(20 << 20, dtype=torch.uint8)
 t.fill_(1)
-print(libc.mallinfo2().hblkhd - before)
+mapped = libc.mallinfo2().hblkhd - before
+del t
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+freed = [torch.ones(5 << 20) for _ in range(10)]  # 200 MiB from the heap, then freed
+del freed
+kept = rss()
 engine.destroy()
+print(mapped, kept - rss())
 """
 
 
@@ -42,12 +52,14 @@ def mapped_bytes_of_a_20_mib_tensor(env_value):
         env["NVMEIO_MALLOC_TUNING"] = env_value
     done = run_process([sys.executable, "-c", SCRIPT], env=env, cwd=os.path.dirname(__file__))
     assert done.returncode == 0, done.stderr[-2000:]
-    return int(done.stdout.split()[-1]), done
+    mapped, returned = map(int, done.stdout.split()[-2:])
+    return mapped, returned
 
 
-def test_a_cpu_training_engine_takes_tensors_from_the_heap():
-    mapped, _ = mapped_bytes_of_a_20_mib_tensor(None)
+def test_a_cpu_training_engine_takes_tensors_from_the_heap_and_gives_it_back_when_destroyed():
+    mapped, returned = mapped_bytes_of_a_20_mib_tensor(None)
     assert mapped == 0
+    assert returned >= 150 << 20  # the freed heap, kept while the engine lived
 
 
 def test_nvmeio_malloc_tuning_off_leaves_glibc_s_defaults():

@@ -45,7 +45,7 @@ from ..runtime.grad_stash import GradStash
 from ..runtime.grad_reducer import GradReducer
 from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
-from ..stores.malloc_settings import tune_for_cpu_training
+from ..stores import malloc_settings
 from ..partitioning.active_context import meta_parameter_names
 from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
 from ..runtime.timers import Timers, log_rank0
@@ -196,8 +196,8 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     dtype = DTYPES[config.precision]
     check_no_meta(module)
     check_has_values(module)
-    if device.type == "cpu" and spec is not None:
-        tune_for_cpu_training()  # gradients and activations are host tensors (malloc_settings.py)
+    if device.type == "cpu" and spec is not None and malloc_settings.hold():
+        release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release)

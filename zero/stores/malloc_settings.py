@@ -11,13 +11,15 @@ tensor faults its pages in again and the kernel zeroes every one of them. On
 the 2-CPU benchmark machine that was a quarter of the CPU time of an I/O-bound
 iteration (311M GPT, batch 1 x 8 tokens: 5.7 million page faults in three
 k = 16 windows), and a core zeroing pages is a core the matrix products'
-second thread waits for. :func:`tune_for_cpu_training` keeps freed memory in
-the process for the next tensor: one arena for every thread (the window's k
+second thread waits for. While an engine trains on the CPU (:func:`hold`),
+freed memory stays in the process for the next tensor: one arena for every thread (the window's k
 threads run one at a time, so they never contend for it), a fixed mmap
 threshold at glibc's largest (32 MiB: only larger tensors are mmaps of their
 own), and no automatic trimming. The engine still gives freed pages back at
 its own points (``malloc_trim.return_freed_heap``: after a window, after the
-build), so the resident size stays that of the largest iteration. The same
+build), so the resident size stays that of the largest iteration; once the
+last such engine is destroyed, trimming is back at glibc's defaults and the
+freed heap goes back to the system. The same
 window went from 14.1 s to 10.0 s with its model in memory, the micro-batch
 loop from 10.3 s to 8.5 s.
 
@@ -31,6 +33,8 @@ import logging
 
 from nvmeio.env import env_flag
 
+from .malloc_trim import return_freed_heap
+
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
@@ -39,26 +43,52 @@ _M_ARENA_MAX = -8
 SETTINGS = ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, (1 << 31) - 1),
             (_M_TOP_PAD, 256 << 20))
 
-_applied = False
+# While no engine trains: glibc's defaults for trimming (128 KiB each), so a process that trained
+# and goes on to other work gives its freed heap back as before.
+RELAXED = ((_M_TRIM_THRESHOLD, 128 << 10), (_M_TOP_PAD, 128 << 10))
+
+_holders = 0  # CPU-training engines alive
 log = logging.getLogger(__name__)
 
 
-def tune_for_cpu_training() -> bool:
-    """Apply :data:`SETTINGS` once per process (see the note); whether they are in effect."""
-    global _applied
-    if _applied:
-        return True
+def _mallopt():
     if not env_flag("NVMEIO_MALLOC_TUNING", True):
-        return False
+        return None
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # glibc only: another libc's mallopt takes other numbers
     except (OSError, AttributeError):
-        return False
+        return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    failed = [name for name, value in SETTINGS if mallopt(name, value) != 1]
+    return mallopt
+
+
+def _apply(settings) -> bool:
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    failed = [name for name, value in settings if mallopt(name, value) != 1]
     if failed:
         log.debug("mallopt refused %s", failed)
-    _applied = True
     return True
+
+
+def hold() -> bool:
+    """A CPU-training engine starts: :data:`SETTINGS` in effect until its :func:`let_go` (see the
+    note); False where they are not (opted out, not glibc), and then no ``let_go``."""
+    global _holders
+    if not _apply(SETTINGS):
+        return False
+    _holders += 1
+    return True
+
+
+def let_go() -> None:
+    """A :func:`hold`'s engine is gone: after the last, trimming is back on and the freed heap
+    goes back to the system at once."""
+    global _holders
+    _holders -= 1
+    if _holders == 0:
+        _apply(RELAXED)
+        return_freed_heap()
