@@ -540,3 +540,18 @@ def same_bits(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
     return a == b
+
+
+class CheckpointedGPT(GPT):
+    """Each block recomputed in backward (torch.utils.checkpoint, non-reentrant): only the blocks'
+    inputs are saved; the recomputation saves what the block needs, ``weight.detach()`` included."""
+
+    def forward(self, idx, targets):
+        import torch.nn.functional as F
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.wte(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

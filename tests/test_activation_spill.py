@@ -11,30 +11,18 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import zero
 from zero.config import ConfigError, load_config
 from zero.examples import GPT, GPTConfig, make_batches
 from zero.partitioning.gathered import GatheredParameters
 from zero.runtime.activation_spill import MIN_SPILL_BYTES, SavedActivations
-from helpers import base_config, train_engine
+from helpers import CheckpointedGPT, base_config, train_engine
 
 STEPS = 2
 MICRO = 8
 SHAPE = GPTConfig(d_model=64, seq=32)  # a hidden state of a micro-batch: 8 x 32 x 64 x 4 = 64 KiB, spillable
 assert MICRO * SHAPE.seq * SHAPE.d_model * 4 >= MIN_SPILL_BYTES
-
-
-class CheckpointedGPT(GPT):
-    """Each block recomputed in backward: only the blocks' inputs are saved through the store."""
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 MODELS = {"plain": GPT, "checkpointed": CheckpointedGPT}

@@ -8,6 +8,7 @@ and ends the lending for that unit; so does a forward recomputed by
 torch.utils.checkpoint, whose saved-tensor hook keeps the weight's data. Losses equal
 plain PyTorch's in every case.
 """
+import contextlib
 import copy
 
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import zero
 from zero.runtime.linear import KEEPS_LEAVES
 from zero.examples import GPT, Embedding, GPTConfig, make_batches, train_reference
-from helpers import base_config
+from helpers import CheckpointedGPT, base_config
 
 CFG = GPTConfig(layers=3)
 
@@ -51,10 +52,10 @@ class SavedInPool:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
-def train_watched(engine, batches, steps, watch: SavedInPool):
+def train_watched(engine, batches, steps, watch: "SavedInPool" = None):
     losses = []
     for x, y in batches[:steps]:
-        with watch():
+        with watch() if watch is not None else contextlib.nullcontext():
             loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -125,33 +126,15 @@ def test_a_use_that_keeps_the_data_copies_it_and_ends_the_lending(tmp_path):
     assert losses == train_reference(reference, batches, 5, lr=1e-2)
 
 
-class Checkpointed(GPT):
-    """Blocks recomputed in backward (non-reentrant): the recomputation saves ``weight.detach()``,
-    a view of whatever the weight's data is then."""
-
-    def forward(self, idx, targets):
-        from torch.utils.checkpoint import checkpoint
-        x = self.wte(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def test_a_checkpointed_forward_copies_the_weights_it_recomputes_with(tmp_path):
     torch.manual_seed(0)
-    model = Checkpointed(CFG)
+    model = CheckpointedGPT(CFG)
     reference = copy.deepcopy(model)
     batches = make_batches(CFG, 4, 4)
     engine, _, _, _ = zero.initialize(model=model, config=nvme_config(tmp_path))
     try:
         assert "blocks.0.attn.qkv" in lent_units(engine)
-        losses = []
-        for x, y in batches:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_watched(engine, batches, 4)
         assert not any(name.startswith("blocks.") for name in lent_units(engine))
     finally:
         engine.destroy()

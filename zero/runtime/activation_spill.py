@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
 from .linear import KEEPS_LEAVES
 
 MIN_SPILL_BYTES = 64 << 10  # below this a storage stays where autograd keeps it

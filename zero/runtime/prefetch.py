@@ -36,12 +36,13 @@ A training unit lent its pool buffer (hooks.py, [Note: lending in training])
 and kept for a near reuse holds that buffer's bytes. Kept units fill the pool
 during forward (every unit is reused in backward), and the read-ahead, with no
 room left, stopped: forward read one block at a time, the disk idle half of
-it. So a read-ahead for forward short of room releases kept lent units, oldest
-first, whose next use comes after the unit it reads ahead: that one is needed
-sooner. Backward's read-ahead does not: an fp32 unit homed in the optimizer's
-master is copied from its sub-group once the optimizer has read it (its
-read-ahead runs in front of backward), so reading it early from NVMe would
-read those bytes twice.
+it. So a read-ahead for forward short of room copies kept lent units out of
+the pool (``ParamUnit.unlend``), oldest first, whose next use comes after the
+unit it reads ahead (that one is needed sooner); the copies stay kept, so
+backward reads them from memory. Backward's read-ahead does not: an fp32 unit
+homed in the optimizer's master is copied from its sub-group once the optimizer
+has read it (its read-ahead runs in front of backward), so reading it early
+from NVMe would read those bytes twice.
 
 [Note: live parameters and reuse distance]
 ``stage3_max_live_parameters`` bounds the elements of non-persistent units that
@@ -66,19 +67,7 @@ from .unit import ParamUnit
 class LiveBound:
     """Elements of non-persistent units gathered or being prefetched (``numel``, its ``peak``),
     bounded by ``stage3_max_live_parameters`` (``limit``); ``kept``: units gathered after use
-    for a near reuse, oldest first (see [Note: kept units give way to read-ahead]
-A training unit lent its pool buffer (hooks.py, [Note: lending in training])
-and kept for a near reuse holds that buffer's bytes. Kept units fill the pool
-during forward (every unit is reused in backward), and the read-ahead, with no
-room left, stopped: forward read one block at a time, the disk idle half of
-it. So a read-ahead for forward short of room releases kept lent units, oldest
-first, whose next use comes after the unit it reads ahead: that one is needed
-sooner. Backward's read-ahead does not: an fp32 unit homed in the optimizer's
-master is copied from its sub-group once the optimizer has read it (its
-read-ahead runs in front of backward), so reading it early from NVMe would
-read those bytes twice.
-
-[Note: live parameters and reuse distance])."""
+    for a near reuse, oldest first (see [Note: live parameters and reuse distance])."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -93,14 +82,11 @@ read those bytes twice.
     def make_room(self, numel: int) -> None:
         """Release units kept for reuse, oldest first, until ``numel`` more fit the bound."""
         while self.kept and self.numel + numel > self.limit:
-            self.release(next(iter(self.kept)))
-
-    def release(self, kept: ParamUnit) -> None:
-        """Stop keeping ``kept``; release it unless something holds it."""
-        del self.kept[kept]
-        if kept.state is ParamState.AVAILABLE and kept.releasable:
-            kept.release()
-            self.numel -= kept.layout.numel
+            kept = next(iter(self.kept))
+            del self.kept[kept]
+            if kept.state is ParamState.AVAILABLE and kept.releasable:
+                kept.release()
+                self.numel -= kept.layout.numel
 
 
 class Prefetcher:
@@ -141,7 +127,7 @@ class Prefetcher:
         if self._backward_recorded is None:
             self._backward_recorded = len(self.recording)
 
-    def _release_kept_lent(self, needed_at: int) -> bool:
+    def _copy_out_kept_lent(self, needed_at: int) -> bool:
         """Copy out the oldest unit kept for reuse that holds a pool buffer (lent, hooks.py) and is
         next used after trace position ``needed_at``: a read ahead for that position needs the room
         sooner (see [Note: kept units give way to read-ahead]). False when there is none, and
@@ -153,7 +139,7 @@ class Prefetcher:
                 last = self.last_fetch.get(kept.index, -1)
                 nxt = self.next_use[last] if 0 <= last < len(self.next_use) else -1
                 if nxt == -1 or nxt > needed_at:
-                    kept.unlend()  # a copy kept instead: backward reads it from memory, not NVMe
+                    kept.unlend()
                     return True
         return False
 
@@ -217,7 +203,7 @@ class Prefetcher:
             if self.live.numel + live + nxt.layout.numel > self.live.limit:
                 break
             cost = self.store.prefetch_cost(nxt.layout)
-            while cost > room and self._release_kept_lent(pos + 1 + at):
+            while cost > room and self._copy_out_kept_lent(pos + 1 + at):
                 room = self.store.prefetch_capacity() - wanted_bytes
             if cost > room:
                 short = True

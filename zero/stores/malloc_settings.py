@@ -12,16 +12,16 @@ the 2-CPU benchmark machine that was a quarter of the CPU time of an I/O-bound
 iteration (311M GPT, batch 1 x 8 tokens: 5.7 million page faults in three
 k = 16 windows), and a core zeroing pages is a core the matrix products'
 second thread waits for. While an engine trains on the CPU (:func:`hold`),
-freed memory stays in the process for the next tensor: one arena for every thread (the window's k
-threads run one at a time, so they never contend for it), a fixed mmap
-threshold at glibc's largest (32 MiB: only larger tensors are mmaps of their
-own), and no automatic trimming. The engine still gives freed pages back at
-its own points (``malloc_trim.return_freed_heap``: after a window, after the
-build), so the resident size stays that of the largest iteration; once the
-last such engine is destroyed, trimming is back at glibc's defaults and the
-freed heap goes back to the system. The same
-window went from 14.1 s to 10.0 s with its model in memory, the micro-batch
-loop from 10.3 s to 8.5 s.
+freed memory stays in the process for the next tensor: one arena for every
+thread (the window's k threads run one at a time, so they never contend for
+it), a fixed mmap threshold at glibc's largest (32 MiB: only larger tensors
+are mmaps of their own), and no automatic trimming. The engine still gives
+freed pages back at its own points (``malloc_trim.return_freed_heap``: after
+a window, after the build), so the resident size stays that of the largest
+iteration; once the last such engine is destroyed (:func:`let_go`), trimming
+is back at glibc's defaults and the freed heap goes back to the system. The
+same window went from 14.1 s to 10.0 s with its model in memory, the
+micro-batch loop from 10.3 s to 8.5 s.
 
 The settings are the process's, and glibc's only: ``NVMEIO_MALLOC_TUNING=0``
 leaves malloc as it is; another C library is left alone.
