@@ -388,6 +388,13 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         return bool(self._native.refused_direct()) or (device is not None
                                                        and device.refused_direct())
 
+    def pending(self) -> int:
+        """How many submitted ops have not finished yet. At 0, :meth:`wait` does not block
+        (it still runs their completion and raises their errors): a caller can check
+        whether a read has landed without waiting for it."""
+        device = self._device_ops
+        return int(self._native.pending()) + (device.pending() if device is not None else 0)
+
     def stats(self) -> list[dict]:
         """Per worker thread: requests, bytes, bounced, submit/reap calls, max_inflight."""
         return list(self._native.stats())

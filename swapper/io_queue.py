@@ -115,6 +115,10 @@ class IoQueue:
 
     drain_some = drain  # (see WriteRing)
 
+    def landed(self) -> bool:
+        """Whether every op in flight has finished, so :meth:`drain` would not block."""
+        return not self._ops or self.handle.pending() == 0
+
     def close(self) -> None:
         self.handle.close()
 

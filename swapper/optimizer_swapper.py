@@ -275,6 +275,22 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             self._wait(self._reads, None)
         return self._tensors(g, with_grad=g.read_grad)
 
+    def settle_landed_writes(self) -> None:
+        """Complete the writes in flight if all have finished (never waits): their buffers
+        come back for :meth:`read_if_room`; a failed one raises here, as at any wait."""
+        if self._writes.landed():
+            self._wait(self._writes, None)
+
+    def read_if_room(self, sub_group_id: int) -> bool:
+        """Start reading a sub-group on NVMe when a pool buffer is free now (never waits for
+        one); True when its state is in host memory or on its way there."""
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.ON_NVME and self._ensure_pool().free_count:
+            self._begin_read(g)
+        if g.state is SubGroupState.READING and self._reads.landed():
+            self._wait(self._reads, None)  # done already: settle it (and verify) without blocking
+        return g.state in (SubGroupState.READING, SubGroupState.AVAILABLE, SubGroupState.WRITING)
+
     def swap_out(self, sub_group_id: int, async_op: bool = False) -> None:
         """Write master and states back; the buffer returns to the pool when the write is done."""
         g = self._group(sub_group_id)

@@ -132,7 +132,7 @@ def test_validate_raises_when_file_differs(nvme_dir):
     src = random_bytes(50_000)
     path = nvme_dir / "v.bin"
     h.pwrite(src, path, True, True)  # async + validate: checked by wait()
-    while h._native.pending():
+    while h.pending():
         time.sleep(0.001)
     with open(path, "r+b") as f:       # change a byte behind the handle's back
         f.seek(12_345)
@@ -140,6 +140,26 @@ def test_validate_raises_when_file_differs(nvme_dir):
     with pytest.raises(nvmeio.ValidationError, match="differ at byte 12345") as e:
         h.wait()
     assert e.value.filename == str(path)
+
+
+def test_pending_counts_ops_until_they_finish_and_wait_then_does_not_block(nvme_dir):
+    from swapper.io_queue import IoKind, IoQueue
+
+    h = nvmeio.aio_handle()
+    src = random_bytes(1 << 20)
+    assert h.pending() == 0
+    h.async_pwrite(src, nvme_dir / "p.bin")
+    assert h.pending() in (0, 1)  # 1 until the worker finishes it
+    assert h.wait() == 1 and h.pending() == 0
+    queue, dst, done = IoQueue(h), torch.empty(1 << 20, dtype=torch.uint8), []
+    assert queue.landed()  # nothing in flight
+    queue.submit(IoKind.READ, dst, str(nvme_dir / "p.bin"), 0, done.append)
+    deadline = time.monotonic() + 30
+    while not queue.landed():
+        assert time.monotonic() < deadline, "a 1 MiB read never finished"
+        time.sleep(0.001)
+    assert done == [] and queue.drain() == 1 and done == [None]  # callbacks run at drain only
+    assert bytes(dst.numpy()) == bytes(src)
 
 
 def test_unknown_keyword_is_a_type_error(nvme_dir):

@@ -83,3 +83,45 @@ def test_the_default_warns_nothing(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", IgnoredSettingWarning)
         train(tmp_path, "nvme", 1, None, clip=0.05)
+
+
+def test_backward_reads_each_master_once(tmp_path):
+    """fp32 shards homed in the master, stepped during backward: a shard whose sub-group is read
+    for the step comes from that read (zero/stores/optimizer_store.py, [Note: backward reads a
+    sub-group once]). Each step reads every sub-group's state once, backward reads far fewer
+    shard bytes than the model has, and the bits are plain PyTorch's."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    batches = make_batches(CFG, STEPS, 4)
+    config = base_config("nvme", "nvme", tmp_path, lr=1e-2, sub_group_size=3000)
+    zc = config["zero_optimization"]
+    zc["offload_param"]["buffer_count"] = 2  # backward reads its shards again
+    zc["stage3_max_reuse_distance"] = 0
+    zc["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)  # 3 sub-groups in memory
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    params, optimizer = engine.parts.param_store.swapper, engine.parts.optimizer_store.swapper
+    layout = engine.parts.rank_layout
+    state_reads = []
+    begin_read = optimizer._begin_read
+    optimizer._begin_read = lambda g: state_reads.append(g.sub_group_id) or begin_read(g)
+    try:
+        assert engine.parts.param_store.master is engine.parts.optimizer_store  # homed shards
+        losses, shard_reads, reads_per_step = [], [], []
+        for x, y in batches:
+            loss = engine(x, y)
+            before = params.io_bytes.read
+            state_reads.clear()
+            engine.backward(loss)
+            engine.step()
+            shard_reads.append(params.io_bytes.read - before)
+            reads_per_step.append(sorted(state_reads))
+            losses.append(loss.item())
+    finally:
+        engine.destroy()
+    shards = sum(u.shard_numel for u in layout.units) * 4
+    groups = sorted(sg.index for sg in layout.sub_groups if sg.numel)
+    assert len(groups) > 3
+    assert all(r == groups for r in reads_per_step), reads_per_step  # each sub-group once a step
+    assert all(s < shards // 2 for s in shard_reads[1:]), (shard_reads, shards)
+    assert losses == train_reference(reference, batches, STEPS, lr=1e-2)

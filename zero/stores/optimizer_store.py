@@ -21,7 +21,7 @@ import contextlib
 import logging
 
 import time
-from typing import Callable, Dict, Iterator, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -205,6 +205,22 @@ class NvmeOptimizerStore(OptimizerStore):
     forward (a later swap-in of that sub-group, or a buffer it needs, waits for
     it). With one sub-group, the default ``sub_group_size``, a step then costs
     the Adam update alone when forward and backward are longer than the I/O.
+
+    [Note: backward reads a sub-group once]
+    With fp32 parameters homed in the master (param_store.py), a backward that
+    steps sub-groups would read each master twice: a unit's shard for its
+    backward, then the whole master with the states for the step, moments
+    later. Instead a shard fetched or read ahead in such a backward, whose
+    sub-group is one of the next two to step, starts that sub-group's read
+    (when the swapper has a buffer free; it never waits for one) and is copied
+    from it once it lands: 12 bytes a parameter read in backward, not 16. It
+    needs three buffers (``pipeline_read`` and ``pipeline_write``): the two
+    sub-groups read ahead leave one for a sub-group that completes out of the
+    expected order (the first backward only guesses the order). A
+    shard whose sub-group is further off, or finds no buffer, is read alone,
+    as before: holding read-ahead back for it was measured slower, as was a
+    fourth buffer (1.63B GPT of bench/scale.py: 27 s a step with two reads,
+    23 s with this, 27 s when read-ahead waits for every sub-group's read).
     """
 
     stash_gradients = True
@@ -235,7 +251,10 @@ class NvmeOptimizerStore(OptimizerStore):
         self._prefetched = False
         self._order: list = []  # the order the last backward completed sub-groups in
         self._order_seen: list = []
+        self._seen_ids: Set[int] = set()
         self._expected: list = []
+        self._next = 0  # self._expected[:self._next] have stepped
+        self._stepping = False  # in a backward that steps sub-groups, until all have stepped
 
     def init_master(self, unit_index: int, values: torch.Tensor) -> None:
         sg = self.rank_layout.sub_group_of(unit_index)
@@ -266,6 +285,38 @@ class NvmeOptimizerStore(OptimizerStore):
         tensors = self.swapper.resident(sg.index)
         return None if tensors is None else tensors.master[start - sg.start:stop - sg.start]
 
+    def reading_master(self, unit_index: int, start: bool) -> bool:
+        """During a backward that steps sub-groups: whether the unit's sub-group, one of the
+        next two to step, is being read for its step (with ``start``, the read starts here
+        when the swapper has a free buffer), so that its parameter shard comes from that read
+        (see [Note: backward reads a sub-group once])."""
+        if not self._stepping or self.swapper.buffer_count < 3:
+            return False  # with fewer, a sub-group completing out of the expected order would find none
+        sg = self.rank_layout.sub_group_of(unit_index)
+        if sg.index in self._seen_ids or sg.index not in [g.index for g in self._upcoming()]:
+            return False
+        if start:
+            return self.swapper.read_if_room(sg.index)
+        from swapper.sub_group import SubGroupState
+
+        return self.swapper.state(sg.index) is SubGroupState.READING
+
+    def await_master(self, unit_index: int) -> torch.Tensor:
+        """One unit's fp32 master shard, once the read :meth:`reading_master` saw lands."""
+        sg = self.rank_layout.sub_group_of(unit_index)
+        start, stop = self.rank_layout.unit_range(unit_index)
+        t0 = time.perf_counter()
+        tensors = self.swapper.swap_in(sg.index)
+        self.read_wait_seconds += time.perf_counter() - t0
+        return tensors.master[start - sg.start:stop - sg.start]
+
+    def _upcoming(self) -> List[SubGroup]:
+        """The next two sub-groups expected to step in this backward."""
+        while self._next < len(self._expected) and self._expected[self._next].index in self._seen_ids:
+            self._next += 1
+        ahead = (g for g in self._expected[self._next:] if g.index not in self._seen_ids)
+        return [g for g, _ in zip(ahead, range(2))]
+
     def prefetch(self) -> None:
         if self._groups:
             self._prefetch(self._groups[0])
@@ -277,6 +328,7 @@ class NvmeOptimizerStore(OptimizerStore):
     def step(self, fn: StepFn, skip: Set[int] = frozenset()) -> None:
         groups = [sg for sg in self._groups if sg.index not in skip]
         self._prefetched = False  # consumed below, or lost with an error
+        self._stepping = False
         self._write_held(groups[1:])
         for k, sg in enumerate(groups):
             self._step_one(sg, fn, groups[k + 1] if k + 1 < len(groups) else None, grad=None)
@@ -286,6 +338,7 @@ class NvmeOptimizerStore(OptimizerStore):
         """Read ``sg`` (waiting only for what is not read yet), start reading ``following``,
         step, and submit the write without waiting."""
         t0 = time.perf_counter()
+        self.swapper.settle_landed_writes()  # buffers of finished writes back, for reads ahead
         tensors = self.swapper.swap_in(sg.index)
         if following is not None and self.swapper.pipeline_read:
             self.swapper.swap_in(following.index, async_op=True)
@@ -300,6 +353,9 @@ class NvmeOptimizerStore(OptimizerStore):
         """Backward is starting and will step each sub-group as its gradient completes: read
         the one expected first."""
         self._order_seen = []
+        self._seen_ids = set()
+        self._next = 0
+        self._stepping = True
         self._expected = [sg for sg in self._order if sg.numel] or list(reversed(self._groups))
         # With one pool buffer, reading ahead would hold the buffer that reading back an
         # accumulated gradient sum needs while the sub-group fills.
@@ -310,16 +366,19 @@ class NvmeOptimizerStore(OptimizerStore):
         """Step ``sg`` now with its completed gradient ``grad`` (never written to NVMe), after
         starting the read of the sub-group expected to complete next."""
         self._order_seen.append(sg)
-        following = next((g for g in self._expected if g not in self._order_seen), None)
+        self._seen_ids.add(sg.index)
+        following = next(iter(self._upcoming()), None)
         self._step_one(sg, fn, following, grad)
         if len(self._order_seen) == len(self._groups):
             self._order = self._order_seen  # the next backward completes them in this order
+            self._stepping = False
 
     def abandon_backward_step(self) -> None:
         """A backward that stepped sub-groups failed: give back every buffer it held unwritten
         (a failed write's new values included: only a checkpoint load makes the state whole)."""
         from swapper.sub_group import SubGroupState
 
+        self._stepping = False
         try:
             self.swapper.synchronize()  # writes in flight finish (a failed one keeps its buffer)
         except OSError:

@@ -253,6 +253,8 @@ class NvmeParamStore(ParamStore):
             values = None
             if self._homed(u) and self.swapper.state(pid) is PartitionState.ON_NVME:
                 values = self.master.resident_master(u.index)
+                if values is None and self.master.reading_master(u.index, start=True):
+                    values = self.master.await_master(u.index)  # read once (see the note)
             if values is None:
                 rest.append(u)
             else:
@@ -327,10 +329,17 @@ class NvmeParamStore(ParamStore):
         from swapper.param_swapper import PartitionState
 
         ids = [self._ids[u.index] for u in layouts]
-        copies = {}  # shards whose master the optimizer still holds in memory: copied, not read
-        for u, pid in zip(layouts, ids):
+        copies = {}  # shards whose master the optimizer holds in memory: copied, not read
+        for at, (u, pid) in enumerate(zip(layouts, ids)):
             if self._homed(u) and self.swapper.state(pid) is PartitionState.ON_NVME:
                 values = self.master.resident_master(u.index)
+                if values is None and self.master.reading_master(u.index, start=True):
+                    # Its sub-group's state is being read for the step: this shard comes from that
+                    # read (see the note); this read-ahead stops here until it has landed.
+                    values = self.master.resident_master(u.index)
+                    if values is None:
+                        layouts, ids = layouts[:at], ids[:at]
+                        break
                 if values is not None:
                     copies[pid] = values
         started = self.swapper.read_ahead(ids, copies)
