@@ -72,37 +72,3 @@ def test_a_value_that_is_not_a_flag_is_refused_by_name():
     done = run_process([sys.executable, "-c", SCRIPT], env=env, cwd=os.path.dirname(__file__))
     assert done.returncode != 0
     assert "NVMEIO_MALLOC_TUNING='sometimes' is not a boolean" in done.stderr
-
-
-WINDOWS = r"""
-import torch, zero
-import zero.engine.train_batch as tb
-from zero.examples import GPT, GPTConfig, make_batches
-
-trims = []
-real = tb.return_freed_heap
-tb.return_freed_heap = lambda: trims.append(1) or real()
-cfg = GPTConfig(layers=1)
-config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}}
-engine, _, _, _ = zero.initialize(model=GPT(cfg), config=config)
-batches = make_batches(cfg, 4, 2)
-for w in range(2):
-    engine.train_batch(batches[2 * w:2 * w + 2])
-engine.destroy()
-print(len(trims))
-"""
-
-
-@pytest.mark.parametrize("env_value,trims", [(None, 0), ("0", 2)], ids=["tuned", "opted-out"])
-def test_windows_keep_their_pages_for_the_next_one_while_the_settings_hold(env_value, trims):
-    """A trim after each train_batch window handed its pages back only for the next window to fault
-    them in, zeroed, again; with one arena kept, none; opted out (an arena per thread), each window
-    trims."""
-    env = dict(os.environ)
-    env.pop("NVMEIO_MALLOC_TUNING", None)
-    if env_value is not None:
-        env["NVMEIO_MALLOC_TUNING"] = env_value
-    done = run_process([sys.executable, "-c", WINDOWS], env=env, cwd=os.path.dirname(__file__))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) == trims

@@ -28,7 +28,6 @@ import torch
 
 from ..runtime.timers import log_rank0
 from ..runtime.window import DrawsRandomNumbers, MicroBatchWindow, NotUnitMajor
-from ..stores import malloc_settings
 from ..stores.malloc_trim import return_freed_heap
 
 _TOLD = set()  # reasons already logged (once per process each)
@@ -221,8 +220,7 @@ def _end_window(engine, failed: bool, error: Optional[BaseException] = None) -> 
     if not _threaded_backward(engine):
         _unbind_checkpointing(engine.module)
     window.forget()
-    if not malloc_settings.held():  # else one arena, kept for the next window (see its note)
-        return_freed_heap()  # each of the k threads freed into a malloc arena of its own
+    return_freed_heap()  # each of the k threads freed into a malloc arena of its own
     for u in coordinator.units:
         u.aliases.clear()
         if failed:

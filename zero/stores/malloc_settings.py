@@ -16,13 +16,12 @@ freed memory stays in the process for the next tensor: one arena for every
 thread (the window's k threads run one at a time, so they never contend for
 it), a fixed mmap threshold at glibc's largest (32 MiB: only larger tensors
 are mmaps of their own), and no automatic trimming. The engine still gives
-freed pages back after the build (``malloc_trim.return_freed_heap``), but not
-after each window: a trim there handed the window's pages back only for the
-next window to fault them in, zeroed, again (the resident size is bounded by
-the largest iteration either way). Once the last such engine is destroyed
-(:func:`let_go`), trimming is back at glibc's defaults and the freed heap
-goes back to the system. The same window went from 14.1 s to 10.0 s with its
-model in memory, the micro-batch loop from 10.3 s to 8.5 s.
+freed pages back at its own points (``malloc_trim.return_freed_heap``: after
+a window, after the build), so the resident size stays that of the largest
+iteration; once the last such engine is destroyed (:func:`let_go`), trimming
+is back at glibc's defaults and the freed heap goes back to the system. The
+same window went from 14.1 s to 10.0 s with its model in memory, the
+micro-batch loop from 10.3 s to 8.5 s.
 
 The settings are the process's, and glibc's only: ``NVMEIO_MALLOC_TUNING=0``
 leaves malloc as it is; another C library is left alone.
@@ -83,11 +82,6 @@ def hold() -> bool:
         return False
     _holders += 1
     return True
-
-
-def held() -> bool:
-    """Whether a CPU-training engine holds the settings now (freed memory is kept for reuse)."""
-    return _holders > 0
 
 
 def let_go() -> None:
