@@ -253,7 +253,6 @@ class NvmeOptimizerStore(OptimizerStore):
         self._order_seen: list = []
         self._seen_ids: Set[int] = set()
         self._expected: list = []
-        self._next = 0  # self._expected[:self._next] have stepped
         self._stepping = False  # in a backward that steps sub-groups, until all have stepped
 
     def init_master(self, unit_index: int, values: torch.Tensor) -> None:
@@ -285,21 +284,17 @@ class NvmeOptimizerStore(OptimizerStore):
         tensors = self.swapper.resident(sg.index)
         return None if tensors is None else tensors.master[start - sg.start:stop - sg.start]
 
-    def reading_master(self, unit_index: int, start: bool) -> bool:
+    def reading_master(self, unit_index: int) -> bool:
         """During a backward that steps sub-groups: whether the unit's sub-group, one of the
-        next two to step, is being read for its step (with ``start``, the read starts here
-        when the swapper has a free buffer), so that its parameter shard comes from that read
-        (see [Note: backward reads a sub-group once])."""
+        next two to step, is being read for its step (the read starts here when the swapper
+        has a free buffer), so that its parameter shard comes from that read (see [Note:
+        backward reads a sub-group once])."""
         if not self._stepping or self.swapper.buffer_count < 3:
             return False  # with fewer, a sub-group completing out of the expected order would find none
         sg = self.rank_layout.sub_group_of(unit_index)
-        if sg.index in self._seen_ids or sg.index not in [g.index for g in self._upcoming()]:
+        if sg.index not in [g.index for g in self._upcoming()]:
             return False
-        if start:
-            return self.swapper.read_if_room(sg.index)
-        from swapper.sub_group import SubGroupState
-
-        return self.swapper.state(sg.index) is SubGroupState.READING
+        return self.swapper.read_if_room(sg.index)
 
     def await_master(self, unit_index: int) -> torch.Tensor:
         """One unit's fp32 master shard, once the read :meth:`reading_master` saw lands."""
@@ -312,9 +307,7 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _upcoming(self) -> List[SubGroup]:
         """The next two sub-groups expected to step in this backward."""
-        while self._next < len(self._expected) and self._expected[self._next].index in self._seen_ids:
-            self._next += 1
-        ahead = (g for g in self._expected[self._next:] if g.index not in self._seen_ids)
+        ahead = (g for g in self._expected if g.index not in self._seen_ids)
         return [g for g, _ in zip(ahead, range(2))]
 
     def prefetch(self) -> None:
@@ -354,7 +347,6 @@ class NvmeOptimizerStore(OptimizerStore):
         the one expected first."""
         self._order_seen = []
         self._seen_ids = set()
-        self._next = 0
         self._stepping = True
         self._expected = [sg for sg in self._order if sg.numel] or list(reversed(self._groups))
         # With one pool buffer, reading ahead would hold the buffer that reading back an

@@ -253,7 +253,7 @@ class NvmeParamStore(ParamStore):
             values = None
             if self._homed(u) and self.swapper.state(pid) is PartitionState.ON_NVME:
                 values = self.master.resident_master(u.index)
-                if values is None and self.master.reading_master(u.index, start=True):
+                if values is None and self.master.reading_master(u.index):
                     values = self.master.await_master(u.index)  # read once (see the note)
             if values is None:
                 rest.append(u)
@@ -333,7 +333,7 @@ class NvmeParamStore(ParamStore):
         for at, (u, pid) in enumerate(zip(layouts, ids)):
             if self._homed(u) and self.swapper.state(pid) is PartitionState.ON_NVME:
                 values = self.master.resident_master(u.index)
-                if values is None and self.master.reading_master(u.index, start=True):
+                if values is None and self.master.reading_master(u.index):
                     # Its sub-group's state is being read for the step: this shard comes from that
                     # read (see the note); this read-ahead stops here until it has landed.
                     values = self.master.resident_master(u.index)
