@@ -7,11 +7,13 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <stdexcept>
 
 #include "engines/engine.h"
 #include "faults.h"
 #include "file.h"
 #include "handle.h"
+#include "host_sum.h"
 #include "locked.h"
 
 namespace py = pybind11;
@@ -83,6 +85,20 @@ PYBIND11_MODULE(_native, m) {
   m.def("refuse_without_offsets", &refuse_without_offsets, py::arg("mode"), py::arg("path"),
         py::arg("offset"), py::arg("length"), py::arg("step"),
         "Raises AioError (ESPIPE) naming the file type when st_mode is a FIFO's or a socket's.");
+
+  m.def("sum_series",
+        [](uintptr_t dst, uintptr_t first, bool first_bf16, const std::vector<uintptr_t>& sources,
+           const std::vector<bool>& bf16, int64_t n, int threads) {
+          if (sources.size() != bf16.size()) throw std::invalid_argument("sum_series: one dtype flag per source");
+          std::vector<SumSource> srcs;
+          for (size_t i = 0; i < sources.size(); ++i) srcs.push_back({reinterpret_cast<const void*>(sources[i]), bf16[i]});
+          py::gil_scoped_release nogil;
+          sum_series(reinterpret_cast<float*>(dst), {reinterpret_cast<const void*>(first), first_bf16}, srcs, n,
+                     threads);
+        },
+        py::arg("dst"), py::arg("first"), py::arg("first_bf16"), py::arg("sources"), py::arg("bf16"),
+        py::arg("n"), py::arg("threads"),
+        "fp32 dst[:n] = first (0: keep), then += each source in order (bf16 or fp32): see native/host_sum.h.");
 
   // Fault injection (nvmeio.faults is the API): see native/faults.h.
   py::module_ fm = m.def_submodule("faults", "fault injection for tests (see nvmeio.faults)");

@@ -33,10 +33,19 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from nvmeio.host_sum import sum_series
+
 from .comm import Comm
 from .grad_stash import GradStash
 from ..stores.layouts import RankLayout
 from .unit import ParamUnit
+
+
+def _sum_in_torch(dst: torch.Tensor, grads: List[torch.Tensor], first: Optional[torch.Tensor] = None) -> None:
+    if first is not None:
+        dst.copy_(first)
+    for g in grads:
+        dst.add_(g)
 
 
 class GradReducer:
@@ -76,28 +85,48 @@ class GradReducer:
 
     def add(self, unit: ParamUnit, slot_index: int, grad: torch.Tensor) -> None:
         """Take the accumulated gradient of one parameter of ``unit``."""
+        if self.comm.world_size == 1:
+            self.add_series(unit, slot_index, [grad])
+            return
         layout = unit.layout
         slot = layout.slots[slot_index]
-        if self.comm.world_size == 1:
-            start = self.rank_layout.offsets[layout.index] + slot.offset
-            flat = grad.reshape(-1)
-            held = self._held.get(start)
-            if held is not None:
-                held.add_(flat)
-            elif (self.hold and not self._fresh[layout.index][slot_index] and flat.dtype == torch.float32
-                  and flat.device == self.grads.device):
-                self._held[start] = flat
-                self._fresh[layout.index][slot_index] = True
-                self._zero[layout.index][slot_index] = False
-            else:
-                dst = self._target(layout.index)[slot.offset:slot.stop]
-                self._accumulate(dst, flat, layout.index, slot_index)
-            return
         buf = self._buffers.get(layout.index)
         if buf is None:
             buf = self._buffers[layout.index] = torch.zeros(layout.padded_numel, dtype=self.comm_dtype,
                                                             device=self.device)
         buf[slot.offset:slot.stop].copy_(grad.reshape(-1))
+
+    def add_series(self, unit: ParamUnit, slot_index: int, grads: List[torch.Tensor]) -> None:
+        """One rank: the gradients of one parameter of ``unit`` from successive micro-batches, in
+        their order, summed as ``add`` one by one would. A window's k at once are summed natively
+        (nvmeio/host_sum.py: torch's adds are slow on its threads); one micro-batch's, on the
+        thread that ran the loop's backward, by torch (its gradient is still in cache there, and the
+        native sum's threads would compete with that thread's spinning OpenMP team)."""
+        layout = unit.layout
+        slot = layout.slots[slot_index]
+        start = self.rank_layout.offsets[layout.index] + slot.offset
+        flats = [g.reshape(-1) for g in grads]
+        combine = sum_series if len(flats) > 1 else _sum_in_torch
+        fresh = self._fresh[layout.index]
+        held = self._held.get(start)
+        if (held is None and self.hold and not fresh[slot_index] and flats[0].dtype == torch.float32
+                and flats[0].device == self.grads.device):
+            held = self._held[start] = flats.pop(0)
+            fresh[slot_index] = True
+            self._zero[layout.index][slot_index] = False
+        if held is not None:
+            combine(held, flats)
+            return
+        dst = self._target(layout.index)[slot.offset:slot.stop]
+        first = None
+        if not fresh[slot_index]:
+            first = flats.pop(0)
+            fresh[slot_index] = True
+            self._zero[layout.index][slot_index] = False
+            if first.device != dst.device:  # from the compute device: an asynchronous copy
+                dst.copy_(first, non_blocking=True)
+                first = None
+        combine(dst, [g.to(dst.device) if g.device != dst.device else g for g in flats], first)
 
     def reduce(self, unit: ParamUnit) -> None:
         """One micro-batch's gradients of ``unit`` are in: reduce-scatter them (several ranks)."""

@@ -40,6 +40,7 @@ the live-parameter bound) is prefetch.py's.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
@@ -270,7 +271,11 @@ class Coordinator:
         if torch.is_grad_enabled() and self.reducer is not None:
             tensors = output_tensors(output)
             if tensors:
-                register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+                if len(tensors) == 1:  # one tensor's hook fires once a backward: torch's multi-grad
+                    # hook (locks, a table per backward) cost twice as much per module in a window
+                    tensors[0].register_hook(functools.partial(self._output_grad, module))
+                else:
+                    register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
                 if self.window is not None:
                     self.window.finished(module)  # its backwards take turns there
 
@@ -290,6 +295,9 @@ class Coordinator:
         self.fetch(u)
 
     # -- backward -------------------------------------------------------------------------------
+    def _output_grad(self, module: nn.Module, grad: torch.Tensor) -> None:
+        self._pre_backward(module)
+
     def _pre_backward(self, module: nn.Module) -> None:
         window = self.window
         if window is not None and window.index is not None:  # one of a window's backwards (window.py)
@@ -327,9 +335,17 @@ class Coordinator:
             self._finish_window_unit(u)
 
     def _finish_window_unit(self, u: ParamUnit) -> None:
-        """The reducer gets the unit's gradients micro-batch by micro-batch, as in the loop."""
+        """The reducer gets the unit's gradients micro-batch by micro-batch, as in the loop (on one
+        rank a parameter's k at once, summed in the same order: nvmeio/host_sum.py)."""
         window = self.window
         with self.timers.phase("grad reduce"):
+            if self.reducer.comm.world_size == 1:
+                for slot, p in enumerate(u.params):
+                    grads = [g for g in (window.pop_grad(p, i) for i in range(window.k)) if g is not None]
+                    if grads:
+                        self.reducer.add_series(u, slot, grads)
+                self._finish_unit(u)
+                return
             for i in range(window.k):
                 for slot, p in enumerate(u.params):
                     grad = window.pop_grad(p, i)
