@@ -7,7 +7,7 @@
 // Why native: torch's mixed-dtype add on the CPU first widens the whole source
 // into a temporary, and on threads other than the main one (a window's micro-
 // batch threads) its OpenMP team sleeps between operations; see
-// zero/runtime/grad_sum.py.
+// nvmeio/host_sum.py, [Note: why the sum is native].
 #pragma once
 
 #include <cstdint>

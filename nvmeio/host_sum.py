@@ -34,9 +34,9 @@ def sum_series(dst: torch.Tensor, sources: Sequence[torch.Tensor], first: Option
     if not (dst.dtype == torch.float32 and dst.device.type == "cpu" and dst.is_contiguous()
             and all(s.dtype in _NATIVE and s.device.type == "cpu" and s.is_contiguous() for s in parts)):
         if first is not None:
-            dst.copy_(first.view(dst.shape))
+            dst.copy_(first.reshape(dst.shape))
         for s in sources:
-            dst.add_(s.view(dst.shape))
+            dst.add_(s.reshape(dst.shape))
         return
     if dst.numel() == 0:
         return

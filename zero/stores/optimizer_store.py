@@ -251,7 +251,6 @@ class NvmeOptimizerStore(OptimizerStore):
         self._prefetched = False
         self._order: list = []  # the order the last backward completed sub-groups in
         self._order_seen: list = []
-        self._seen_ids: Set[int] = set()
         self._expected: list = []
         self._stepping = False  # in a backward that steps sub-groups, until all have stepped
 
@@ -307,7 +306,8 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _upcoming(self) -> List[SubGroup]:
         """The next two sub-groups expected to step in this backward."""
-        ahead = (g for g in self._expected if g.index not in self._seen_ids)
+        seen = {g.index for g in self._order_seen}
+        ahead = (g for g in self._expected if g.index not in seen)
         return [g for g, _ in zip(ahead, range(2))]
 
     def prefetch(self) -> None:
@@ -346,7 +346,6 @@ class NvmeOptimizerStore(OptimizerStore):
         """Backward is starting and will step each sub-group as its gradient completes: read
         the one expected first."""
         self._order_seen = []
-        self._seen_ids = set()
         self._stepping = True
         self._expected = [sg for sg in self._order if sg.numel] or list(reversed(self._groups))
         # With one pool buffer, reading ahead would hold the buffer that reading back an
@@ -358,7 +357,6 @@ class NvmeOptimizerStore(OptimizerStore):
         """Step ``sg`` now with its completed gradient ``grad`` (never written to NVMe), after
         starting the read of the sub-group expected to complete next."""
         self._order_seen.append(sg)
-        self._seen_ids.add(sg.index)
         following = next(iter(self._upcoming()), None)
         self._step_one(sg, fn, following, grad)
         if len(self._order_seen) == len(self._groups):
