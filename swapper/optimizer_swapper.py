@@ -14,7 +14,16 @@ lets a checkpoint take it by a hard link (sub_group_files.py; sub_group.py [Note
 counts sub-groups in host memory at once, not tensors as in DeepSpeed: 1 for
 this swapper, up to 3 for the pipelined one; ``None`` (the default) takes what
 the schedule needs and a smaller number is refused when the swapper is made.
-Buffers are sized from the registered sub-groups at first use.
+Buffers are sized from the registered sub-groups at first use; a larger
+``buffer_count`` leaves room to read further ahead (:meth:`read_if_room`).
+
+[Note: reads on queues of their own]
+``aio_handle.wait()`` completes every op of its handle, so with one read
+handle, waiting for sub-group i also waited for i+1 and i+2 read ahead of it.
+Each read goes to a queue of a :class:`ReadRing` (one per buffer, so one read
+each), and a swap-in waits for its own. 3.1B GPT of bench/scale.py stepping
+sub-groups in backward: 49-52 s a step reading one sub-group ahead, 50-51 s
+two, 45 s three, all on one handle; three on queues of their own: 41 s.
 """
 from __future__ import annotations
 
@@ -24,13 +33,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from nvmeio import AioSettings
+from nvmeio import AioSettings, new_handle
 
 from .async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapCorruptionError, SwapStateError
-from .io_queue import IoKind, IoQueue
+from .io_queue import IoKind, IoQueue, ReadRing
 from .sub_group import (
     ADAM_STATES,
     HEADER_BYTES,
@@ -116,6 +125,24 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
+        # One queue per buffer: waiting for one sub-group's read never waits for those read
+        # ahead of it (see [Note: reads on queues of their own]).
+        self._read_ring = ReadRing(self._reads, lambda: IoQueue(new_handle(config), self.io_bytes), buffer_count)
+
+    def synchronize(self) -> None:
+        """Complete every read and write in flight; raise the first error after all are done."""
+        try:
+            self._read_ring.drain()
+        finally:
+            self._writes.drain()
+
+    def cleanup(self) -> None:
+        closed = self._closed
+        try:
+            super().cleanup()
+        finally:
+            if not closed:
+                self._read_ring.close_extra()
 
     def buffers_needed(self) -> int:
         """Sub-groups this schedule holds in host memory at once."""
@@ -252,8 +279,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         g = self._group(sub_group_id)
         if any(not t.done for t in g.grad_tickets):
             self._writes.drain()
-        if g.state is SubGroupState.READING:
-            self._wait(self._reads, None)
+        self._await_read(g)
         if g.state is SubGroupState.AVAILABLE and g.read_grad:
             self._evict(g)  # the state is unchanged on NVMe; only the gradient is dropped
         g.grad_ranges.clear()
@@ -272,7 +298,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             if g.state is SubGroupState.ON_NVME:
                 self._begin_read(g)
         if not async_op:
-            self._wait(self._reads, None)
+            self._await_read(g)
         return self._tensors(g, with_grad=g.read_grad)
 
     def settle_landed_writes(self) -> None:
@@ -287,15 +313,14 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         g = self._group(sub_group_id)
         if g.state is SubGroupState.ON_NVME and self._ensure_pool().free_count:
             self._begin_read(g)
-        if g.state is SubGroupState.READING and self._reads.landed():
-            self._wait(self._reads, None)  # done already: settle it (and verify) without blocking
+        if g.state is SubGroupState.READING and g.read_queue.landed():
+            self._await_read(g)  # done already: settle it (and verify) without blocking
         return g.state in (SubGroupState.READING, SubGroupState.AVAILABLE, SubGroupState.WRITING)
 
     def swap_out(self, sub_group_id: int, async_op: bool = False) -> None:
         """Write master and states back; the buffer returns to the pool when the write is done."""
         g = self._group(sub_group_id)
-        if g.state is SubGroupState.READING:
-            self._wait(self._reads, None)
+        self._await_read(g)
         if g.state is not SubGroupState.AVAILABLE:
             raise SwapStateError(f"sub-group {sub_group_id} is {g.state.value}, not in host memory")
         self._begin_write(g)
@@ -305,8 +330,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
     def release(self, sub_group_id: int) -> None:
         """Give a swapped-in sub-group's buffer back without writing (changes are dropped)."""
         g = self._group(sub_group_id)
-        if g.state is SubGroupState.READING:
-            self._wait(self._reads, None)
+        self._await_read(g)
         if g.state is SubGroupState.AVAILABLE:
             self._evict(g)
 
@@ -353,8 +377,8 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         """The I/O around each step: here read, step, write, one sub-group at a time."""
         for sg in ids:
             self._read_if_needed(sg)
-            self._wait(self._reads, stats)
             g = self._group(sg)
+            self._await_read(g, stats)
             self._run_step(step_fn, g, stats)
             self._begin_write(g)
             self._wait(self._writes, stats)
@@ -436,6 +460,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             self._check_file_size(g.grad_file_name, f"the gradient of {holder}", lay.tensor_bytes, at_least=True)
         path, grad_path = self.swap_dir.file(g.file_name), self.swap_dir.file(g.grad_file_name)
         g.buffer = self._acquire(g)
+        queue = g.read_queue = self._read_ring.next_queue()
         g.state, g.read_grad = SubGroupState.READING, with_grad
         view = g.buffer.bytes()[HEADER_BYTES:lay.written_bytes]  # the header page is not swap data
         grad_view = g.buffer.bytes()[lay.grad_offset:lay.grad_offset + lay.tensor_bytes]
@@ -449,14 +474,14 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             g.state = SubGroupState.AVAILABLE
 
         if not with_grad:
-            self._reads.submit(IoKind.READ, view, path, HEADER_BYTES, on_done)
+            queue.submit(IoKind.READ, view, path, HEADER_BYTES, on_done)
             return
-        self._reads.submit(IoKind.READ, view, path, HEADER_BYTES, lambda error: None)
+        queue.submit(IoKind.READ, view, path, HEADER_BYTES, lambda error: None)
         try:
-            self._reads.submit(IoKind.READ, grad_view, grad_path, 0, on_done)
+            queue.submit(IoKind.READ, grad_view, grad_path, 0, on_done)
         except BaseException:
             try:  # the state read must land before its buffer (released by on_done) is reused
-                self._reads.drain()
+                queue.drain()
             except BaseException:  # noqa: BLE001 - the submit's error is the one to raise
                 pass
             raise
@@ -508,8 +533,13 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         step_fn(g.sub_group_id, self._tensors(g, with_grad=g.read_grad))
         stats.step_seconds += time.perf_counter() - t0
 
+    def _await_read(self, g: SubGroupEntry, stats: Optional[StepStats] = None) -> None:
+        """Complete ``g``'s read if it is in flight (its queue's other reads, if any, too)."""
+        if g.state is SubGroupState.READING:
+            self._wait(g.read_queue, stats)
+
     @staticmethod
-    def _wait(queue: IoQueue, stats: Optional[StepStats]) -> None:
+    def _wait(queue, stats: Optional[StepStats]) -> None:
         t0 = time.perf_counter()
         queue.drain()
         if stats is not None:
@@ -517,7 +547,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
 
     def _abort(self) -> None:
         """After a failure inside a step: finish I/O, return buffers without writing."""
-        for queue in (self._reads, self._writes):
+        for queue in (self._read_ring, self._writes):
             try:
                 queue.drain()
             except BaseException:  # noqa: BLE001 - the original error is the one to raise

@@ -44,10 +44,10 @@ class PipelinedOptimizerSwapper(PartitionedOptimizerSwapper):
             self._read_if_needed(ids[0])
         for k, sg in enumerate(ids):
             nxt = ids[k + 1] if k + 1 < len(ids) else None
-            self._wait(self._reads, stats)
+            g = self._group(sg)
+            self._await_read(g, stats)
             if nxt is not None and self.pipeline_read:
                 self._read_if_needed(nxt)
-            g = self._group(sg)
             self._run_step(step_fn, g, stats)
             if self.pipeline_write:
                 self._wait(self._writes, stats)

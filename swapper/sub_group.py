@@ -118,6 +118,7 @@ class SubGroupEntry:
     grad_tickets: List[SwapOutTicket] = field(default_factory=list)
     read_grad: bool = False  # the buffer holds a gradient read with the state
     linked: bool = False  # the swap file is also a checkpoint's: write a new file next time
+    read_queue: Optional[object] = None  # the IoQueue of its read in flight (while READING)
 
     @property
     def nbytes(self) -> int:

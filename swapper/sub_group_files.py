@@ -74,8 +74,7 @@ class SubGroupFiles:
         g = self._group(sub_group_id)
         if g.state is SubGroupState.UNWRITTEN:
             raise SwapStateError(f"sub-group {sub_group_id} was never initialized")
-        if g.state is SubGroupState.READING:
-            self._wait(self._reads, None)
+        self._await_read(g)
         if g.state is SubGroupState.AVAILABLE:
             self._begin_write(g)
         if g.state is SubGroupState.WRITING:
@@ -184,7 +183,7 @@ class SubGroupFiles:
         if g.buffer is None:
             g.buffer = self._acquire(g)
         lay, offsets = g.layout, self._offsets(g.layout)
-        g.state, g.read_grad = SubGroupState.READING, False
+        g.state, g.read_grad, g.read_queue = SubGroupState.READING, False, self._reads
         for name, (src_path, src_offset) in sources.items():
             view = g.buffer.bytes()[offsets[name]:offsets[name] + lay.tensor_bytes]
             self._reads.submit(IoKind.READ, view, os.fspath(src_path), src_offset, lambda error: None)

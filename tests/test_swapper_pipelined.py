@@ -141,3 +141,30 @@ def test_explicit_buffer_count_below_the_pipeline_depth_is_refused(tmp_path):
         PipelinedOptimizerSwapper(tmp_path, None, buffer_count=2)
     PipelinedOptimizerSwapper(tmp_path, None, buffer_count=2, pipeline_write=False).cleanup()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_swap_in_waits_for_its_own_read_only(tmp_path):
+    """Each read has a queue of its own (optimizer_swapper.py [Note: reads on queues of their
+    own]): a swap-in completes its sub-group's read and leaves those read ahead in flight, and
+    a larger buffer_count lets read_if_room read further ahead; the bytes are the initial ones."""
+    from swapper.sub_group import SubGroupState
+
+    values = {i: torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(SIZES)}
+    with PipelinedOptimizerSwapper(tmp_path, None, buffer_count=5) as s:
+        for i, n in enumerate(SIZES):
+            s.register_sub_group(i, n)
+        for i in range(5):
+            s.initialize(i, values[i])
+        s.synchronize()
+        s.swap_in(0, async_op=True)
+        assert [s.read_if_room(i) for i in (1, 2, 3, 4)] == [True, True, True, True]
+        assert all(s.state(i) is SubGroupState.READING for i in range(5))
+        assert torch.equal(s.swap_in(2).master, values[2])
+        assert s.state(2) is SubGroupState.AVAILABLE
+        assert all(s.state(i) is SubGroupState.READING for i in (0, 1, 3, 4))  # not waited for
+        assert s.pool.free_count == 0 and s.read_if_room(1)  # still in flight: no second read
+        for i in (0, 1, 3, 4):
+            assert torch.equal(s.swap_in(i).master, values[i])
+        for i in range(5):
+            s.release(i)
+        assert s.pool.free_count == 5

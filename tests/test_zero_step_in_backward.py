@@ -125,3 +125,32 @@ def test_backward_reads_each_master_once(tmp_path):
     assert all(r == groups for r in reads_per_step), reads_per_step  # each sub-group once a step
     assert all(s < shards // 2 for s in shard_reads[1:]), (shard_reads, shards)
     assert losses == train_reference(reference, batches, STEPS, lr=1e-2)
+
+
+@pytest.mark.parametrize("clip,precision,step_in_backward,expected", [
+    (0.0, "fp32", True, 5), (0.05, "fp32", True, 3), (0.0, "fp16", True, 3), (0.0, "fp32", False, 3)])
+def test_three_sub_groups_are_read_ahead_only_where_backward_steps_them(tmp_path, monkeypatch, clip, precision,
+                                                                        step_in_backward, expected):
+    """The pool holds the stepped, the written and BACKWARD_READ_AHEAD sub-groups read ahead when
+    the engine steps during backward; one read ahead where it cannot (clipping, fp16's dynamic
+    loss scale) or is told not to, and the host-memory check counts what the store holds."""
+    from zero.stores import memory_check
+
+    config = base_config("cpu", "nvme", tmp_path, sub_group_size=3000, precision=precision, clip=clip)
+    config["zero_optimization"]["offload_optimizer"].update(
+        pipeline_read=True, pipeline_write=True, step_in_backward=step_in_backward)
+    parts_seen = []
+    real = memory_check.host_memory_parts
+    monkeypatch.setattr(memory_check, "host_memory_parts",
+                        lambda *a, **k: parts_seen.append(real(*a, **k)) or parts_seen[-1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IgnoredSettingWarning)
+        engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    try:
+        assert engine.parts.optimizer_store.swapper.buffer_count == expected
+        if step_in_backward:  # the build's answer is the optimizer's
+            assert (engine.optimizer.why_not_step_in_backward() is None) == (expected == 5)
+        [part] = [p for p in parts_seen[0] if p.what.startswith("optimizer swap buffers")]
+        assert part.what.startswith(f"optimizer swap buffers ({expected} x ")
+    finally:
+        engine.destroy()

@@ -50,7 +50,7 @@ from ..partitioning.active_context import meta_parameter_names
 from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
 from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
-from .optimizer import AdamKind, ZeroOptimizer
+from .optimizer import AdamKind, ZeroOptimizer, step_in_backward_blocker
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
 from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
 from ..stores.layouts import RankLayout, build_rank_layout
@@ -223,11 +223,20 @@ def _plan(module, config, comm, device, dtype, spec):
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
     parts = memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
-                                           adam_states, spec is not None)
+                                           adam_states, spec is not None, _steps_in_backward(config, spec))
     memory = memory_check.probe()
     memory_check.check_host_memory(parts, memory)
     return module_units, rank_layout, units, (memory_check.headroom_bytes(parts, memory),
                                               memory_check.activation_budget_bytes(parts, memory))
+
+
+def _steps_in_backward(config, spec) -> bool:
+    """Whether the engine will step NVMe sub-groups during backward (the store reads further
+    ahead then): what ZeroOptimizer.why_not_step_in_backward answers, from the config."""
+    offload = config.zero_optimization.offload_optimizer
+    return (spec is not None and offload.device == "nvme" and offload.step_in_backward
+            and step_in_backward_blocker(config.gradient_clipping, make_loss_scaler(config).dynamic, spec.adam,
+                                         spec.torch_type is not None) is None)
 
 
 def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release):
@@ -237,7 +246,9 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
     offload = config.zero_optimization.offload_optimizer
     state_names = spec.adam.state_names if spec.adam is not None else ()
     if offload.device == "nvme":
-        store = _swap_store(lambda: NvmeOptimizerStore(rank_layout, state_names, offload, aio, job_id, comm.rank))
+        steps = _steps_in_backward(config, spec)
+        store = _swap_store(lambda: NvmeOptimizerStore(rank_layout, state_names, offload, aio, job_id, comm.rank,
+                                                       steps_in_backward=steps))
     else:
         home = device if offload.device == "none" else torch.device("cpu")
         store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory)

@@ -107,6 +107,18 @@ class _PendingStep:
     awaiting_step: bool = False  # that backward returned; engine.step() finishes it
 
 
+def step_in_backward_blocker(clip: float, dynamic_scale: bool, adam: Optional[AdamKind],
+                             torch_optimizer: bool) -> Optional[str]:
+    """Why an optimizer made so cannot step sub-groups during backward, or None if it can."""
+    if torch_optimizer or adam is None:
+        return "the optimizer is not the config's Adam/AdamW"
+    if clip > 0:
+        return "gradient_clipping needs the global gradient norm before any update"
+    if dynamic_scale:
+        return "the dynamic fp16 loss scale needs an overflow check before any update"
+    return None
+
+
 class ZeroOptimizer(Optimizer):
     """The optimizer :func:`zero.initialize` returns; ``param_groups`` drive LR schedulers.
 
@@ -178,13 +190,7 @@ class ZeroOptimizer(Optimizer):
         """Why steps cannot run during backward with this configuration, or None if they can."""
         if self.reducer.stash is None or not self.store.steps_in_backward:
             return "offload_optimizer.device is not nvme"
-        if self.inner is not None or self.adam is None:
-            return "the optimizer is not the config's Adam/AdamW"
-        if self.clip > 0:
-            return "gradient_clipping needs the global gradient norm before any update"
-        if self.scaler.dynamic:
-            return "the dynamic fp16 loss scale needs an overflow check before any update"
-        return None
+        return step_in_backward_blocker(self.clip, self.scaler.dynamic, self.adam, self.inner is not None)
 
     def can_step_in_backward(self) -> bool:
         """Whether this window's step needs nothing global before its first update."""

@@ -20,6 +20,7 @@ from swapper.host_memory import HostMemory, format_bytes
 
 from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
+from .optimizer_store import nvme_buffer_count
 from .param_store import swap_buffer_count
 from .layouts import RankLayout
 
@@ -37,7 +38,7 @@ class MemoryPart:
 
 
 def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize: int,
-                      state_count: int, has_optimizer: bool) -> List[MemoryPart]:
+                      state_count: int, has_optimizer: bool, steps_in_backward: bool = False) -> List[MemoryPart]:
     """The engine's host memory, part by part, for this rank."""
     zc = config.zero_optimization
     numel = rank_layout.numel
@@ -63,7 +64,7 @@ def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize
     if has_optimizer and opt.device == "nvme":
         sg = max((g.numel for g in rank_layout.sub_groups), default=0)
         per_buffer = (1 + state_count) * align_up(sg * 4) + sg * 4
-        count = 1 + int(opt.pipeline_read) + int(opt.pipeline_write)
+        count = nvme_buffer_count(opt, steps_in_backward)
         parts.append(MemoryPart(f"optimizer swap buffers ({count} x {format_bytes(per_buffer)})",
                                 count * per_buffer, "zero_optimization.sub_group_size", locked=opt.pin_memory))
         parts.append(MemoryPart(f"gradient buffers of the sub-groups being filled ({OPEN_GRAD_SUB_GROUPS} x "

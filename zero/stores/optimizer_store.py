@@ -30,6 +30,18 @@ from .layouts import RankLayout, SubGroup
 StepFn = Callable[[SubGroup, torch.Tensor, Dict[str, torch.Tensor], torch.Tensor], None]
 
 
+BACKWARD_READ_AHEAD = 3
+"""Sub-groups read ahead in a backward that steps them (see [Note: backward reads a sub-group once])."""
+
+
+def nvme_buffer_count(offload, steps_in_backward: bool) -> int:
+    """Sub-groups the NVMe store holds in host memory at once: the one stepped, the one being
+    written (``pipeline_write``) and those read ahead: one (``pipeline_read``), or
+    :data:`BACKWARD_READ_AHEAD` when the engine steps sub-groups during backward."""
+    ahead = (BACKWARD_READ_AHEAD if steps_in_backward else 1) if offload.pipeline_read else 0
+    return 1 + ahead + int(offload.pipeline_write)
+
+
 def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = False) -> torch.Tensor:
     pin = pin and device.type == "cpu" and torch.cuda.is_available()
     t = torch.empty(numel, dtype=torch.float32, device=device, pin_memory=pin)
@@ -191,8 +203,8 @@ class FlatOptimizerStore(OptimizerStore):
 class NvmeOptimizerStore(OptimizerStore):
     """Master and states of each sub-group in its swap file under ``offload_optimizer.nvme_path``.
 
-    The swapper's pool holds 1 + pipeline_read + pipeline_write sub-groups (its
-    own count; ``offload_optimizer.buffer_count``, which DeepSpeed counts in
+    The swapper's pool holds :func:`nvme_buffer_count` sub-groups (its own
+    count; ``offload_optimizer.buffer_count``, which DeepSpeed counts in
     tensors, is checked by the config and otherwise not needed).
 
     [Note: the disk works while the model computes]
@@ -211,33 +223,40 @@ class NvmeOptimizerStore(OptimizerStore):
     steps sub-groups would read each master twice: a unit's shard for its
     backward, then the whole master with the states for the step, moments
     later. Instead a shard fetched or read ahead in such a backward, whose
-    sub-group is one of the next two to step, starts that sub-group's read
+    sub-group is one of the next ones to step, starts that sub-group's read
     (when the swapper has a buffer free; it never waits for one) and is copied
     from it once it lands: 12 bytes a parameter read in backward, not 16. It
-    needs three buffers (``pipeline_read`` and ``pipeline_write``): the two
-    sub-groups read ahead leave one for a sub-group that completes out of the
-    expected order (the first backward only guesses the order). A
-    shard whose sub-group is further off, or finds no buffer, is read alone,
-    as before: holding read-ahead back for it was measured slower, as was a
-    fourth buffer (1.63B GPT of bench/scale.py: 27 s a step with two reads,
-    23 s with this, 27 s when read-ahead waits for every sub-group's read).
+    needs ``pipeline_read`` and ``pipeline_write``. Such a backward reads
+    :data:`BACKWARD_READ_AHEAD` sub-groups ahead (five buffers: those, the one
+    stepped, the one written), each on a read queue of its own so that a step
+    waits for its own read only (swapper/optimizer_swapper.py [Note: reads on
+    queues of their own]): a sub-group's state is most of the backward's I/O,
+    and with one read ahead the disk idled between a read landing and the next
+    step submitting one (3.1B GPT of bench/scale.py: the disk idle 8 s of a
+    30 s backward, where it was 16 of 38; the step 51 -> 41 s, backward reading each
+    sub-group once where it read 4 GB more). A shard whose sub-group is further
+    off, or finds no buffer, is read alone, as before (1.63B GPT: 27 s a step
+    with two reads, 23 s with the read-once path, 27 s when read-ahead waits
+    for every sub-group's read).
     """
 
     stash_gradients = True
     steps_in_backward = True
 
     def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], offload, aio, job_id: str,
-                 rank: int):
+                 rank: int, steps_in_backward: bool = False):
         from swapper import PipelinedOptimizerSwapper
 
         from .param_store import swap_checksum
 
         super().__init__(rank_layout, state_names)
         self.swapper = PipelinedOptimizerSwapper(
-            offload.nvme_path, aio, None, torch.float32, state_names=self.state_names, job_id=job_id,
-            rank=rank, name="optimizer", pin_memory=offload.pin_memory, remove_stale=True,
-            swap_gradients=True, checksum=swap_checksum(offload.checksum),
-            pipeline_read=offload.pipeline_read, pipeline_write=offload.pipeline_write)
+            offload.nvme_path, aio, nvme_buffer_count(offload, steps_in_backward), torch.float32,
+            state_names=self.state_names, job_id=job_id, rank=rank, name="optimizer",
+            pin_memory=offload.pin_memory, remove_stale=True, swap_gradients=True,
+            checksum=swap_checksum(offload.checksum), pipeline_read=offload.pipeline_read,
+            pipeline_write=offload.pipeline_write)
+        self._read_ahead = BACKWARD_READ_AHEAD if steps_in_backward and offload.pipeline_read else 1
         self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
         try:
             for sg in self._groups:
@@ -305,10 +324,11 @@ class NvmeOptimizerStore(OptimizerStore):
         return tensors.master[start - sg.start:stop - sg.start]
 
     def _upcoming(self) -> List[SubGroup]:
-        """The next two sub-groups expected to step in this backward."""
+        """The next sub-groups expected to step in this backward: as many as are read ahead,
+        and at least two (the read-once path's reach)."""
         seen = {g.index for g in self._order_seen}
         ahead = (g for g in self._expected if g.index not in seen)
-        return [g for g, _ in zip(ahead, range(2))]
+        return [g for g, _ in zip(ahead, range(max(2, self._read_ahead)))]
 
     def prefetch(self) -> None:
         if self._groups:
@@ -357,8 +377,12 @@ class NvmeOptimizerStore(OptimizerStore):
         """Step ``sg`` now with its completed gradient ``grad`` (never written to NVMe), after
         starting the read of the sub-group expected to complete next."""
         self._order_seen.append(sg)
-        following = next(iter(self._upcoming()), None)
-        self._step_one(sg, fn, following, grad)
+        upcoming = self._upcoming()
+        self._step_one(sg, fn, next(iter(upcoming), None), grad)
+        if self._read_ahead > 1:  # and those after it, where buffers are free (never waiting)
+            self.swapper.settle_landed_writes()
+            for g in upcoming[1:self._read_ahead]:
+                self.swapper.read_if_room(g.index)
         if len(self._order_seen) == len(self._groups):
             self._order = self._order_seen  # the next backward completes them in this order
             self._stepping = False
