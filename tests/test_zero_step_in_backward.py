@@ -19,7 +19,8 @@ CFG = GPTConfig(layers=3)
 STEPS = 4
 
 
-def train(tmp_path, offload_param, accumulation, step_in_backward, precision="fp32", clip=0.0, hold=True):
+def train(tmp_path, offload_param, accumulation, step_in_backward, precision="fp32", clip=0.0, hold=True,
+          pipeline=False):
     tmp_path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = GPT(CFG)
@@ -29,6 +30,8 @@ def train(tmp_path, offload_param, accumulation, step_in_backward, precision="fp
                          sub_group_size=3000, precision=precision, clip=clip)
     if step_in_backward is not None:
         config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
+    if pipeline:  # five sub-groups in memory: three read ahead (optimizer_store.py BACKWARD_READ_AHEAD)
+        config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
     engine, _, _, _ = zero.initialize(model=model, config=config)
     if not hold:
         engine.parts.reducer.stash.hold_budget = 0
@@ -46,12 +49,13 @@ def train(tmp_path, offload_param, accumulation, step_in_backward, precision="fp
     return losses, final, grad_writes, (reference, batches)
 
 
-@pytest.mark.parametrize("offload_param,accumulation,hold", [
-    ("nvme", 1, True), ("cpu", 3, True), ("cpu", 3, False), ("none", 2, False)])
+@pytest.mark.parametrize("offload_param,accumulation,hold,pipeline", [
+    ("nvme", 1, True, False), ("cpu", 3, True, False), ("cpu", 3, False, False), ("none", 2, False, False),
+    ("nvme", 1, True, True), ("nvme", 3, False, True), ("cpu", 3, False, True)])
 def test_stepping_during_backward_matches_plain_pytorch_and_writes_no_gradient(tmp_path, offload_param,
-                                                                               accumulation, hold):
+                                                                               accumulation, hold, pipeline):
     losses, final, grad_writes, (reference, batches) = train(tmp_path, offload_param, accumulation, None,
-                                                             hold=hold)
+                                                             hold=hold, pipeline=pipeline)
     assert losses == train_reference(reference, batches, STEPS, accumulation, lr=1e-2)
     for a, b in zip(final, reference.parameters()):
         assert torch.equal(a, b.detach())

@@ -27,11 +27,13 @@ def window_means(losses, k):
             for s in range(len(losses) // k)]
 
 
-def make_engine(tmp_path, k, offload="nvme", clip=0.0, precision="fp32", **extra):
+def make_engine(tmp_path, k, offload="nvme", clip=0.0, precision="fp32", pipeline=False, **extra):
     tmp_path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     c = GPTConfig()
     config = base_config(offload, offload, tmp_path, accumulation=k, clip=clip, precision=precision, **extra)
+    if pipeline:  # sub-groups read ahead while the window's last backward steps them
+        config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
     engine, _, _, _ = zero.initialize(model=GPT(c), config=config)
     return engine, make_batches(c, STEPS * k, 4)
 
@@ -67,6 +69,12 @@ def assert_same(a, b):
 @pytest.mark.parametrize("offload", ["nvme", "cpu", "none"])
 def test_train_batch_equals_the_micro_batch_loop(tmp_path, k, offload):
     assert_same(run_window(tmp_path, k, offload=offload), run_loop(tmp_path, k, offload=offload))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_train_batch_equals_the_loop_with_the_pipelined_nvme_optimizer(tmp_path, precision):
+    kw = dict(precision=precision, pipeline=True, sub_group_size=20000)
+    assert_same(run_window(tmp_path, 3, **kw), run_loop(tmp_path, 3, **kw))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
