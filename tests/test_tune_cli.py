@@ -396,8 +396,11 @@ def test_ctrl_c_removes_the_temporary_files(dirs):
     sig = signal.SIGINT
     nvme, logs = dirs
     # Ctrl-C must reach the child however the tests were launched: under nohup or
-    # in a background job SIGINT is ignored, and a child inherits that.
+    # in a background job SIGINT is ignored, and a child inherits that; it inherits the
+    # signal mask of the thread that started it too (a library an earlier test loaded may
+    # have left SIGINT blocked there: then the sweep once ran to its end, the signal pending).
     with_ctrl_c = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
                    "sys.argv[0] = 'nvme_tune'; runpy.run_module('nvmeio.tune', run_name='__main__')")
     p = subprocess.Popen([sys.executable, "-c", with_ctrl_c, "--nvme_dir", str(nvme),
                           "--io_size", "64M", "--search", "grid", "--log_dir", str(logs)],
@@ -414,7 +417,8 @@ def test_ctrl_c_removes_the_temporary_files(dirs):
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode == 130, err
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this thread's mask, which the child inherited
+    assert p.returncode == 130, f"signals blocked in the test's thread: {sorted(blocked)}\n{err}"
     assert "interrupted; temporary files removed" in err
     assert os.listdir(nvme) == []
     (log,) = logs.iterdir()
