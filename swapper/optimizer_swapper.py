@@ -33,13 +33,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 
 import torch
 
-from nvmeio import AioSettings, new_handle
+from nvmeio import AioSettings
 
 from .async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
 from .buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapCorruptionError, SwapStateError
-from .io_queue import IoKind, IoQueue, ReadRing
+from .io_queue import IoKind
 from .sub_group import (
     ADAM_STATES,
     HEADER_BYTES,
@@ -127,22 +127,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         )
         # One queue per buffer: waiting for one sub-group's read never waits for those read
         # ahead of it (see [Note: reads on queues of their own]).
-        self._read_ring = ReadRing(self._reads, lambda: IoQueue(new_handle(config), self.io_bytes), buffer_count)
-
-    def synchronize(self) -> None:
-        """Complete every read and write in flight; raise the first error after all are done."""
-        try:
-            self._read_ring.drain()
-        finally:
-            self._writes.drain()
-
-    def cleanup(self) -> None:
-        closed = self._closed
-        try:
-            super().cleanup()
-        finally:
-            if not closed:
-                self._read_ring.close_extra()
+        self._spread_reads(buffer_count)
 
     def buffers_needed(self) -> int:
         """Sub-groups this schedule holds in host memory at once."""

@@ -61,12 +61,12 @@ from urllib.parse import quote
 
 import torch
 
-from nvmeio import AioSettings, new_handle
+from nvmeio import AioSettings
 
 from .buffer_pool import PAGE_BYTES, PoolBuffer, align_up, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
 from .errors import BufferTooSmallError, SwapFileTruncatedError, SwapStateError, add_note
-from .io_queue import IoKind, IoQueue, ReadRing, WriteRing
+from .io_queue import IoKind, IoQueue, WriteRing
 from .span_pool import SpanPool
 from .swap_dir import FreeSpaceFn
 from .swapper_base import SwapperBase
@@ -199,8 +199,8 @@ class PartitionedParamSwapper(SwapperBase):
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
         )
-        self._writes = WriteRing(self._writes, lambda: IoQueue(new_handle(config), self.io_bytes), write_queues)
-        self._read_ring = ReadRing(self._reads, lambda: IoQueue(new_handle(config), self.io_bytes), read_queues)
+        self._writes = WriteRing(self._writes, self._new_queue, write_queues)
+        self._spread_reads(read_queues)
         if self.buffer_size is not None:
             try:
                 self._pool = self._make_pool(self.buffer_size)
@@ -521,21 +521,6 @@ class PartitionedParamSwapper(SwapperBase):
         finally:
             if any(p.state is PartitionState.WRITING for p in parts):
                 self._writes.drain()
-
-    def synchronize(self) -> None:
-        """Complete every read and write in flight; raise the first error after all are done."""
-        try:
-            self._read_ring.drain()
-        finally:
-            self._writes.drain()
-
-    def cleanup(self) -> None:
-        closed = self._closed
-        try:
-            super().cleanup()
-        finally:
-            if not closed:
-                self._read_ring.close_extra()
 
     def release(self, param_ids: Iterable[ParamId]) -> None:
         """Give the buffers of swapped-in partitions back without writing them.

@@ -24,7 +24,7 @@ from nvmeio import AioSettings, new_handle
 from .buffer_pool import PinnedBufferPool, PoolBuffer
 from .checksum import checksum_table
 from .errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
-from .io_queue import IoBytes, IoQueue
+from .io_queue import IoBytes, IoQueue, ReadRing
 from .span_pool import SpanPool
 from .swap_dir import SwapDirectory
 
@@ -65,6 +65,7 @@ class SwapperBase(abc.ABC):
             undo.callback(self._reads.close)
             self._writes = IoQueue(new_handle(config), self.io_bytes)
             undo.callback(self._writes.close)
+            self._read_ring = ReadRing(self._reads, self._new_queue, 1)  # see _spread_reads
             self.swap_dir = SwapDirectory(
                 nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
             )
@@ -98,10 +99,18 @@ class SwapperBase(abc.ABC):
         """The buffer pool; ``None`` until first needed when it is sized from the entries."""
         return self._pool
 
+    def _new_queue(self) -> IoQueue:
+        return IoQueue(new_handle(self.aio_config), self.io_bytes)
+
+    def _spread_reads(self, queues: int) -> None:
+        """Reads over up to ``queues`` queues, each its own handle (made at first need), so that
+        waiting for one read need not wait for the others (io_queue.py ReadRing)."""
+        self._read_ring = ReadRing(self._reads, self._new_queue, queues)
+
     def synchronize(self) -> None:
         """Complete every read and write in flight; raise the first error after all are done."""
         try:
-            self._reads.drain()
+            self._read_ring.drain()
         finally:
             self._writes.drain()
 
@@ -116,6 +125,7 @@ class SwapperBase(abc.ABC):
         with contextlib.ExitStack() as steps:  # the steps run last registered first
             for queue in (self._reads, self._writes):  # worker threads and kernel AIO contexts, now
                 steps.callback(queue.close)
+            steps.callback(self._read_ring.close_extra)
             steps.callback(self.swap_dir.cleanup)
             steps.callback(self._free_pool)
             self.synchronize()

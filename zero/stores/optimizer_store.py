@@ -34,12 +34,16 @@ BACKWARD_READ_AHEAD = 3
 """Sub-groups read ahead in a backward that steps them (see [Note: backward reads a sub-group once])."""
 
 
+def nvme_read_ahead(offload, steps_in_backward: bool) -> int:
+    """Sub-groups the NVMe store reads ahead: none, one (``pipeline_read``), or
+    :data:`BACKWARD_READ_AHEAD` when the engine steps sub-groups during backward."""
+    return (BACKWARD_READ_AHEAD if steps_in_backward else 1) if offload.pipeline_read else 0
+
+
 def nvme_buffer_count(offload, steps_in_backward: bool) -> int:
     """Sub-groups the NVMe store holds in host memory at once: the one stepped, the one being
-    written (``pipeline_write``) and those read ahead: one (``pipeline_read``), or
-    :data:`BACKWARD_READ_AHEAD` when the engine steps sub-groups during backward."""
-    ahead = (BACKWARD_READ_AHEAD if steps_in_backward else 1) if offload.pipeline_read else 0
-    return 1 + ahead + int(offload.pipeline_write)
+    written (``pipeline_write``) and those read ahead."""
+    return 1 + nvme_read_ahead(offload, steps_in_backward) + int(offload.pipeline_write)
 
 
 def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = False) -> torch.Tensor:
@@ -256,7 +260,7 @@ class NvmeOptimizerStore(OptimizerStore):
             pin_memory=offload.pin_memory, remove_stale=True, swap_gradients=True,
             checksum=swap_checksum(offload.checksum), pipeline_read=offload.pipeline_read,
             pipeline_write=offload.pipeline_write)
-        self._read_ahead = BACKWARD_READ_AHEAD if steps_in_backward and offload.pipeline_read else 1
+        self._read_ahead = nvme_read_ahead(offload, steps_in_backward)
         self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
         try:
             for sg in self._groups:
