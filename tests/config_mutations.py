@@ -17,7 +17,10 @@ import random
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from helpers import base_config
+if __package__:  # tests.config_mutations, imported by bench/reliability.py (run from the repository root)
+    from .helpers import base_config
+else:  # the tests' own import (pytest puts tests/ on sys.path)
+    from helpers import base_config
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

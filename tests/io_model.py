@@ -20,7 +20,11 @@ import numpy as np
 from hypothesis import strategies as st
 
 import nvmeio
-from helpers import BACKENDS, random_bytes
+
+if __package__:  # tests.io_model, imported by bench/reliability.py (run from the repository root)
+    from .helpers import BACKENDS, random_bytes
+else:  # the tests' own import (pytest puts tests/ on sys.path)
+    from helpers import BACKENDS, random_bytes
 
 MAX_OFFSET = 300_000
 MAX_LEN = 200_000

@@ -9,7 +9,9 @@ import pytest
 from helpers import run_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# tools/ is not installed: the root goes after the installed packages, never before them (it
+# holds the source tree of nvmeio, without the native module CI builds only into the install).
+sys.path.append(REPO)
 
 from tools import fio, readme_commands  # noqa: E402
 from tools.results_md import bar_chart, chart_link, replace_section  # noqa: E402
