@@ -1,8 +1,9 @@
 """Test helpers: the engine training loop, test configs, several ranks in one test,
 and byte-level helpers for the I/O tests.
 
-Tests import this module directly (``from helpers import ...``): pytest puts the
-tests folder on ``sys.path`` (rootdir-relative, no package).
+Tests import this module directly (``from helpers import ...``): pytest's ``pythonpath``
+(pyproject.toml) puts the tests folder on ``sys.path``; their child Pythons find it on the
+PYTHONPATH conftest.py sets; bench/reliability imports it as ``tests.helpers``.
 """
 from __future__ import annotations
 
