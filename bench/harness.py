@@ -46,9 +46,10 @@ GiB = 1 << 30
 def run_child(module: str, args: Sequence[str], python: Optional[str] = None,
               timeout: Optional[float] = None) -> dict:
     """Runs ``python -m module *args`` (see [Note: which nvmeio a benchmark measures]) and
-    returns its result: the last line of its stdout that is a JSON object. A child that printed
-    none (it failed, or ran past ``timeout`` s) gives ``{"error": the line saying why,
-    "returncode", "tail": its last lines}``."""
+    returns its result: the last line of its stdout that is a JSON object (with ``returncode``
+    added when the child failed after printing it, in its teardown). A child that printed none
+    (it failed, or ran past ``timeout`` s) gives ``{"error": the line saying why, "returncode",
+    "tail": its last lines}``."""
     env = dict(os.environ, PYTHONSAFEPATH="1",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     cmd = [python or sys.executable, "-m", module, *map(str, args)]
@@ -63,7 +64,10 @@ def run_child(module: str, args: Sequence[str], python: Optional[str] = None,
         stdout = ""  # whatever it printed, it did not finish
     for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            result = json.loads(line)
+            if rc:
+                result["returncode"] = rc
+            return result
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln or "timed out" in ln),
                  lines[-1] if lines else "no output")
