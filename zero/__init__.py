@@ -24,7 +24,7 @@ from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
 _LAZY = {  # public name: the module it comes from
     "initialize": "engine.entry",
     "ZeroEngine": "engine.zero_engine",
-    "EngineStateError": "engine.zero_engine",
+    "EngineStateError": "engine.backward_pass",
     "CheckpointTagError": "checkpoint.format",
     "CheckpointCorruptionError": "checkpoint.format",
     "UnsafeCheckpointError": "checkpoint.format",

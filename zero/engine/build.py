@@ -41,7 +41,7 @@ from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
 from ..runtime.hooks import Coordinator
 from ..stores import memory_check
-from ..runtime.grad_stash import GradStash
+from ..runtime.grad_stash import NO_STASH, GradStash
 from ..runtime.grad_reducer import GradReducer
 from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
@@ -50,7 +50,7 @@ from ..partitioning.active_context import meta_parameter_names
 from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
 from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
-from .optimizer import AdamKind, ZeroOptimizer, step_in_backward_blocker
+from .optimizer import AdamKind, ZeroOptimizer, stash_norm_ranges, step_in_backward_blocker
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
 from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
 from ..stores.layouts import RankLayout, build_rank_layout
@@ -282,8 +282,7 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
 def _link_units(units, param_store, opt_store, release) -> None:
     release.callback(_unlink_units, units)
     for u in units:
-        u.store = param_store
-        u.optimizer_store = opt_store
+        u.attach(param_store, opt_store)
         for p in u.params:
             p._zero_unit = u
 
@@ -325,16 +324,20 @@ def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, co
     if spec is None:
         return None, None
     comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
-    stash = None
+    group_ranges = _group_ranges(spec, units, rank_layout)
+    scaler = make_loss_scaler(config)
+    stash = NO_STASH
     if opt_store.stash_gradients:
-        stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count})
-        stash.hold_budget = headroom
+        stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count},
+                          hold_budget=headroom, norm_ranges=stash_norm_ranges(rank_layout, group_ranges),
+                          want_norms=config.gradient_clipping > 0 or scaler.dynamic,
+                          defer_errors=comm.world_size > 1)  # see BackwardPass.raise_if_failed_anywhere
     reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
                           predivide=config.gradient_predivide_factor, stash=stash)
     optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
                               hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
-                              group_ranges=_group_ranges(spec, units, rank_layout),
-                              clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=spec.adam,
+                              group_ranges=group_ranges,
+                              clip=config.gradient_clipping, scaler=scaler, adam=spec.adam,
                               torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
     return reducer, optimizer
 

@@ -64,7 +64,6 @@ from ..engine.entry import initialize
 from ..partitioning.hf_hook import check_transformers_version
 from .hf_trainer_config import read_config, resolve_for_trainer
 from ..engine.lr_schedules import build_scheduler
-from ..engine.train_batch import window_losses
 from ..runtime.timers import log_rank0
 
 
@@ -251,7 +250,7 @@ class ZeroTrainer(Trainer):
                 self._caught.catching = False
             return self._caught.loss
 
-        window_losses(self.zero_engine, list(range(len(window.batches))), loss_of, scale_wrt_gas=False)
+        self.zero_engine.train_batch_losses(list(range(len(window.batches))), loss_of, scale_wrt_gas=False)
         return [returned[i] for i in range(len(window.batches))]
 
     # -- the loop's backward and gradient norm -----------------------------------------------------

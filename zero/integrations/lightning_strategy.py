@@ -71,7 +71,6 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from nvmeio.hints import did_you_mean
 
 from ..engine.entry import initialize
-from ..engine.train_batch import window_losses
 from ..partitioning.init_context import Init
 from ..runtime.timers import log_rank0
 from .lightning_windows import Window, WindowLoader
@@ -368,7 +367,7 @@ class ZeroStrategy(DDPStrategy):
                 self.engine.step()
                 losses.append(loss.detach())
         else:
-            losses = window_losses(self.engine, list(range(k)),
+            losses = self.engine.train_batch_losses(list(range(k)),
                                    lambda i: _loss_in(module.training_step(*step_args(i), **kwargs)))
         self._window_trained = True
         return torch.stack([loss.reshape(()).float() for loss in losses]).mean()

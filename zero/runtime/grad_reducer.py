@@ -29,14 +29,14 @@ not supported (DDP has the same rule without ``find_unused_parameters``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
 from nvmeio.host_sum import sum_series
 
 from .comm import Comm
-from .grad_stash import GradStash
+from .grad_stash import NO_STASH, GradStash, NoStash
 from ..stores.layouts import RankLayout
 from .unit import ParamUnit
 
@@ -50,14 +50,17 @@ def _sum_in_torch(dst: torch.Tensor, grads: List[torch.Tensor], first: Optional[
 
 class GradReducer:
     """Accumulates gradients into ``grads``, the flat fp32 partition of the rank, or, when
-    ``grads`` is None, into the sub-group buffers of ``stash``."""
+    ``grads`` is None, into the sub-group buffers of ``stash`` (a :class:`GradStash`; with the
+    partition in memory a :class:`NoStash`)."""
 
     def __init__(self, rank_layout: RankLayout, grads: Optional[torch.Tensor], comm: Comm, device: torch.device,
                  dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True, predivide: float = 1.0,
-                 stash: Optional[GradStash] = None):
+                 stash: Union[GradStash, NoStash] = NO_STASH):
         self.rank_layout = rank_layout
         self.stash = stash
-        self.hold = hold and comm.world_size == 1 and stash is None
+        if (grads is None) != self.stash.on_nvme:
+            raise ValueError("a GradReducer takes the partition in memory (grads) or a GradStash, one of them")
+        self.hold = hold and comm.world_size == 1 and not self.stash.on_nvme
         self._held: Dict[int, torch.Tensor] = {}  # rank-space start of a parameter -> its gradient
         self.grads = grads
         self.comm = comm
@@ -78,7 +81,7 @@ class GradReducer:
     # -- during backward -----------------------------------------------------------------------
     def _target(self, unit_index: int) -> torch.Tensor:
         """Where the gradient of one unit's shard accumulates."""
-        if self.stash is not None:
+        if self.stash.on_nvme:
             return self.stash.unit_view(unit_index)
         start, stop = self.rank_layout.unit_range(unit_index)
         return self.grads[start:stop]
@@ -137,7 +140,7 @@ class GradReducer:
         """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks);
         with a stash, write its sub-group out when this was the sub-group's last unit."""
         self.reduce(unit)
-        if self.stash is not None:
+        if self.stash.on_nvme:
             sg = self.stash.unit_done(unit.layout.index)
             if sg is not None:
                 for u in sg.units:
@@ -181,7 +184,7 @@ class GradReducer:
 
     def norm(self, start: int, stop: int) -> torch.Tensor:
         """The norm of one parameter piece's gradient (taken on the way to NVMe with a stash)."""
-        if self.stash is not None:
+        if self.stash.on_nvme:
             return self.stash.norm(start, stop)
         return torch.linalg.vector_norm(self.grad(start, stop))
 
@@ -195,7 +198,7 @@ class GradReducer:
     def zero_stale(self) -> None:
         """Zero the slices that got no gradient since the last step (unused or frozen parameters);
         a stash zeroes them as each sub-group is written."""
-        if self.stash is not None:
+        if self.stash.on_nvme:
             return
         for u in self.rank_layout.units:
             base = self.rank_layout.offsets[u.index]
@@ -213,14 +216,12 @@ class GradReducer:
     def abandon(self) -> None:
         """A backward raised half way: drop the window's gradients (partial sums included)."""
         self._buffers.clear()
-        if self.stash is not None:
-            self.stash.abandon()
+        self.stash.abandon()
         self.clear(consumed=False)
 
     def clear(self, consumed: bool = True) -> None:
         """The step consumed the gradients (or skipped them): the next ones are copied, not added."""
-        if self.stash is not None:
-            self.stash.clear(consumed)
+        self.stash.clear(consumed)
         self._held.clear()
         for flags in self._fresh:
             for i in range(len(flags)):

@@ -240,8 +240,7 @@ class Coordinator:
     def release_all(self) -> None:
         """Release every non-persistent unit (after a step, every unit whose shard changed)."""
         for u in self.units:
-            u.fwd_refs = 0
-            u.in_backward = False
+            u.drop_holds()
             if not u.free:
                 u.release()
         self.live.numel = 0
@@ -311,8 +310,7 @@ class Coordinator:
         units = list(self.module_units.get(module, ()))
         units += sorted(self.externals.get(module, ()), key=lambda u: u.index)
         for u in units:
-            if u.grad_count and not u.reduced:
-                u.in_backward = True
+            u.begin_backward()
             self.fetch(u, by=module)
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
@@ -322,16 +320,14 @@ class Coordinator:
         with self.timers.phase("grad reduce"):
             self.reducer.add(u, slot, p.grad)
             p.grad = None
-            u.grads_left -= 1
-            if u.grads_left == 0:
+            if u.grad_arrived():
                 self._finish_unit(u)
 
     def window_grad(self, p: nn.Parameter, i: int, grad: torch.Tensor) -> None:
         """Micro-batch ``i``'s gradient of ``p`` (window.py): kept until the unit has all k."""
         u = self.slot_of[p][0]
         self.window.take(p, i, grad)
-        u.grads_left -= 1
-        if u.grads_left == 0:
+        if u.grad_arrived():
             self._finish_window_unit(u)
 
     def _finish_window_unit(self, u: ParamUnit) -> None:
@@ -357,9 +353,36 @@ class Coordinator:
 
     def _finish_unit(self, u: ParamUnit) -> None:
         self.reducer.finish(u)
-        u.reduced = True
-        u.in_backward = False
+        u.mark_reduced()
         self.maybe_release(u)
+
+    # -- accumulation windows (engine/train_batch.py) ----------------------------------------------
+    def begin_window(self, window: MicroBatchWindow) -> None:
+        """The next forwards and backward are ``window``'s k micro-batches, unit-major."""
+        for u in self.units:
+            u.expect_grads(window.k)
+        self.window = window
+
+    def end_window(self, failed: bool) -> MicroBatchWindow:
+        """The window is over: its aliases go; after a failure also every hold, gradient count and
+        gathered unit. Returns it (its own bookkeeping is the caller's to forget)."""
+        window, self.window = self.window, None
+        for u in self.units:
+            u.forget_aliases()
+            if failed:
+                u.expect_grads()
+                u.drop_holds()
+        if failed:
+            self.stack.clear()
+            self.release_all()
+        return window
+
+    def abandon_forward(self, release: bool) -> None:
+        """A forward raised: its frames go; ``release``: every unit too (one may hold zeros for a
+        read that failed on this rank)."""
+        self.stack.clear()
+        if release:
+            self.release_all()
 
     def abandon_backward(self) -> None:
         """A backward raised half way: autograd drops the queued :meth:`end_backward`, so reset
@@ -368,8 +391,7 @@ class Coordinator:
         self.stack.clear()
         self._callback_queued = False
         for u in self.units:
-            u.reduced = False
-            u.grads_left = u.grad_count
+            u.end_backward()
             for p in u.params:
                 p.grad = None
         self.release_all()
@@ -380,12 +402,10 @@ class Coordinator:
         self._callback_queued = False
         with self.timers.phase("grad reduce"):
             for u in self.units:  # in unit order on every rank (see grads.py)
-                if u.grad_count and not u.reduced and self.window is not None:
+                if u.unreduced and self.window is not None:
                     self._finish_window_unit(u)
-                elif u.grad_count and not u.reduced:
+                elif u.unreduced:
                     self._finish_unit(u)
         for u in self.units:
-            u.reduced = False
-            u.grads_left = u.grad_count
-            u.in_backward = False
+            u.end_backward()
             self.maybe_release(u)

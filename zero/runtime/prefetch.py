@@ -158,8 +158,8 @@ class Prefetcher:
         self.ahead = set()
         self.store.drop_prefetched(keep=ahead)
         for u in self.units:
-            if u.state is ParamState.INFLIGHT and u.index not in ahead:  # prefetched, never used
-                u.state = ParamState.NOT_AVAILABLE
+            if u.index not in ahead:  # prefetched, never used
+                u.drop_prefetch()
         self.live.numel = sum(u.layout.numel for u in self.units if not u.persistent and (
             u.state is ParamState.AVAILABLE or u.index in ahead))
 
@@ -221,6 +221,6 @@ class Prefetcher:
         for nxt in wanted[:started]:
             if nxt.index in wraps:
                 self.ahead.add(nxt.index)
-            nxt.state = ParamState.INFLIGHT
+            nxt.mark_prefetched()
             if not nxt.persistent:
                 self.live.count(nxt.layout.numel)
