@@ -7,6 +7,22 @@ model's values one unit at a time, releasing each unit's full parameters as
 soon as its shard is stored, so the model is never held twice; then the
 gradient reducer, the optimizer and the hooks.
 
+[Note: the ZeRO ladder]
+Stages 0, 1 and 2 are stage 3 with every unit persistent: each rank keeps every
+parameter whole (gathered once after each step or load, never released, so a
+forward and backward run at plain PyTorch speed with no gather), while the fp32
+master and optimizer states stay partitioned over the ranks (host or NVMe with
+``offload_optimizer``: ZeRO-Offload) and each unit's gradients are reduced into
+their owners' partitions as backward completes the unit, never a whole-model
+gradient per rank. That is DeepSpeed's stage 2 for stages 1 and 2 alike (stage
+1's whole gradients before a reduce-scatter would only cost memory: the values
+are the same), and for stage 0 too: a data-parallel step reduce-scatters the
+gradients and all-gathers the updated parameters, the same bytes on the wire as
+DDP's all-reduce, and every rank's parameters equal DDP's. What differs from
+DeepSpeed's stage 0 is memory: the optimizer states are partitioned, not
+replicated. One layout for every stage also makes checkpoints move between
+stages and rank counts as they are (checkpoint/load.py reshards).
+
 [Note: a failed build gives back what it took]
 Each step that takes something (a job id, a store with its swap directory,
 files, handles and locked pool, the parameters' link to their units, the
@@ -307,11 +323,12 @@ def _fill_stores(units, param_store, opt_store, comm, dtype, release) -> None:
 
 
 def _choose_persistent(units, zc) -> None:
-    """Units gathered for good: free ones, and small ones within the persistence thresholds."""
+    """Units gathered for good: free ones, every one below stage 3 (see the [Note: the ZeRO
+    ladder]), and in stage 3 small ones within the persistence thresholds."""
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
         u.free = u.free_gather()
-        if u.free:
+        if u.free or zc.stage < 3:
             u.persistent = True
         elif u.layout.numel <= threshold and u.layout.numel <= budget:
             u.persistent = True
@@ -344,14 +361,13 @@ def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, co
 
 def _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release) -> Coordinator:
     coordinator = Coordinator(module, units, module_units, reducer, param_store,
-                              zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear,
+                              zc.stage3_prefetch_bucket_size if zc.stage == 3 else 0, timers,
+                              zc.memory_efficient_linear and zc.stage == 3, whole=zc.stage < 3,
                               max_live_numel=zc.stage3_max_live_parameters,
                               max_reuse_distance=zc.stage3_max_reuse_distance)
     release.callback(coordinator.remove)  # before install(): undoes a part-done one too
     coordinator.install()
-    for u in units:
-        if u.free:
-            u.gather()
+    coordinator.gather_persistent()
     return coordinator
 
 

@@ -1,4 +1,4 @@
-"""ZeroEngine: forward, backward and step of a ZeRO stage 3 model.
+"""ZeroEngine: forward, backward and step of a ZeRO model (stages 0-3, build.py's [Note: the ZeRO ladder]).
 
 ``engine(*inputs)`` runs the module (tensors in the inputs are moved to the
 compute device; with ``fp16.auto_cast`` floating inputs are cast to fp16);
@@ -93,7 +93,7 @@ class ZeroEngine(nn.Module):
         return self.comm.local_rank
 
     def zero_optimization_stage(self) -> int:
-        return 3
+        return self.config.zero_optimization.stage
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -243,7 +243,7 @@ class ZeroEngine(nn.Module):
                 error.add_note(self._step_failure)
             raise
         if stepped:
-            self.parts.coordinator.release_all()
+            self.parts.coordinator.refresh()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -302,7 +302,7 @@ class ZeroEngine(nn.Module):
     def finish_load(self) -> None:
         """After a load wrote every sub-group: parameters flushed, none gathered, no gradients."""
         self.parts.param_store.flush()
-        self.parts.coordinator.release_all()
+        self.parts.coordinator.refresh()
         if self.parts.reducer is not None:
             self.parts.reducer.clear()
 

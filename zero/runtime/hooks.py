@@ -117,8 +117,9 @@ class Coordinator:
     def __init__(self, root: nn.Module, units: List[ParamUnit], module_units: Dict[nn.Module, List[int]],
                  reducer: Optional[GradReducer], store: ParamStore, prefetch_numel: int, timers: Timers,
                  memory_efficient_linear: bool = True, max_live_numel: int = 10**9,
-                 max_reuse_distance: int = 10**9):
+                 max_reuse_distance: int = 10**9, whole: bool = False):
         self.root = root
+        self.whole = whole  # stages 0-2: every unit persistent, gathered again right after a step
         self.units = units
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
         self.reducer = reducer
@@ -245,6 +246,20 @@ class Coordinator:
                 u.release()
         self.live.numel = 0
         self.live.kept.clear()
+
+    def gather_persistent(self) -> None:
+        """Gather the units that stay gathered: the free ones, and below stage 3 every unit (after
+        a step or a load, so that no forward waits for an all-gather)."""
+        for u in self.units:
+            if u.free or (self.whole and u.persistent):
+                u.gather()
+
+    def refresh(self) -> None:
+        """The shards changed (a step, a load): release what views the old values, and below stage 3
+        gather every unit again at once."""
+        self.release_all()
+        if self.whole:
+            self.gather_persistent()
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
