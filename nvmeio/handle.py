@@ -35,7 +35,7 @@ from .settings import AioSettings
 
 __all__ = ["aio_handle"]
 
-PathLike = "str | os.PathLike[str] | int"
+PathLike = "str | bytes | os.PathLike | int"
 _DEFAULTS = AioSettings()
 _VALIDATE_PIECE = 64 << 20  # bytes compared per step by validate=True
 _MAX_OFFSET = (1 << 63) - 1     # off_t
@@ -163,7 +163,10 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 path, buffered = None, False
             else:
                 path = target
-                buffered = self._native.submit(write, io.ptr, io.nbytes, path, file_offset)
+                # Bytes: a name that is not UTF-8 passes as it is (see [Note: paths cross
+                # the binding as bytes] in native/bindings.cpp).
+                buffered = self._native.submit(write, io.ptr, io.nbytes, os.fsencode(path),
+                                               file_offset)
         except BaseException:
             with self._lock:
                 self._inflight.remove(io)
