@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from . import _native, atomic_file
 from .backend_choice import resolve_backend
-from .buffers import DeviceBuffer, IoBuffer, as_io_buffer
+from .buffers import DeviceBuffer, IoBuffer, as_io_buffer, mark_read_into
 from .cuda_staging import StagingConfig, StagingEngine
 from .env import env_flag
 from .errors import make_error
@@ -153,6 +153,8 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                              f"the largest file offset ({_MAX_OFFSET})")
         if isinstance(io, DeviceBuffer):
             self._submit_device(write, io, target, file_offset, validate)
+            if not write:
+                mark_read_into(io)
             return
         with self._lock:
             self._inflight.append(io)
@@ -171,6 +173,8 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
             with self._lock:
                 self._inflight.remove(io)
             raise
+        if not write:
+            mark_read_into(io)  # at submission: see there
         if validate:
             with self._lock:
                 self._checks.append(lambda: _validate(io, path, file_offset))
