@@ -16,7 +16,7 @@ from typing import Any
 from . import _native
 from .cuda import cuda_unavailable_reason
 
-__all__ = ["IoBuffer", "DeviceBuffer", "as_io_buffer"]
+__all__ = ["IoBuffer", "DeviceBuffer", "as_io_buffer", "mark_read_into"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class DeviceBuffer:
 def _from_tensor(torch, t, writable: bool) -> "IoBuffer | DeviceBuffer":
     if t.layout != torch.strided:
         raise TypeError(f"nvmeio needs a dense (strided) tensor, got layout {t.layout}")
+    if writable:
+        _check_autograd_target(torch, t)
     t = _resolve_lazy_views(t, writable)
     if t.device.type != "cpu":
         if t.device.type == "cuda":
@@ -68,6 +70,55 @@ def _resolve_lazy_views(t, writable: bool):
                          "so it cannot be the target of a read: read into a plain tensor, or call "
                          ".resolve_conj() / .resolve_neg() first")
     return t.resolve_conj().resolve_neg()
+
+
+def _check_autograd_target(torch, t) -> None:
+    """[Note: reads into tensors autograd knows]
+    A read changes a tensor in place behind autograd's back, so it is held to
+    what torch holds its own in-place ops (``t.copy_(src)``) to:
+
+    - While grad mode is on, a tensor that requires grad is refused before any
+      I/O. torch refuses a leaf that requires grad and a view of one; it lets
+      ``copy_`` into another tensor that requires grad rewrite its history, which
+      a read cannot do (the tensor would keep a grad_fn for values it no longer
+      holds: a wrong gradient, silently). Under ``torch.no_grad()`` (loading
+      weights into parameters) these are read into, as ``copy_`` writes them.
+    - Every tensor read into gets its version counter bumped, as every in-place
+      op does, so a backward that needs what the tensor held before (it was
+      saved for backward) raises torch's "modified by an inplace operation"
+      instead of using the new bytes. See :func:`mark_read_into` for when.
+    """
+    if not (t.requires_grad and torch.is_grad_enabled()):
+        return
+    base = t._base if t._is_view() else None
+    if t.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
+        what = "a leaf tensor that requires grad" if t.is_leaf else \
+            "a view of a leaf tensor that requires grad"
+        raise ValueError(
+            f"buffer is {what}, so it cannot be the target of a read (torch refuses in-place "
+            "ops on it too: its gradient would be wrong): read under torch.no_grad(), or into "
+            "a tensor that does not require grad")
+    raise ValueError(
+        "buffer requires grad (it was computed from tensors that do), so it cannot be the "
+        "target of a read: autograd cannot record a read, and backward would differentiate "
+        "the values the tensor held before it. Read into a tensor that does not require "
+        "grad (t.detach() shares its memory), or under torch.no_grad()")
+
+
+def mark_read_into(io: IoBuffer | DeviceBuffer) -> None:
+    """Tells autograd that a read is changing the tensor behind ``io`` (see [Note: reads
+    into tensors autograd knows]): bumps its version counter, as an in-place op does.
+
+    Called once the read is submitted, not when ``wait()`` sees it land: from
+    submission on the bytes are the handle's, and a backward that runs before
+    ``wait()`` would otherwise use half-read bytes without a word. A tensor saved
+    for backward after submission is a data race already (documented in
+    nvmeio.handle). A read that fails still changed the tensor (in part), so
+    the bump stands."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(io.keepalive, torch.Tensor):
+        # No-op for an inference tensor (it has no version counter).
+        torch.autograd.graph.increment_version(io.keepalive)
 
 
 def _check_contiguous(t) -> None:

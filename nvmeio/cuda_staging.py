@@ -54,6 +54,7 @@ while it waits for a copy instead of spinning on a core the I/O needs.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -308,7 +309,7 @@ class StagingEngine:
             if isinstance(target, int):
                 native.submit_fd(write, ptr, c.nbytes, target, c.file_offset)
             else:
-                native.submit(write, ptr, c.nbytes, target, c.file_offset)
+                native.submit(write, ptr, c.nbytes, os.fsencode(target), c.file_offset)
             native.wait()
 
         return op

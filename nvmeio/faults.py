@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import os
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Iterator, Optional, Union
@@ -104,7 +105,7 @@ class FaultPlan:
             engine_failure_nth=self.engine_failure_nth,
             engine_failure_errno=_errno_value("engine_failure_errno", self.engine_failure_errno),
             engine_create_failures=self.engine_create_failures,
-            path_contains=self.path_contains, direction=_OPS[self.op])
+            path_contains=os.fsencode(self.path_contains), direction=_OPS[self.op])
 
 
 def _errno_value(name: str, value: Union[int, str]) -> int:

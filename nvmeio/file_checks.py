@@ -29,7 +29,7 @@ def whole_file_size(path: str, nbytes: int) -> int:
     what has no size to check is a ValueError saying so: a character device, and a file
     of /proc, /sys or another pseudo file system (it reports 0 whatever it holds)."""
     st = os.stat(path)
-    _native.refuse_without_offsets(st.st_mode, path, 0, nbytes, "open for reading")
+    _native.refuse_without_offsets(st.st_mode, os.fsencode(path), 0, nbytes, "open for reading")
     if stat.S_ISBLK(st.st_mode):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -92,7 +92,7 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
             st = os.fstat(target)
         except OSError as e:
             fail(e.errno, f"fstat failed: {e.strerror}")
-        _native.refuse_without_offsets(st.st_mode, where, file_offset, nbytes,
+        _native.refuse_without_offsets(st.st_mode, os.fsencode(where), file_offset, nbytes,
                                        "writing" if write else "reading")
     elif write:
         try:
@@ -102,7 +102,7 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
                 st = os.stat(target)
             except OSError as e:
                 fail(e.errno, f"open for writing failed: {e.strerror}")
-            _native.refuse_without_offsets(st.st_mode, where, file_offset, nbytes,
+            _native.refuse_without_offsets(st.st_mode, os.fsencode(where), file_offset, nbytes,
                                            "open for writing")
             if stat.S_ISDIR(st.st_mode):
                 fail(errno.EISDIR, "open for writing failed: Is a directory")
@@ -123,7 +123,7 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
             st = os.stat(target)
         except OSError as e:
             fail(e.errno, f"open for reading failed: {e.strerror}")
-        _native.refuse_without_offsets(st.st_mode, where, file_offset, nbytes, "open for reading")
+        _native.refuse_without_offsets(st.st_mode, os.fsencode(where), file_offset, nbytes, "open for reading")
     if stat.S_ISDIR(st.st_mode):
         fail(errno.EISDIR, f"open for {'writing' if write else 'reading'} failed: Is a directory")
     if (not write and stat.S_ISREG(st.st_mode) and nbytes and file_offset + nbytes > st.st_size
@@ -136,7 +136,7 @@ def prepare_target(write: bool, target: "str | int", file_offset: int,
 def _reports_no_size(st: os.stat_result, target: "str | int") -> bool:
     """A file of /proc, /sys and the like: its reported size is 0 whatever it holds."""
     return st.st_size == 0 and _native.in_pseudo_file_system(
-        f"/proc/self/fd/{target}" if isinstance(target, int) else target)
+        os.fsencode(f"/proc/self/fd/{target}" if isinstance(target, int) else target))
 
 
 def _nothing() -> None:

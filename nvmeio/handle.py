@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from . import _native, atomic_file
 from .backend_choice import resolve_backend
-from .buffers import DeviceBuffer, IoBuffer, as_io_buffer
+from .buffers import DeviceBuffer, IoBuffer, as_io_buffer, mark_read_into
 from .cuda_staging import StagingConfig, StagingEngine
 from .env import env_flag
 from .errors import make_error
@@ -35,7 +35,7 @@ from .settings import AioSettings
 
 __all__ = ["aio_handle"]
 
-PathLike = "str | os.PathLike[str] | int"
+PathLike = "str | bytes | os.PathLike | int"
 _DEFAULTS = AioSettings()
 _VALIDATE_PIECE = 64 << 20  # bytes compared per step by validate=True
 _MAX_OFFSET = (1 << 63) - 1     # off_t
@@ -153,6 +153,8 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                              f"the largest file offset ({_MAX_OFFSET})")
         if isinstance(io, DeviceBuffer):
             self._submit_device(write, io, target, file_offset, validate)
+            if not write:
+                mark_read_into(io)
             return
         with self._lock:
             self._inflight.append(io)
@@ -163,11 +165,16 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
                 path, buffered = None, False
             else:
                 path = target
-                buffered = self._native.submit(write, io.ptr, io.nbytes, path, file_offset)
+                # Bytes: a name that is not UTF-8 passes as it is (see [Note: paths cross
+                # the binding as bytes] in native/bindings.cpp).
+                buffered = self._native.submit(write, io.ptr, io.nbytes, os.fsencode(path),
+                                               file_offset)
         except BaseException:
             with self._lock:
                 self._inflight.remove(io)
             raise
+        if not write:
+            mark_read_into(io)  # at submission: see there
         if validate:
             with self._lock:
                 self._checks.append(lambda: _validate(io, path, file_offset))

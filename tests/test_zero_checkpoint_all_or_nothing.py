@@ -58,7 +58,7 @@ def test_resave_exchanges_the_directories_and_a_crash_before_cleanup_loses_nothi
     monkeypatch.undo()
     # `t` is the new complete copy already; the old one sits under the partial name.
     assert (ckpt / "latest").read_text() == "t"
-    assert any(e.startswith(".t.partial-") for e in os.listdir(ckpt))
+    assert any(e.startswith(".partial-") for e in os.listdir(ckpt))
     engine.load_checkpoint(ckpt)
     assert same(weights(model), second)
     engine.save_checkpoint(ckpt, tag="u")  # removes the leftover

@@ -48,6 +48,7 @@ META = "zero_meta.json"
 BUFFERS = "buffers.pt"
 LATEST = "latest"
 OLD_COPY = ".old-"  # in ".<tag>.old-<random>": a complete copy moved aside during a re-save
+NAME_MAX = 255  # bytes in one file name (Linux's NAME_MAX): a tag is a directory's name
 _LATEST_MAX_BYTES = 4096
 
 
@@ -70,7 +71,8 @@ def check_tag(tag, source: str = "checkpoint tag") -> str:
     path separator, not ``.``/``..`` nor any name starting with ``.`` (the
     partial and moved-aside directories), not ``latest``, no whitespace at
     either end and no control character (a newline would make ``latest``
-    unreadable).
+    unreadable), UTF-8 text (what ``latest`` holds) and at most ``NAME_MAX``
+    (255) bytes, the longest file name.
     """
     if isinstance(tag, bool) or not isinstance(tag, (str, int)):
         raise CheckpointTagError(f"{source} must be a string, got {type(tag).__name__} {tag!r}")
@@ -87,6 +89,11 @@ def check_tag(tag, source: str = "checkpoint tag") -> str:
         why = "holds a control character (a newline?)"
     elif text == LATEST:
         why = f"is {LATEST!r}, the name of the file that points at the newest tag"
+    elif not _is_utf8(text):
+        why = f"is not UTF-8 text ({LATEST!r} holds the tag as UTF-8)"
+    elif len(os.fsencode(text)) > NAME_MAX:
+        why = (f"is {len(os.fsencode(text))} bytes long, over the {NAME_MAX}-byte limit of a "
+               "file name")
     else:
         return text
     shown = repr(text if len(text) <= 200 else text[:200] + "...")
@@ -94,6 +101,12 @@ def check_tag(tag, source: str = "checkpoint tag") -> str:
                              f"checkpoint directory (e.g. 'global_step100')")
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def rank_dir(checkpoint: str, rank: int) -> str:

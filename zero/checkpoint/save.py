@@ -112,7 +112,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dic
                                   f"directory")
         os.makedirs(save_dir, mode=dir_mode, exist_ok=True)
         remove_leftovers(save_dir)
-        name = os.path.basename(tempfile.mkdtemp(prefix=f".{tag}{PARTIAL}", dir=save_dir))
+        # A fixed-length name, not ".<tag>.partial-...": any tag a directory can be named (255 bytes) saves.
+        name = os.path.basename(tempfile.mkdtemp(prefix=PARTIAL, dir=save_dir))
         os.chmod(os.path.join(save_dir, name), dir_mode)
     partial = os.path.join(save_dir, comm.broadcast_object(name, 0))
     comm.barrier()
