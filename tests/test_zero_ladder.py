@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zero
-from zero.examples import GPT, GPTConfig, make_batches, train_reference
+from zero.examples import GPT, GPTConfig, make_batches, train_reference, train_reference_mixed
 from helpers import base_config, run_ranks, train_engine
 
 CFG = GPTConfig()
@@ -81,6 +81,30 @@ def test_one_rank_equals_plain_pytorch(tmp_path, stage, offload_optimizer, accum
     assert expected[-1] < expected[0] - 0.3  # it learned: the comparison is not vacuous
     for name, p in reference.named_parameters():
         assert torch.equal(final[name], p.detach()), name
+
+
+@pytest.mark.parametrize("stage,offload_optimizer", [(0, "none"), (1, "nvme"), (2, "cpu"), (3, "cpu")])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16bit_equals_the_mixed_precision_recipe(tmp_path, stage, offload_optimizer, precision):
+    """bf16, and fp16 with a static loss scale, bit-identical to plain PyTorch's recipe: a 16-bit
+    compute copy, an fp32 master stepped by fused AdamW, clipping and unscaling in one coefficient."""
+    dtype, scale = (torch.bfloat16, 1.0) if precision == "bf16" else (torch.float16, 256.0)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = copy.deepcopy(model)
+    batches = make_batches(CFG, STEPS, 4)
+    config = ladder_config(stage, offload_optimizer, tmp_path, clip=1.0)
+    config[precision] = {"enabled": True, **({"loss_scale": scale} if precision == "fp16" else {})}
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    try:
+        losses = train_engine(engine, batches, STEPS)
+        final = weights(model)
+    finally:
+        engine.destroy()
+    expected = train_reference_mixed(reference, batches, STEPS, dtype, lr=1e-2, clip=1.0, loss_scale=scale)
+    assert losses == expected and expected[-1] < expected[0] - 0.3
+    for name, p in reference.named_parameters():
+        assert final[name].dtype == dtype and torch.equal(final[name], p.detach()), name
 
 
 def test_parameters_stay_whole_between_steps_below_stage_3(tmp_path):
