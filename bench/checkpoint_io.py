@@ -40,8 +40,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tools import fio  # noqa: E402
-from tools.results_md import replace_section  # noqa: E402
+from tools import fio
+from tools.results_md import replace_section
 
 GIB = 1 << 30
 

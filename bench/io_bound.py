@@ -69,7 +69,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from tools.proc_status import status_bytes  # noqa: E402
+from tools.proc_status import status_bytes
 SECTION = "## I/O-bound training (bench/io_bound.py)"
 MODEL = dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True)  # 311M
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)

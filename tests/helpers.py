@@ -352,7 +352,7 @@ def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, time
     for name, fn, kwargs in scenarios:
         try:
             results[name] = fn(rank, world_size, os.path.join(out_dir, name), **kwargs)
-        except Exception:  # reported to the test, which fails with the traceback
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
             results[name] = {"error": traceback.format_exc()}
             traceback.print_exc()  # and into the rank's log, for a failure after it
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -196,7 +196,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         state = _load_object(cio, path, checkpoint)
         _check_engine_state(state, path)
         buffers = _load_object(cio, os.path.join(checkpoint, BUFFERS), checkpoint)
-    except Exception as exc:  # every rank must learn that one failed, so that none loads
+    except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
         if comm.any(error is not None, engine.device):

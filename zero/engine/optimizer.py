@@ -324,7 +324,7 @@ class ZeroOptimizer(Optimizer):
                 grads = [self.reducer.grad(a, b) for a, b in ranges]
             if coef is not None:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
-            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]  # noqa: E731
+            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]
             beta1, beta2 = group["betas"]
             kernel(views(master), grads, views(states["exp_avg"]), views(states["exp_avg_sq"]),
                    views(states["max_exp_avg_sq"]) if self.adam.amsgrad else [], [step] * len(ranges),
