@@ -439,7 +439,7 @@ def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str 
 
 def parameter_read_dir(engine) -> str:
     """Where an NVMe engine reads parameter shards from: the optimizer's swap directory when fp32
-    shards live in its master (param_store.py [Note]), else the parameter swap directory."""
+    shards live in its master (zero/stores/param_store.py [Note]), else the parameter swap directory."""
     store = engine.parts.param_store
     return store.master.swap_dir if store.master is not None else store.swap_dir
 

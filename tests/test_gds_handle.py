@@ -300,9 +300,9 @@ print(json.dumps({"compat": h.get_compat_mode(), "io_mode": h.get_io_mode(), "cu
 
 
 def kvikio_compat_mode_expected(cufile_loaded: bool) -> bool:
-    """kvikio's rule (its defaults.cpp and shim/cufile.cpp): KVIKIO_COMPAT_MODE=ON or OFF decides;
-    AUTO, the default, runs POSIX I/O unless libcufile.so.0 loads, /run/udev is readable and this
-    is not WSL."""
+    """kvikio's rule (``defaults::infer_compat_mode_if_auto`` and ``is_cufile_available`` in its C++
+    library): KVIKIO_COMPAT_MODE=ON or OFF decides; AUTO, the default, runs POSIX I/O unless
+    libcufile.so.0 loads, /run/udev is readable and this is not WSL."""
     setting = os.environ.get("KVIKIO_COMPAT_MODE", "AUTO").strip().lower()
     if setting in ("on", "true", "yes", "1"):
         return True

@@ -1,4 +1,4 @@
-"""tools/ (repository tooling, not installed): the RESULTS.md section writer, the README's
+"""tools/ (repository tooling, not installed): the bench/RESULTS.md section writer, the README's
 commands that CI runs, and fio's job lines."""
 
 import os

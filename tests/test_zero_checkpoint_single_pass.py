@@ -1,4 +1,4 @@
-"""A load with swap checksums on reads each shard byte once (checkpoint/load.py [Note: verified
+"""A load with swap checksums on reads each shard byte once (zero/checkpoint/load.py [Note: verified
 while loading]): hashed as it streams into a staging swap file, published only when every
 shard matched; a damaged shard found on the way leaves weights, optimizer states and counters
 as they were, and no staging file behind."""

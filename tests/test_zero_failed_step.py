@@ -21,7 +21,7 @@ BATCHES = make_batches(CFG, 4, 4)
 
 # Engines step after backward unless a test asks for STEP_IN_BACKWARD (then a failure hits backward
 # instead). Parameters have swap files of their own with bf16 only (fp32 shards live in the
-# optimizer's master, param_store.py [Note]): the tests of parameter writes use bf16.
+# optimizer's master, zero/stores/param_store.py [Note]): the tests of parameter writes use bf16.
 STEP_AFTER_BACKWARD = {"zero_optimization": {"offload_optimizer": {"step_in_backward": False}}}
 STEP_IN_BACKWARD = {"zero_optimization": {"offload_optimizer": {"step_in_backward": True}}}
 
@@ -121,7 +121,7 @@ def test_after_a_failed_step_the_last_checkpoint_can_be_loaded(tmp_path, referen
 
 # -- a backward that fails: its window's gradients are dropped, a reload resumes exactly -----------------
 # Clipping keeps the step out of backward, and a hold budget of 0 sends every completed gradient
-# to NVMe (grad_stash.py), so that the faults below land on gradient writes.
+# to NVMe (zero/runtime/grad_stash.py), so that the faults below land on gradient writes.
 
 def clipped_engine(nvme, accumulation):
     engine = make_engine(nvme, lr=1e-2, clip=0.5, accumulation=accumulation, micro=4 // accumulation,

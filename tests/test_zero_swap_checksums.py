@@ -36,7 +36,7 @@ def exp_avg_offset(engine, sub_group):
 
 
 # params: a bf16 parameter's own swap file. master: the fp32 master region of an optimizer swap
-# file, which the forward reads the parameter shards from (param_store.py [Note]). optimizer: the
+# file, which the forward reads the parameter shards from (zero/stores/param_store.py [Note]). optimizer: the
 # Adam states of that file, which only the optimizer's swap-in reads.
 @pytest.mark.parametrize("how", ["zeros", "random", "nans"])
 @pytest.mark.parametrize("target", ["params", "master", "optimizer"])

@@ -139,7 +139,7 @@ def _load_object(cio: CheckpointIO, path: str, checkpoint: str):
 def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReader, own_shards: bool,
                   keys, load_states: bool, staged: dict) -> None:
     """Every shard file, key and element range the load will read is there, and its bytes
-    match the checksums it carries (see checkpoint_io.py [Note: checksums travel with the
+    match the checksums it carries (see shard_io.py [Note: checksums travel with the
     state])."""
     comm, layout = engine.comm, engine.rank_layout
     paths = []

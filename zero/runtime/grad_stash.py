@@ -70,7 +70,7 @@ class GradStash:
         self.norms: Dict[Range, torch.Tensor] = {}
         self.peak_open_numel = 0  # most gradient elements in open buffers at once (memory tests)
         # fn(sub_group, gradient): steps a completed sub-group instead of writing its gradient
-        # (the optimizer sets it for the backward that ends a window; see zero/optimizer.py).
+        # (the optimizer sets it for the backward that ends a window; see engine/optimizer.py).
         self.on_complete: Optional[Callable[[SubGroup, torch.Tensor], None]] = None
         # Several ranks: an error of this rank's gradient I/O or in-backward step is kept, not
         # raised, so that the rank goes on reducing with the others (raised, it would leave them

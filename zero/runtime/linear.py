@@ -54,7 +54,8 @@ def _hooks_may_keep_data() -> bool:
     return hooks is not None and not getattr(hooks[0], KEEPS_LEAVES, False)
 
 
-def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's name: callers may pass input=
+def _forward(self: nn.Linear,
+             input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's name: callers may pass input=
     if not torch.is_grad_enabled():
         return F.linear(input, self.weight, self.bias)
     keeps_data = input.dim() < 2 or not input.is_contiguous()  # F.linear keeps a view of weight's data

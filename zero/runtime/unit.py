@@ -1,6 +1,6 @@
 """ParamUnit: the parameters one module owns, gathered and released together.
 
-See partition.py for the layout and param_state.py for the states. A unit
+See stores/layouts.py for the layout and param_state.py for the states. A unit
 moves between ``NOT_AVAILABLE`` and ``AVAILABLE`` by :meth:`ParamUnit.gather`
 (fetch the shard from its store, all-gather across ranks, point every
 parameter's ``.data`` at its part of the flat buffer) and
