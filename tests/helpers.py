@@ -1,5 +1,5 @@
-"""Test helpers: the engine training loop, test configs, several ranks in one test,
-and byte-level helpers for the I/O tests.
+"""Test helpers: engines built for a test and their weights, the engine training loop, test
+configs, several ranks in one test, and byte-level helpers for the I/O tests.
 
 Tests import this module directly (``from helpers import ...``): pytest puts the
 tests folder on ``sys.path`` (rootdir-relative, no package).
