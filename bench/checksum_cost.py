@@ -34,8 +34,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
-from tools.results_md import replace_section  # noqa: E402
-from train_step import BATCH, ds_config, load_average  # noqa: E402
+from tools.results_md import replace_section
+from train_step import BATCH, ds_config, load_average
 
 MODEL = dict(vocab=4096, d_model=256, heads=4, layers=4, seq=128, tie=False)  # ~4M parameters
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         return 0
 
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    load_start, t0 = load_average(), time.time()
+    load_start = load_average()
     speeds = digest_speeds()
     print("digest GB/s:", {k: round(v, 1) for k, v in speeds.items()}, flush=True)
     root = args.nvme_path or tempfile.mkdtemp(prefix="checksum_cost-")
@@ -180,8 +180,6 @@ def main(argv=None) -> int:
                           "digest_mb": statistics.median(x["digest_mb"] for x in ok),
                           "round_medians_ms": [round(x["median_ms"], 1) for x in ok],
                           "nvme_bytes": ok[0]["nvme_bytes"]} if ok else {"error": rs[-1].get("error", "")})
-    base = summary["none"].get("median_ms")
-    base_cpu = summary["none"].get("cpu_ms")
     fastest = summary["none"].get("min_ms")
     lines = ["| checksum | digest GB/s (256 MiB) | hashed per step MB | hashing per step ms | / fastest "
              "unchecked step | fastest step ms | median step ms (wall) | step CPU ms | round medians ms |",

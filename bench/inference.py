@@ -41,7 +41,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from tools.proc_status import status_bytes  # noqa: E402
+from tools.proc_status import status_bytes
 SECTION = "## ZeRO-Inference beyond memory (bench/inference.py)"
 MODELS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,

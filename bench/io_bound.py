@@ -1,11 +1,12 @@
 """The GPU regime measured on a CPU: training iterations whose compute is nearly nothing, against fio.
 
-    cd /tmp && flock /tmp/bench.lock python /work/wt-bench/bench/io_bound.py \\
-        --out /work/wt-bench/bench/out/io_bound.json --results-md /work/wt-bench/bench/RESULTS.md
-    cd /tmp && python /work/wt-bench/bench/io_bound.py --quick --contenders ours      # smoke test, ~2 min
-    cd /tmp && python /work/wt-bench/bench/io_bound.py --render OUT.json --results-md RESULTS.md
+    cd /tmp && flock /tmp/bench.lock python $REPO/bench/io_bound.py \\
+        --out $REPO/bench/out/io_bound.json --results-md $REPO/bench/RESULTS.md
+    cd /tmp && python $REPO/bench/io_bound.py --quick --contenders ours      # smoke test, ~2 min
+    cd /tmp && python $REPO/bench/io_bound.py --render $REPO/bench/out/io_bound.json --results-md $REPO/bench/RESULTS.md
 
-Run it from a directory that is not a repository root (python would import an unbuilt source tree).
+($REPO: the repository's root.) Run it from a directory that is not a repository root (python would
+import an unbuilt source tree).
 
 [Note: what is measured]
 Compute here is ~100x slower than a GPU's and hides I/O. The stand-in: the
@@ -69,7 +70,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from tools.proc_status import status_bytes  # noqa: E402
+from tools.proc_status import status_bytes
 SECTION = "## I/O-bound training (bench/io_bound.py)"
 MODEL = dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True)  # 311M
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)

@@ -52,8 +52,8 @@ import nvmeio
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tools import fio  # noqa: E402
-from tools.results_md import bar_chart, chart_link, replace_section  # noqa: E402
+from tools import fio
+from tools.results_md import bar_chart, chart_link, replace_section
 
 GIB = 1 << 30
 SECTION = "## I/O throughput (bench/io_throughput.py)"

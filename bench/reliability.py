@@ -56,14 +56,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))   # io_model, config_mutations, helpers
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import nvmeio  # noqa: E402
-from nvmeio import atomic_file, faults, resources  # noqa: E402
+import nvmeio
+from nvmeio import atomic_file, faults, resources
 
 sys.path.insert(0, ROOT)   # tools.results_md
-from tools.results_md import bar_chart, chart_link  # noqa: E402
+from tools.results_md import bar_chart, chart_link
 
 REPORT = os.path.join(HERE, "RELIABILITY.md")
 CHART = os.path.join(HERE, "reliability.png")
@@ -877,7 +877,7 @@ def section_security(ctx: Context) -> Section:
     return s
 
 
-from reliability_engine import section_checkpoints, section_engine  # noqa: E402 (the engine's sections)
+from reliability_engine import section_checkpoints, section_engine  # the engine's sections
 
 SECTIONS: List[Callable[[Context], Section]] = [
     section_faults, section_model, section_config, section_stress, section_leaks, section_security,

@@ -35,8 +35,8 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import io_bound  # noqa: E402  (the stand-in's model and config)
-from tools.results_md import replace_section  # noqa: E402
+import io_bound  # the stand-in's model and config
+from tools.results_md import replace_section
 
 SECTION = "## Step timeline (bench/step_timeline.py)"
 PHASES = ("forward", "backward", "step", "between")

@@ -36,12 +36,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import nvmeio  # noqa: E402
-from nvmeio.tune.dirs import check_dir  # noqa: E402
-from nvmeio.tune.measure import Workload  # noqa: E402
-from nvmeio.tune.search import grid_search, smart_search  # noqa: E402
-from nvmeio.tune.space import build_space, format_size, parse_size  # noqa: E402
-from tools.results_md import replace_section  # noqa: E402
+import nvmeio
+from nvmeio.tune.dirs import check_dir
+from nvmeio.tune.measure import Workload
+from nvmeio.tune.search import grid_search, smart_search
+from nvmeio.tune.space import build_space, format_size, parse_size
+from tools.results_md import replace_section
 
 SECTION = "## nvme_tune search (bench/tune_search.py)"
 TIME_GOAL, QUALITY_GOAL = 0.25, 0.95

@@ -31,9 +31,9 @@ import torch
 import nvmeio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from io_throughput import Unsupported, fio_contender, machine_info  # noqa: E402
-from tools import fio  # noqa: E402
-from tools.results_md import replace_section  # noqa: E402
+from io_throughput import Unsupported, fio_contender, machine_info
+from tools import fio
+from tools.results_md import replace_section
 
 GIB = 1 << 30
 SMALL, NSMALL = 64 << 10, 10_000
@@ -103,7 +103,7 @@ def big_rows(ds, d: str, repeats: int, size: int) -> list[dict]:
             os.unlink(shared)
             for k, h in handle.items():
                 h.free_cpu_locked_tensor(buf[k])
-            del buf
+            buf.clear()  # the locked buffers go before the next size's are made
     return rows
 
 
@@ -148,7 +148,8 @@ def small_rows(ds, d: str, repeats: int) -> list[dict]:
             for k in handle:
                 for p in {p for p, _ in targets[k]}:
                     os.unlink(p)
-        del buf, parts
+        buf.clear()
+        parts.clear()
     return rows
 
 

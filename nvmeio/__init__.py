@@ -11,7 +11,7 @@ import os as _os
 import resource as _resource
 
 try:
-    from . import _native  # noqa: F401
+    from . import _native  # noqa: F401 - imported first: an unbuilt source tree fails here, explained below
 except ImportError as _e:
     if _os.path.exists(_os.path.join(_os.path.dirname(__file__), _os.pardir, "CMakeLists.txt")):
         raise ImportError(

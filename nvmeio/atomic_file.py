@@ -313,7 +313,7 @@ def fsync_directory(directory: "str | os.PathLike[str]") -> None:
         os.close(fd)
 
 
-_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_EXCHANGE = 2  # <linux/fs.h>
 _AT_FDCWD = -100
 
 

@@ -14,7 +14,7 @@ The variables: ``NVMEIO_BACKEND`` (what ``backend="auto"`` means),
 default on), ``NVMEIO_MLOCK`` (flag, default on),
 ``NVMEIO_STAGING_CHUNK_BYTES`` and ``NVMEIO_STAGING_CHUNKS`` (CUDA staging),
 ``NVMEIO_FAULTS`` (fault injection, see faults.py), ``NVMEIO_JOB_ID`` (the swap
-directory's job id, zero/build.py), ``NVMEIO_MALLOC_TUNING`` (flag, default
+directory's job id, zero/engine/build.py), ``NVMEIO_MALLOC_TUNING`` (flag, default
 on: glibc malloc settings for CPU training, zero/stores/malloc_settings.py);
 and DeepSpeed's ``DEEPSPEED_TIMEOUT`` (minutes the process group zero makes
 waits for a rank, zero/runtime/comm.py).

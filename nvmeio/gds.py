@@ -72,7 +72,7 @@ def _load_kvikio() -> Any:
     try:
         kvikio = importlib.import_module("kvikio")
         importlib.import_module("kvikio.defaults")
-    except Exception as e:  # noqa: BLE001 - ImportError, or a CUDA library that fails to load
+    except Exception as e:  # ImportError, or a CUDA library that fails to load
         raise RuntimeError(
             f"gds_handle needs kvikio (NVIDIA's Python binding of cuFile), which could not be "
             f"imported ({type(e).__name__}: {e}). Install it with {_install_hint(torch)}") from e
@@ -182,7 +182,7 @@ class _CuFileOps:
         except AioError:
             undo()
             raise
-        except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError and friends
+        except Exception as e:  # kvikio raises RuntimeError and friends
             undo()
             raise make_error(getattr(e, "errno", None) or errno.EIO, f"kvikio {verb} failed: {e}",
                              where, file_offset, buf.nbytes) from e
@@ -242,7 +242,7 @@ class _DevicePins:
             if entry is None:
                 try:
                     self._kvikio.memory_register(_flat_bytes(t))
-                except Exception as e:  # noqa: BLE001 - cuFile's error, with the size
+                except Exception as e:  # cuFile's error, with the size
                     raise RuntimeError(f"cuFile could not register {t.numel() * t.element_size()} "
                                        f"bytes of device memory on {t.device}: {e}") from e
                 entry = self._allocations[key] = [0, t]
@@ -275,7 +275,7 @@ class _DevicePins:
         return False
 
 
-class gds_handle(aio_handle):  # noqa: N801 - the name users know from DeepSpeed
+class gds_handle(aio_handle):  # the name users know from DeepSpeed
     """GPUDirect Storage handle (DeepSpeed ``gds_handle`` compatible).
 
     Same I/O API as :class:`aio_handle`; CUDA tensors go through cuFile

@@ -71,7 +71,7 @@ def _is_fd(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
+class aio_handle:  # the name users know from DeepSpeed
     """Asynchronous file I/O handle (DeepSpeed ``aio_handle`` compatible).
 
     Args:
@@ -309,7 +309,7 @@ class aio_handle:  # noqa: N801 - the name users know from DeepSpeed
         with self._lock:
             # Buffers of ops submitted before this call; they stay referenced
             # until the native wait below has seen them complete.
-            done, self._inflight = self._inflight, []  # noqa: F841
+            done, self._inflight = self._inflight, []
             checks, self._checks = self._checks, []
             device = self._device_ops
         if device is None:

@@ -311,7 +311,7 @@ def _gds_handle_check(cuda: bool) -> Check:
         return Check(s, "gds_handle", NO, "needs CUDA (see above)", None)
     try:
         make()
-    except Exception as e:  # its message names what is missing
+    except Exception as e:  # noqa: BLE001 - its message names what is missing
         return Check(s, "gds_handle", NO, str(e), None)
     return Check(s, "gds_handle", OK, "constructs")
 

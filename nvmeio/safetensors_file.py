@@ -298,7 +298,7 @@ class SafetensorsReader:
         if direct:
             self._file = FastFileReader(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
         else:
-            self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+            self._file = open(path, "rb", buffering=0)  # closed by close()
             self._file.size = os.fstat(self._file.fileno()).st_size
         self.name = os.fspath(path)
         try:

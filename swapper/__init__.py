@@ -1,6 +1,6 @@
 """swapper: tensors in and out of NVMe through a pool of pinned buffers.
 
-Layer contract (DESIGN.md): built on ``nvmeio.aio_handle`` only; knows nothing
+Layer contract (docs/architecture.md): built on ``nvmeio.aio_handle`` only; knows nothing
 of modules, process groups or ZeRO. A rank number and a job id arrive as plain
 arguments and only name the swap directory ``<nvme_path>/<job_id>/rank<r>/``.
 

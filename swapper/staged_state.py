@@ -11,7 +11,7 @@ and the handle's threads hold none) and, where the bytes must be copied
 (no hard link possible), written to a staging file beside the swap file on
 a second handle. Nothing the swapper serves changes: the staging file has a
 name of its own, and the caller publishes it (a rename over the swap file)
-only once every digest matched, everywhere (checkpoint/load.py). The buffer
+only once every digest matched, everywhere (zero/checkpoint/load.py). The buffer
 is kept until then where the pool allows, so the master comes from memory.
 """
 from __future__ import annotations

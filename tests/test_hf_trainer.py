@@ -13,11 +13,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'nvmeio[hf]'")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install 'nvmeio[hf]'")
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-from zero.config import ConfigError  # noqa: E402
-from zero.partitioning.full_state_dict import full_state_dict  # noqa: E402
-from zero.hf import ZeroTrainer, resolve_for_trainer  # noqa: E402
+from zero.config import ConfigError
+from zero.partitioning.full_state_dict import full_state_dict
+from zero.hf import ZeroTrainer, resolve_for_trainer
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 HIDDEN = 32

@@ -12,11 +12,11 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra: pip install 'nvmeio[lightning]'")
 
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset
 
-from zero.examples import GPT, GPTConfig, make_batches  # noqa: E402
-from zero.partitioning.full_state_dict import full_state_dict  # noqa: E402
-from zero.lightning import ZeroStrategy, convert_zero_checkpoint_to_fp32_state_dict  # noqa: E402
+from zero.examples import GPT, GPTConfig, make_batches
+from zero.partitioning.full_state_dict import full_state_dict
+from zero.lightning import ZeroStrategy, convert_zero_checkpoint_to_fp32_state_dict
 
 CFG = GPTConfig()
 

@@ -144,7 +144,7 @@ def test_explicit_buffer_count_below_the_pipeline_depth_is_refused(tmp_path):
 
 
 def test_a_swap_in_waits_for_its_own_read_only(tmp_path):
-    """Each read has a queue of its own (optimizer_swapper.py [Note: reads on queues of their
+    """Each read has a queue of its own (swapper/optimizer_swapper.py [Note: reads on queues of their
     own]): a swap-in completes its sub-group's read and leaves those read ahead in flight, and
     a larger buffer_count lets read_if_room read further ahead; the bytes are the initial ones."""
     from swapper.sub_group import SubGroupState

@@ -10,7 +10,7 @@ import torch
 import zero
 
 transformers = pytest.importorskip("transformers", reason='Hugging Face tests need transformers (pip install "nvmeio[hf]")')
-from zero.hf import HfDeepSpeedConfig, check_transformers_version  # noqa: E402
+from zero.hf import HfDeepSpeedConfig, check_transformers_version
 
 VOCAB = 96
 
@@ -77,7 +77,7 @@ def test_hf_deepspeed_config_kept_alive(tmp_path, saved):
     kind, path = saved
     plain = cls_of(kind).from_pretrained(path)
     config = inference_config(tmp_path)
-    dschf = HfDeepSpeedConfig(config)  # noqa: F841 (kept alive, as with DeepSpeed)
+    dschf = HfDeepSpeedConfig(config)  # kept alive, as with DeepSpeed
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     assert all(p.numel() == 0 for p in model.parameters())
     engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -147,7 +147,7 @@ def test_zero_inference_with_the_docs_config_generates_from_nvme(tmp_path, saved
     kind, path = saved
     plain = cls_of(kind).from_pretrained(path)
     config = t0_inference_config(64, tmp_path)
-    dschf = HfDeepSpeedConfig(config)  # noqa: F841
+    dschf = HfDeepSpeedConfig(config)  # noqa: F841 - kept alive: from_pretrained builds under zero.Init while it lives
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     engine, optimizer, _, scheduler = zero.initialize(model=model, config=config)
     assert optimizer is None and scheduler is None

@@ -2,7 +2,7 @@
 
 One swap file per optimizer sub-group holds its master, exp_avg and
 exp_avg_sq (each region 4096-aligned). Training in fp32, the parameter shards
-are read from the master region (no parameter swap files: param_store.py
+are read from the master region (no parameter swap files: zero/stores/param_store.py
 [Note]), which holds the fp32 values bit for bit (DeepSpeed 0.19.8 stores fp32
 parameters offloaded to NVMe as bf16). In bf16 each parameter unit has a file
 of ``shard_numel × 2`` bytes. And a process training a model with everything

@@ -122,7 +122,7 @@ def _check_devices(args: argparse.Namespace) -> None:
                              "is not installed); see nvmeio_report")
         try:
             make()  # constructs only where CUDA and kvikio are there
-        except Exception as e:  # its message says what is missing (CUDA, cuFile, kvikio)
+        except Exception as e:  # noqa: BLE001 - its message says what is missing (CUDA, cuFile, kvikio)
             raise UsageError(f"--gds: {e}") from None
     if args.gpu or args.gds:
         import torch

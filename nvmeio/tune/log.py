@@ -66,7 +66,7 @@ class PlotUnavailable(RuntimeError):
 
 def require_matplotlib() -> None:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401 - imported only to learn whether it is installed
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install 'nvmeio[plot]' "
                               "(or pip install matplotlib)") from None

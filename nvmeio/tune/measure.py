@@ -206,7 +206,7 @@ class Workload:
         if h is not None:
             try:
                 h.wait()
-            except Exception:  # the op failed or was cut short: the files go anyway
+            except Exception:  # noqa: BLE001 - the op failed or was cut short: the files go anyway
                 pass
 
     # -- setup -------------------------------------------------------------------------

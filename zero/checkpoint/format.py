@@ -4,7 +4,7 @@
 <save_dir>/latest                      the newest complete tag, e.g. "global_step100"
 <save_dir>/.<tag>.old-<random>/        a complete copy of <tag> moved aside while a re-save of
                                        <tag> is published (only where the file system cannot
-                                       exchange two directories; see checkpoint.py)
+                                       exchange two directories; see publish.py)
 <save_dir>/<tag>/zero_meta.json        format, world size, sub_group_size, every unit's parameters
 <save_dir>/<tag>/buffers.pt            the module's buffers (rank 0)
 <save_dir>/<tag>/rank00001/engine.pt   step counters, optimizer settings, loss scaler, LR schedule,
@@ -12,12 +12,12 @@
 <save_dir>/<tag>/rank00001/subgroup00003.safetensors
                                        one sub-group of that rank: fp32 "master" and the optimizer
                                        states ("exp_avg", "exp_avg_sq"), each the sub-group's range
-                                       of the rank's flat space (partition.py); safetensors, data
-                                       on a 4096-byte boundary (checkpoint_io.py)
+                                       of the rank's flat space (stores/layouts.py); safetensors, data
+                                       on a 4096-byte boundary (shard_io.py)
 ```
 
 Rank layouts are a pure function of the units, the world size and
-``sub_group_size`` (partition.py), so ``zero_meta.json`` holds only those and
+``sub_group_size`` (stores/layouts.py), so ``zero_meta.json`` holds only those and
 :class:`ShardReader` can find any element of any parameter: that is what lets
 ``zero_to_fp32`` rebuild full parameters one at a time, and a checkpoint
 saved on N ranks be loaded on M. Only the bytes asked for are ever read
@@ -160,7 +160,7 @@ def resolve_tag(save_dir: str, tag: Optional[str]) -> Optional[str]:
 
 def checkpoint_path(save_dir: str, tag: str) -> str:
     """The directory of ``tag``; where a re-save was cut between its two renames (see
-    checkpoint.py), the complete copy it moved aside."""
+    publish.py), the complete copy it moved aside."""
     path = os.path.join(save_dir, tag)
     if os.path.isdir(path):
         return path

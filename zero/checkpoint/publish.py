@@ -24,7 +24,7 @@ at a time). Re-saving a tag never mixes old and new shards (a checkpoint saved
 again with another world size has no stale rank files).
 
 Files are created exclusively (never through a planted symlink, see
-checkpoint_io.py) with mode ``checkpoint.file_mode`` (0600) and directories
+nvmeio/atomic_file.py) with mode ``checkpoint.file_mode`` (0600) and directories
 with the same bits plus search (0700): model state is the user's data.
 """
 from __future__ import annotations

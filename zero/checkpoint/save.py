@@ -4,7 +4,7 @@ then publishes (publish.py); load.py reads it back.
 NVMe-resident state is part of the checkpoint: each sub-group's swap file
 becomes its shard by a hard link, or is copied file to file where no link
 can be made (see [Note: sub-group shards are safetensors in the swap files'
-layout] in checkpoint_io.py, which moves all the bytes of a save or load).
+layout] in shard_io.py, which moves all the bytes of a save or load).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a checkpoint's bytes move (``checkpoint.writer``); checkpoint.py decides what is written.
+"""How a checkpoint's bytes move (``checkpoint.writer``); save.py decides what is written.
 
 Every file goes through nvmeio: with ``type: fast`` (the default) one
 :class:`nvmeio.FastIO` (an aio_handle and ``io_buffer_size`` locked buffers,

@@ -2,7 +2,7 @@
 
 Order matters and is the whole point of this file: plan the units; build the
 optimizer store (fp32 master, states, gradient partition) and the parameter
-store (which may alias the master, see param_store.py); fill both from the
+store (which may alias the master, see stores/param_store.py); fill both from the
 model's values one unit at a time, releasing each unit's full parameters as
 soon as its shard is stored, so the model is never held twice; then the
 gradient reducer, the optimizer and the hooks.
@@ -319,7 +319,7 @@ def _fill_stores(units, param_store, opt_store, comm, dtype, release) -> None:
             forget_init_shard(p)
         u.release(force=True)
     param_store.flush()
-    return_freed_heap()  # the model's full values, freed unit by unit (malloc_trim.py)
+    return_freed_heap()  # the model's full values, freed unit by unit (stores/malloc_trim.py)
 
 
 def _choose_persistent(units, zc) -> None:

@@ -31,12 +31,12 @@ updated (``_PendingStep``; a sub-group's Adam update does no I/O, so it is
 done or not), and the next call of :meth:`ZeroOptimizer.step` finishes it:
 updated sub-groups are only written back again, the others updated with the
 kept gradients. The engine refuses forward, backward and saves meanwhile
-(zero/engine.py), so no partly updated state is trained on or stored; a run
+(zero_engine.py), so no partly updated state is trained on or stored; a run
 that retries reaches the same bits as one that never failed.
 
 [Note: sub-groups stepped during backward]
 With the optimizer on NVMe, a sub-group's gradient is complete long before
-backward ends (units complete in reverse order, grad_stash.py). When the step
+backward ends (units complete in reverse order, runtime/grad_stash.py). When the step
 needs nothing global first (no gradient clipping, no dynamic fp16 loss scale:
 both need the norm of the whole gradient before any update), the backward of
 the micro-batch that ends an accumulation window steps each sub-group the
@@ -50,7 +50,7 @@ same elementwise kernel on the same values, so the bits are those of a step
 after backward. ``engine.step()`` then steps only the sub-groups no gradient
 reached (frozen parameters: zero gradient, as after backward). A failure half
 way through such a backward leaves some sub-groups updated: the engine then
-refuses further use and says to load the last checkpoint (zero/engine.py).
+refuses further use and says to load the last checkpoint (zero_engine.py).
 ``offload_optimizer.step_in_backward: false`` turns it off.
 
 A script's own torch optimizer (``zero_allow_untested_optimizer``) is rebuilt
@@ -328,7 +328,7 @@ class ZeroOptimizer(Optimizer):
                 grads = [self.reducer.grad(a, b) for a, b in ranges]
             if coef is not None:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
-            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]  # noqa: E731
+            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]
             beta1, beta2 = group["betas"]
             kernel(views(master), grads, views(states["exp_avg"]), views(states["exp_avg_sq"]),
                    views(states["max_exp_avg_sq"]) if self.adam.amsgrad else [], [step] * len(ranges),

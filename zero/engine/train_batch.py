@@ -5,7 +5,7 @@ and once for their backward, instead of k times each (runtime/window.py, [Note:
 unit-major micro-batches]); the gradients are summed in memory in the micro-batch
 loop's order, so losses and weights are bit-identical to k calls of forward, backward
 and step. A model whose micro-batches take different paths gets the micro-batch loop, with one
-log line saying why; so does one whose forward draws random numbers (dropout: window.py,
+log line saying why; so does one whose forward draws random numbers (dropout: runtime/window.py,
 [Note: random numbers in a window]), the generators put back first. ``loss_fn`` gives a
 micro-batch's loss in place of the model called on it (the Trainer integrations run their
 own training step there). Activation checkpointing works: on the CPU each micro-batch's
@@ -152,7 +152,7 @@ _CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # where Hugging Face models k
 
 def _bind_checkpointing(module, window: MicroBatchWindow) -> None:
     """Hugging Face layers recompute their forward in backward through ``_gradient_checkpointing_func``:
-    for the window, each runs as the micro-batch that called it (window.py)."""
+    for the window, each runs as the micro-batch that called it (runtime/window.py)."""
     for m in module.modules():
         func = m.__dict__.get(_CHECKPOINT_FUNC)
         if func is not None:
@@ -183,7 +183,7 @@ class TrainBatch:
     @property
     def _threaded_backward(self) -> bool:
         """The k backwards run on the window's threads (CPU); on CUDA autograd runs a device's work
-        on a thread of its own, so they are one call (window.py)."""
+        on a thread of its own, so they are one call (runtime/window.py)."""
         return self.engine.device.type == "cpu"
 
     def window_losses(self, micro_batches, loss_fn: Optional[Callable] = None,
@@ -256,7 +256,7 @@ class TrainBatch:
             raise
 
     def _backward_window(self, scaled: List[torch.Tensor]) -> None:
-        """The k backwards taking turns at each unit on CPU; one autograd call on CUDA (window.py)."""
+        """The k backwards taking turns at each unit on CPU; one autograd call on CUDA (runtime/window.py)."""
         coordinator = self.engine.parts.coordinator
         if self._threaded_backward:
             coordinator.window.run(lambda i: torch.autograd.backward(scaled[i]))

@@ -2,10 +2,10 @@
 
 ``engine(*inputs)`` runs the module (tensors in the inputs are moved to the
 compute device; with ``fp16.auto_cast`` floating inputs are cast to fp16);
-the hooks gather and release parameters (coordinator.py).
+the hooks gather and release parameters (runtime/hooks.py).
 ``engine.backward(loss)`` scales the loss by ``1 / gradient_accumulation_steps``
 and, for fp16, by the loss scale; the hooks reduce the gradients into this
-rank's fp32 partition (grads.py). ``engine.step()`` counts micro-batches and
+rank's fp32 partition (runtime/grad_reducer.py). ``engine.step()`` counts micro-batches and
 runs the optimizer (optimizer.py) only at the end of each accumulation
 window, as DeepSpeed does, then the LR scheduler, unless fp16 overflowed.
 """

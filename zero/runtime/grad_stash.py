@@ -207,7 +207,7 @@ class GradStash:
             return
         try:
             io()
-        except Exception as error:  # noqa: BLE001 - kept for the engine, raised at the end of backward
+        except Exception as error:  # kept for the engine, raised at the end of backward
             if not self._defer_errors:
                 raise
             self.error = error

@@ -30,7 +30,7 @@ autograd keeps the parameter, not its data. A read of the unit by another module
 (F.linear on a non-contiguous input, or any Linear forward under a saved-tensor
 hook that may store the data: torch.utils.checkpoint's recomputation saves
 ``weight.detach()``) copies it first and ends the lending for that unit
-(``ParamUnit.unlend``). A step during backward (optimizer.py) rewrites a
+(``ParamUnit.unlend``). A step during backward (engine/optimizer.py) rewrites a
 sub-group's shards in their buffers only once all its units' gradients are in,
 when no backward needs their old values.
 
@@ -416,7 +416,7 @@ class Coordinator:
         backwards are done): finish the units whose gradients did not all arrive, release."""
         self._callback_queued = False
         with self.timers.phase("grad reduce"):
-            for u in self.units:  # in unit order on every rank (see grads.py)
+            for u in self.units:  # in unit order on every rank (see grad_reducer.py)
                 if u.unreduced and self.window is not None:
                     self._finish_window_unit(u)
                 elif u.unreduced:

@@ -162,7 +162,7 @@ class ParamUnit:
             return
         try:
             shard = self.store.fetch(self.layout)
-        except Exception as error:  # noqa: BLE001 - kept for the engine (Comm.deferring)
+        except Exception as error:  # kept for the engine (Comm.deferring)
             if not self.comm.deferring:
                 raise
             self.comm.defer(error)

@@ -7,7 +7,7 @@ leaves both out). Per rank, with ``P`` parameters, ``L`` in the largest layer
 
 - parameter shard ``b·P/W`` at ``offload_param`` (GPU, host or NVMe; nothing
   more when fp32 parameters and the optimizer are both on NVMe: the shards are
-  read from the fp32 master, see zero/param_store.py);
+  read from the fp32 master, see param_store.py);
 - fp32 master, exp_avg, exp_avg_sq ``12·P/W`` at ``offload_optimizer``;
 - fp32 gradient partition ``4·P/W``: on the GPU without optimizer offload, in
   host memory with ``cpu``, on NVMe with ``nvme`` (written sub-group by

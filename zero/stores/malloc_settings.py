@@ -57,8 +57,9 @@ def _mallopt():
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: another libc's mallopt takes other numbers
     except (OSError, AttributeError):
+        return None
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: another libc's mallopt takes other numbers
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt

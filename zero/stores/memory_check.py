@@ -24,7 +24,7 @@ from .optimizer_store import nvme_buffer_count
 from .param_store import swap_buffer_count
 from .layouts import RankLayout
 
-# Sub-group gradient buffers open at once during backward (grad_stash.py): the one with
+# Sub-group gradient buffers open at once during backward (runtime/grad_stash.py): the one with
 # the tied embedding, whose gradient completes last, and the one being filled.
 OPEN_GRAD_SUB_GROUPS = 2
 
@@ -112,7 +112,7 @@ def check_host_memory(parts: List[MemoryPart], memory: HostMemory) -> None:
 
 def headroom_bytes(parts: List[MemoryPart], memory: HostMemory) -> int:
     """What the engine may use beyond its planned parts for opportunistic caches (gradient
-    sums held between micro-batches, grad_stash.py): half of what MemAvailable leaves, the
+    sums held between micro-batches, runtime/grad_stash.py): half of what MemAvailable leaves, the
     other half for activations and everything else in the process."""
     return max(0, memory.available_bytes - sum(p.nbytes for p in parts)) // 2
 

@@ -7,7 +7,7 @@ states in one swap file per sub-group through
 writes i-1 while i is stepped when ``pipeline_read``/``pipeline_write`` are
 on). The fp32 gradient partition stays in memory for ``none`` (on the device)
 and ``cpu`` (host memory); for ``nvme`` each sub-group's gradient goes to the
-sub-group's gradient swap file during backward (grad_stash.py) and is read
+sub-group's gradient swap file during backward (runtime/grad_stash.py) and is read
 with the state at the step, so the partition is never whole in memory.
 
 Every store runs the step the same way: :meth:`OptimizerStore.step` calls
@@ -268,7 +268,7 @@ class NvmeOptimizerStore(OptimizerStore):
         except BaseException:
             self.swapper.cleanup()  # never returned, so never closed by the caller
             raise
-        self.grads = None  # each sub-group's gradient goes to its swap file (grad_stash.py)
+        self.grads = None  # each sub-group's gradient goes to its swap file (runtime/grad_stash.py)
         self._staging = None
         self._staged_sg = None
         self._prefetched = False
@@ -365,7 +365,7 @@ class NvmeOptimizerStore(OptimizerStore):
         self.swapper.swap_out(sg.index, async_op=True)
         self.write_wait_seconds += time.perf_counter() - t0
 
-    # -- the step during backward (see [Note: sub-groups stepped during backward] in optimizer.py)
+    # -- the step during backward (see [Note: sub-groups stepped during backward] in engine/optimizer.py)
     def begin_backward_step(self) -> None:
         """Backward is starting and will step each sub-group as its gradient completes: read
         the one expected first."""
@@ -523,7 +523,7 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         # With checksums on, the checkpoint carries the digests recorded when the file was
-        # written (stored_checksums): its load verifies the bytes (checkpoint_io.py [Note]).
+        # written (stored_checksums): its load verifies the bytes (checkpoint/shard_io.py [Note]).
         if not sub_group.numel:
             return None
         t0 = time.perf_counter()

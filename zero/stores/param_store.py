@@ -11,7 +11,7 @@ weights would sit in the same memory (both on the device, or both in host
 memory), :class:`FlatParamStore` is handed the master tensor and keeps no
 copy: the optimizer step updates the shards in place and nothing is written
 back. On one rank the unit's full buffer is then the shard itself, so
-gathering a unit is pointing its parameters at a view (see unit.py).
+gathering a unit is pointing its parameters at a view (see runtime/unit.py).
 
 [Note: on NVMe, an fp32 shard is read from the optimizer's master]
 The same holds on NVMe: with fp32 compute and the optimizer on NVMe too,
