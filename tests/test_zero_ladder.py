@@ -1,7 +1,7 @@
 """The ZeRO ladder: stages 0, 1 and 2 (with and without ZeRO-Offload) train exactly as plain
 PyTorch on one rank and as DDP on two, and checkpoints move between stages and rank counts.
 
-Below stage 3 every parameter is whole on every rank (engine/build.py, [Note: the ZeRO
+Below stage 3 every parameter is whole on every rank (zero/engine/build.py, [Note: the ZeRO
 ladder]): one rank's losses and weights are bit-identical to plain PyTorch's fused AdamW,
 with accumulation (the loop and train_batch), clipping and a scheduler. Two ranks' are
 bit-identical to DDP's, run in the same processes, where the arithmetic is the same: one
