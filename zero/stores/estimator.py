@@ -253,9 +253,10 @@ def estimate_rank_bytes(model: Union[nn.Module, int], stage: int = 3, offload_pa
     if largest_layer_params is not None:
         largest = int(largest_layer_params)
     sizes = RankSizes.of_counts(total_params, largest, world_size, int(sub_group_size))
-    # Defaults of the config's sections, without the nvme_path check (nothing is written).
-    parts = rank_memory_parts(sizes, stage=stage, offload_param=OffloadParamConfig.model_construct(device=offload_param),
-                              offload_optimizer=OffloadOptimizerConfig.model_construct(device=offload_optimizer),
+    # The sections' defaults, without the nvme_path check (nothing is written).
+    param_section = OffloadParamConfig.model_construct(device=offload_param)
+    optimizer_section = OffloadOptimizerConfig.model_construct(device=offload_optimizer)
+    parts = rank_memory_parts(sizes, stage=stage, offload_param=param_section, offload_optimizer=optimizer_section,
                               itemsize=_DTYPE_BYTES[dtype], compute_device=location(compute_device),
                               state_count=state_count, has_optimizer=has_optimizer,
                               max_live_parameters=max_live_parameters)

@@ -127,7 +127,8 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
 
     def add(what, nbytes, setting, where, locked=False, fix=None):
         if nbytes:
-            parts.append(MemoryPart(what, int(nbytes), setting, fix or _fix(setting, stage), where, locked))
+            fixed = fix or _fix(setting, stage, sizes.total)
+            parts.append(MemoryPart(what, int(nbytes), setting, fixed, where, locked))
 
     if par.device == "nvme":
         in_cpu = min(par.max_in_cpu, sizes.shard)
@@ -197,12 +198,14 @@ _STAGE_0_OPTIMIZER_FIX = ("set zero_optimization.stage to 1 or 2 with zero_optim
                           "'nvme' (offload_optimizer needs stage 1 or more)")
 
 
-def _fix(setting: str, stage: int) -> str:
-    """What to do about the part ``setting`` shrinks, in words that hold at ``stage``."""
+def _fix(setting: str, stage: int, total: int) -> str:
+    """What to do about the part ``setting`` shrinks, in words that hold at ``stage`` (``total``:
+    the model's parameters)."""
     if setting == "zero_optimization.stage":
-        return ("set zero_optimization.stage to 3 with zero_optimization.offload_param.device 'nvme' (stage "
-                f"{stage} keeps every parameter whole on each rank; stage 3 gathers only the units in use and "
-                "keeps the rest on NVMe), or train a smaller model")
+        return (f"set zero_optimization.stage to 3 with zero_optimization.offload_param.device 'nvme' and "
+                f"stage3_max_live_parameters below the model's {total} parameters (stage {stage} keeps every "
+                f"parameter whole on each rank; stage 3 gathers at most that many at once and keeps the rest on "
+                f"NVMe), or train a smaller model")
     if setting.endswith(".device"):
         return f"set {setting} to 'nvme'"
     if setting.endswith("cpu_checkpointing"):
