@@ -239,7 +239,8 @@ def _plan(module, config, comm, device, dtype, spec):
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
     parts = memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
-                                           adam_states, spec is not None, _steps_in_backward(config, spec))
+                                           adam_states, spec is not None, _steps_in_backward(config, spec),
+                                           compute_device=device)
     memory = memory_check.probe()
     memory_check.check_host_memory(parts, memory)
     return module_units, rank_layout, units, (memory_check.headroom_bytes(parts, memory),
