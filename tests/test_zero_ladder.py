@@ -200,20 +200,24 @@ def _ddp_reference(rank, world_size, batches, accumulation, clip):
     return losses, {n: p.detach() for n, p in model.module.named_parameters()}
 
 
-def scenario_ladder(rank, world_size, scratch, stage, offload_optimizer, accumulation, clip, window=False):
+def scenario_ladder(rank, world_size, scratch, stage, offload_optimizer, accumulation, clip, window=False,
+                    **zero_extra):
     batches = make_batches(CFG, STEPS * accumulation, 4 * world_size)
     torch.manual_seed(0)
     model = GPT(CFG)
     config = ladder_config(stage, offload_optimizer, scratch, accumulation, clip, world_size=world_size)
+    config["zero_optimization"].update(zero_extra)
     engine = zero.initialize(model=model, config=config)[0]
     try:
         run = train_window if window else train_engine
         losses = run(engine, batches, STEPS, accumulation, rank=rank, shards=world_size)
         final = weights(model)
+        in_flight = engine.parts.reducer.peak_in_flight_numel
+        largest_unit = max(u.layout.padded_numel for u in engine.units)
     finally:
         engine.destroy()
     expected, reference = _ddp_reference(rank, world_size, batches, accumulation, clip)
-    return {"losses": losses, "expected": expected,
+    return {"losses": losses, "expected": expected, "peak_in_flight": in_flight, "largest_unit": largest_unit,
             "unequal_weights": [n for n, p in reference.items() if not torch.equal(final[n], p)],
             "weight_error": max(((final[n] - p).abs().max() / p.abs().max()).item() for n, p in reference.items())}
 
@@ -239,6 +243,10 @@ TWO_RANKS = {  # name: (scenario arguments, exact)
     "2-none-4-clip": (dict(stage=2, offload_optimizer="none", accumulation=4, clip=1.0), False),
     "2-cpu-4-window": (dict(stage=2, offload_optimizer="cpu", accumulation=4, clip=1.0, window=True), False),
     "1-nvme-4": (dict(stage=1, offload_optimizer="nvme", accumulation=4, clip=0.0), False),
+    "2-none-4-no-overlap": (dict(stage=2, offload_optimizer="none", accumulation=4, clip=1.0,
+                                 overlap_comm=False), False),
+    "2-none-4-small-bucket": (dict(stage=2, offload_optimizer="none", accumulation=4, clip=1.0,
+                                   reduce_bucket_size=3000), False),
 }
 
 
@@ -267,6 +275,18 @@ def test_two_ranks_equal_ddp(two_ranks, name):
             assert got["weight_error"] < 1e-2, got["weight_error"]
         assert got["expected"][-1] < got["expected"][0] - 0.3
     assert two_ranks[0][name]["losses"] != two_ranks[1][name]["losses"]  # each rank its own half
+
+
+def test_overlap_comm_keeps_reductions_in_flight_within_reduce_bucket_size(two_ranks):
+    """overlap_comm (the default) leaves several units' reductions in flight, no more elements than
+    reduce_bucket_size allows (one unit always may go), and changes no result."""
+    for rank in range(WORLD):
+        overlapped, bounded = two_ranks[rank]["2-none-4-clip"], two_ranks[rank]["2-none-4-small-bucket"]
+        serial = two_ranks[rank]["2-none-4-no-overlap"]
+        assert serial["peak_in_flight"] == 0
+        assert overlapped["peak_in_flight"] > overlapped["largest_unit"]  # several units at once
+        assert bounded["peak_in_flight"] <= max(3000, bounded["largest_unit"])
+        assert overlapped["losses"] == serial["losses"] == bounded["losses"]
 
 
 @pytest.mark.parametrize("stage", [0, 3])

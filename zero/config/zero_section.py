@@ -57,8 +57,9 @@ class ZeroConfig(StrictModel):
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
         # DeepSpeed's bucketing and scheduling knobs: nvmeio reduce-scatters and gathers one
-        # unit at a time, always overlapped, with contiguous gradients.
-        "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+        # unit at a time, with contiguous gradients (overlap_comm and reduce_bucket_size take effect:
+        # runtime/grad_reducer.py, [Note: reductions in flight (overlap_comm)]).
+        "allgather_bucket_size", "contiguous_gradients",
         "reduce_scatter", "allgather_partitions", "round_robin_gradients", "ignore_unused_parameters",
         "load_from_fp32_weights", "override_module_apply", "log_trace_cache_warnings",
     })

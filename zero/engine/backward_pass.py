@@ -117,6 +117,7 @@ class BackwardPass:
         try:
             with self._timers.phase("backward"):
                 run_autograd()
+                self._parts.reducer.flush()  # reductions still in flight land (overlap_comm)
                 if boundary and store.stash_gradients and not in_backward:
                     stash.run(store.wait_gradients)  # a failed gradient write surfaces here, not in the step
                 if self._comm.distributed and (self.defer_reads or stash.on_nvme):

@@ -350,8 +350,10 @@ def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, co
                           hold_budget=headroom, norm_ranges=stash_norm_ranges(rank_layout, group_ranges),
                           want_norms=config.gradient_clipping > 0 or scaler.dynamic,
                           defer_errors=comm.world_size > 1)  # see BackwardPass.raise_if_failed_anywhere
+    zc = config.zero_optimization
     reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
-                          predivide=config.gradient_predivide_factor, stash=stash)
+                          predivide=config.gradient_predivide_factor, stash=stash, overlap=zc.overlap_comm,
+                          bucket_numel=zc.reduce_bucket_size)
     optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
                               hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
                               group_ranges=group_ranges,

@@ -71,12 +71,13 @@ class Comm:
             return
         _ALL_GATHER(full, shard, group=self.group)
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """``shard`` gets this rank's slice of the sum of every rank's ``full``."""
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """``shard`` gets this rank's slice of the sum of every rank's ``full``; ``async_op``: returns
+        the collective's work (``wait()`` before reading ``shard``), else None once it is done."""
         if not self.distributed:
             shard.copy_(full)
-            return
-        _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+            return None
+        return _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.distributed:

@@ -421,6 +421,7 @@ class Coordinator:
                     self._finish_window_unit(u)
                 elif u.unreduced:
                     self._finish_unit(u)
+            self.reducer.flush()
         for u in self.units:
             u.end_backward()
             self.maybe_release(u)
