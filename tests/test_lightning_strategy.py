@@ -297,6 +297,14 @@ def test_unsupported_arguments_are_refused(kwargs, message):
         ZeroStrategy(**kwargs)
 
 
+def test_remote_device_with_a_config_below_stage_3_is_refused():
+    with pytest.raises(ValueError, match=r"ZeroStrategy\(remote_device='cpu'\) with a config at ZeRO stage 2: "
+                                         r"remote_device places .* set zero_optimization.stage to 3, or drop "
+                                         r"remote_device"):
+        ZeroStrategy(config={"zero_optimization": {"stage": 2}}, remote_device="cpu")
+    assert ZeroStrategy(config={"zero_optimization": {"stage": 3}}, remote_device="cpu").zero_stage_3
+
+
 def test_zero_optimization_false_is_a_config_without_a_zero_section_which_is_stage_0():
     from zero.config import load_config
 

@@ -264,6 +264,12 @@ class ZeroStrategy(DDPStrategy):
         o = dict(OPTIONS, **options)
         if config is None:
             _refusals(o, options)
+        built = _read_config(config) if config is not None else _config_from_options(o)
+        if config is not None and o["remote_device"] is not None and _config_stage(built) in (0, 1, 2):
+            raise ValueError(f"ZeroStrategy(remote_device={o['remote_device']!r}) with a config at ZeRO stage "
+                             f"{_config_stage(built)}: remote_device places the parameters configure_model builds "
+                             "under zero.Init, which runs at ZeRO stage 3 only; set zero_optimization.stage to 3, "
+                             "or drop remote_device")
         for name, why in UNSUPPORTED.items():
             if o[name] != OPTIONS[name]:
                 raise ValueError(f"ZeroStrategy({name}={o[name]!r}) is not supported: {why}")
@@ -271,7 +277,7 @@ class ZeroStrategy(DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, **kwargs)
-        self.config = _read_config(config) if config is not None else _config_from_options(o)
+        self.config = built
         self.options = o
         self.remote_device = o["remote_device"]
         logging.getLogger("zero").setLevel(o["logging_level"])
