@@ -161,6 +161,24 @@ def test_save_16bit_model(tmp_path, caplog):
     off.destroy()
 
 
+@pytest.mark.parametrize("stage, offload", [(0, "none"), (2, "cpu")])
+def test_save_16bit_model_below_stage_3_saves_without_the_gather_flag(tmp_path, stage, offload):
+    # Below stage 3 every rank holds the whole parameters: DeepSpeed saves them with no flag to set.
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = base_config(offload_optimizer=offload, precision="bf16", stage=stage)
+    del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    assert not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+    train_engine(engine, make_batches(CFG, 2, 4), 2)
+    assert engine.save_16bit_model(tmp_path / "export")
+    state = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+    assert set(state) == set(GPT(CFG).state_dict())
+    for name, p in model.named_parameters():
+        assert p.numel() > 0 and state[name].dtype == torch.bfloat16 and torch.equal(state[name], p.detach())
+    engine.destroy()
+
+
 CONVERT_SCRIPT = """
 import sys, threading, time
 

@@ -88,6 +88,22 @@ def test_hf_deepspeed_config_kept_alive(tmp_path, saved):
     assert all(p.numel() > 0 for p in again.parameters())
 
 
+def test_hf_deepspeed_config_below_stage_3_leaves_from_pretrained_alone(tmp_path):
+    # HF's guide's stage-2 config: transformers' zero3 branches are not taken, models load whole.
+    import os
+
+    small("gpt2").save_pretrained(tmp_path)
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
+    dschf = HfDeepSpeedConfig(os.path.join(os.path.dirname(__file__), "data", "ds_config_zero2_auto.json"))
+    assert dschf.is_zero3() is False
+    assert not transformers.integrations.is_deepspeed_zero3_enabled()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not any(hasattr(p, "ds_numel") for p in model.parameters())
+    assert model.state_dict().keys() == plain.keys()
+    assert all(torch.equal(value, plain[key]) for key, value in model.state_dict().items())
+    del dschf
+
+
 def test_weights_missing_from_the_checkpoint_are_initialised_by_transformers(tmp_path):
     base = small("llama")
     base.model.save_pretrained(tmp_path / "base")  # no lm_head: the head is new

@@ -1,4 +1,4 @@
-"""``ZeroTrainer``: the Hugging Face Trainer on nvmeio's ZeRO-3 engine.
+"""``ZeroTrainer``: the Hugging Face Trainer on nvmeio's ZeRO engine (stages 0-3).
 
     from zero.hf import ZeroTrainer                          # or zero.integrations.hf_trainer
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
@@ -7,7 +7,12 @@
 
 The DeepSpeed config (a path or dict, ``"auto"`` values allowed) moves from
 ``TrainingArguments(deepspeed=...)`` to ``zero_config=``; everything else of a
-Trainer script stays. Tested with transformers 5.23 (accelerate 1.15).
+Trainer script stays. Its ``zero_optimization.stage`` rules: HF's stage-2 and
+stage-3 templates run unchanged. Nothing here depends on the stage; below
+stage 3 ``save_model`` writes the parameters every rank holds whole, and
+transformers takes none of its ZeRO-3 branches (``is_deepspeed_zero3_enabled()``
+stays False: HF's DeepSpeed integration is not involved at any stage). Tested
+with transformers 5.23 (accelerate 1.15).
 
 [Note: where the engine enters the Trainer]
 The Trainer's DeepSpeed path runs through accelerate's DeepSpeed plugin, which
