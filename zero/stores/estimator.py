@@ -144,7 +144,7 @@ def estimate_zero2_model_states_mem_needs(total_params: int, num_gpus_per_node: 
                                           additional_buffer_factor: float = 1.5) -> Tuple[int, int]:
     """``(cpu_bytes per node, gpu_bytes per GPU)`` for ZeRO stage 2, by DeepSpeed's documented formula.
 
-    DeepSpeed's "Memory Requirements" page (docs/code-docs/source/memory.rst), with
+    DeepSpeed's documented "Memory Requirements", with
     ``Ψ = total_params``, ``n = num_gpus_per_node``, ``N = n × num_nodes`` and
     ``f = additional_buffer_factor``:
 

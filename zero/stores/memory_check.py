@@ -62,7 +62,7 @@ def check_host_memory(parts: List[MemoryPart], memory: HostMemory) -> None:
 
 def headroom_bytes(parts: List[MemoryPart], memory: HostMemory) -> int:
     """What the engine may use beyond its planned parts for opportunistic caches (gradient
-    sums held between micro-batches, grad_stash.py): half of what MemAvailable leaves, the
+    sums held between micro-batches, runtime/grad_stash.py): half of what MemAvailable leaves, the
     other half for activations and everything else in the process."""
     return max(0, memory.available_bytes - sum(p.nbytes for p in parts)) // 2
 

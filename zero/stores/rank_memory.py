@@ -14,7 +14,7 @@ size ``W``) and ``S`` this rank's partition (``P/W``):
   at ``offload_optimizer`` (compute device, host memory, or NVMe files with
   host-memory swap buffers of a few sub-groups), at every stage: below stage 3
   too, gradients are reduced per unit into their owners' partitions, never
-  held whole (build.py [Note: the ZeRO ladder]);
+  held whole (engine/build.py [Note: the ZeRO ladder]);
 - the parameter partition, ``b·S``, at ``offload_param`` (compute device,
   host memory, or NVMe with ``max_in_cpu`` and swap buffers in host memory),
   except where the fp32 master in the same place is that partition
@@ -23,7 +23,7 @@ size ``W``) and ``S`` this rank's partition (``P/W``):
   largest unit and at most ``stage3_max_live_parameters``; stages 0-2 hold
   every unit whole, ``b·P`` (no stage-3 bound applies). On one rank, with the
   partition on the compute device in the compute dtype, the gathered units
-  view the partition and cost nothing more (unit.py ``free_gather``).
+  view the partition and cost nothing more (runtime/unit.py ``free_gather``).
 
 On a CPU machine the compute device's memory is host memory, so a part on
 the compute device is counted as host memory there. Working memory (a unit's
@@ -45,7 +45,7 @@ from .param_store import swap_buffer_count
 
 HOST, DEVICE, NVME = "host", "device", "nvme"  # where a part lives; DEVICE: the compute device
 
-# Sub-group gradient buffers open at once during backward (grad_stash.py): the one with
+# Sub-group gradient buffers open at once during backward (runtime/grad_stash.py): the one with
 # the tied embedding, whose gradient completes last, and the one being filled.
 OPEN_GRAD_SUB_GROUPS = 2
 
