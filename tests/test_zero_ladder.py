@@ -235,6 +235,19 @@ def scenario_save_at_stage_1(rank, world_size, scratch):
         engine.destroy()
 
 
+def scenario_ranks_start_from_rank_0(rank, world_size, scratch, stage):
+    """Each rank builds the model with its own seed; the engine starts every rank from rank 0's."""
+    torch.manual_seed(rank)
+    model = GPT(CFG)
+    engine = zero.initialize(model=model, config=ladder_config(stage, "cpu", scratch, world_size=world_size))[0]
+    try:
+        torch.manual_seed(0)
+        rank0 = dict(GPT(CFG).named_parameters())
+        return [n for n, w in weights(model).items() if not torch.equal(w, rank0[n].detach())]
+    finally:
+        engine.destroy()
+
+
 TWO_RANKS = {  # name: (scenario arguments, exact)
     "0-none-1": (dict(stage=0, offload_optimizer="none", accumulation=1, clip=0.0), True),
     "1-cpu-1": (dict(stage=1, offload_optimizer="cpu", accumulation=1, clip=0.0), True),
@@ -254,6 +267,7 @@ TWO_RANKS = {  # name: (scenario arguments, exact)
 def two_ranks(tmp_path_factory):
     scenarios = [(name, scenario_ladder, kwargs) for name, (kwargs, _) in TWO_RANKS.items()]
     scenarios.append(("save_at_stage_1", scenario_save_at_stage_1, {}))
+    scenarios += [(f"start_{stage}", scenario_ranks_start_from_rank_0, {"stage": stage}) for stage in (2, 3)]
     return run_ranks(WORLD, scenarios, tmp_path_factory.mktemp("ladder"))
 
 
@@ -275,6 +289,12 @@ def test_two_ranks_equal_ddp(two_ranks, name):
             assert got["weight_error"] < 1e-2, got["weight_error"]
         assert got["expected"][-1] < got["expected"][0] - 0.3
     assert two_ranks[0][name]["losses"] != two_ranks[1][name]["losses"]  # each rank its own half
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_starts_from_rank_0s_weights(two_ranks, stage):
+    """As DDP and DeepSpeed: a model each rank built with its own seed trains from rank 0's values."""
+    assert [two_ranks[rank][f"start_{stage}"] for rank in range(WORLD)] == [[], []]
 
 
 def test_overlap_comm_keeps_reductions_in_flight_within_reduce_bucket_size(two_ranks):

@@ -52,7 +52,7 @@ from nvmeio import AioSettings
 from nvmeio.env import env_str
 from nvmeio.handle_choice import require_gds
 
-from ..runtime.comm import Comm
+from ..runtime.comm import Comm, compute_device
 from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
 from ..runtime.hooks import Coordinator
@@ -121,9 +121,14 @@ def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
 
 
 def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
-    """This rank's fp32 shard of a unit, from the full parameter values."""
+    """This rank's fp32 shard of a unit, from the full parameter values: rank 0's, as DDP and
+    DeepSpeed start every rank from (a model built outside zero.Init holds each rank's own
+    initial values, which would otherwise train as a silent mix)."""
     flat = torch.cat([full_param_value(p, comm).detach().reshape(-1).to(torch.float32) for p in params]) \
         if params else torch.empty(0)
+    if comm.distributed and params and not all(is_init_partitioned(p) for p in params):
+        dev = compute_device(comm.local_rank)  # NCCL broadcasts device tensors, gloo host tensors
+        flat = comm.broadcast(flat.to(dev), src=0)
     start = layout.shard_start(comm.rank)
     shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=flat.device)
     piece = flat[start:start + layout.shard_numel]
