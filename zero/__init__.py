@@ -1,4 +1,4 @@
-"""ZeRO stage 3 with ZeRO-Infinity offload (none / cpu / nvme), on nvmeio.
+"""ZeRO stages 0-3 with ZeRO-Offload and ZeRO-Infinity (offload none / cpu / nvme), on nvmeio.
 
     engine, optimizer, _, scheduler = zero.initialize(model=model, config="ds_config.json")
     loss = engine(batch); engine.backward(loss); engine.step()
