@@ -27,7 +27,7 @@ Optimizer state (``offload_optimizer: nvme``)::
 
 ``cleanup()`` (or ``with``) deletes the files; a clean interpreter exit does too.
 
-The package exports the swappers, the buffer pool and the errors; the rest
+The package exports the swappers, the buffer pool, the pool kinds and the errors; the rest
 (states, layouts, checksums, the swap directory) is imported from its module.
 """
 from .async_swapper import AsyncTensorSwapper
@@ -47,6 +47,7 @@ from .errors import (
 from .optimizer_swapper import PartitionedOptimizerSwapper
 from .param_swapper import PartitionedParamSwapper
 from .pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+from .pool_kind import PackedSpans, WholeBuffers
 
 __all__ = [
     "AsyncTensorSwapper",
@@ -54,6 +55,8 @@ __all__ = [
     "PartitionedOptimizerSwapper",
     "PipelinedOptimizerSwapper",
     "PinnedBufferPool",
+    "PackedSpans",
+    "WholeBuffers",
     "BufferTooSmallError",
     "InsufficientHostMemoryError",
     "InsufficientSwapSpaceError",

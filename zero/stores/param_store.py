@@ -202,7 +202,7 @@ class NvmeParamStore(ParamStore):
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int,
                  master=None):
-        from swapper import PartitionedParamSwapper
+        from swapper import PackedSpans, PartitionedParamSwapper
         from swapper.param_swapper import HOME_SLACK_BYTES
 
         self.rank_layout = rank_layout
@@ -221,8 +221,8 @@ class NvmeParamStore(ParamStore):
             buffer_size=max(1, largest) + (HOME_SLACK_BYTES // 4 if master is not None else 0),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
-            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES, packed=True,
-            spare_buffers=min(self.SPARE_BUFFERS, count))
+            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
+            pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
         try:
             for u in rank_layout.units:
