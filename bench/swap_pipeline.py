@@ -43,8 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper  # noqa: E402
-from swapper.optimizer_swapper import StepStats  # noqa: E402
+from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper, StepStats  # noqa: E402
 from tools.results_md import replace_section  # noqa: E402
 from torch.optim.adamw import adamw  # noqa: E402
 

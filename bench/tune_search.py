@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import nvmeio  # noqa: E402
-from nvmeio.tune.dirs import check_dir  # noqa: E402
-from nvmeio.tune.measure import Workload  # noqa: E402
-from nvmeio.tune.search import grid_search, smart_search  # noqa: E402
-from nvmeio.tune.space import build_space, format_size, parse_size  # noqa: E402
+from nvmeio.tune._dirs import check_dir  # noqa: E402
+from nvmeio.tune._measure import Workload  # noqa: E402
+from nvmeio.tune._search import grid_search, smart_search  # noqa: E402
+from nvmeio.tune._space import build_space, format_size, parse_size  # noqa: E402
 from tools.results_md import replace_section  # noqa: E402
 
 SECTION = "## nvme_tune search (bench/tune_search.py)"

@@ -11,7 +11,7 @@ from swapper import (
     PinnedBufferPool,
     PipelinedOptimizerSwapper,
 )
-from swapper.swap_dir import SwapDirectory
+from swapper._swap_dir import SwapDirectory
 
 
 def _files(root):

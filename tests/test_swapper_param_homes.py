@@ -8,8 +8,8 @@ import torch
 
 from swapper import (BufferTooSmallError, PackedSpans, PartitionedParamSwapper, SwapCorruptionError, SwapStateError,
                      WholeBuffers)
-from swapper.errors import SwapFileTruncatedError
-from swapper.param_swapper import HOME_SLACK_BYTES, PartitionState
+from swapper._errors import SwapFileTruncatedError
+from swapper._param_swapper import HOME_SLACK_BYTES, PartitionState
 
 SIZES = {"a": 1000, "b": 3, "c": 5000, "d": 1}  # back to back: offsets 0, 4000, 4012, 24012 (+ base)
 BASE = 4096 + 8  # a header page, then 8 bytes: no home starts on a page

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from swapper import PackedSpans, PartitionedParamSwapper, PoolExhaustedError
-from swapper.param_swapper import PartitionState
-from swapper.span_pool import SpanPool
+from swapper._param_swapper import PartitionState
+from swapper._span_pool import SpanPool
 
 PAGE = 4096
 FLOATS_PER_PAGE = PAGE // 4

@@ -47,10 +47,8 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from nvmeio import FastIO, FastFileReader, SafetensorsReader, SafetensorsWriter
-from nvmeio.fast_buffers import FastIOStats
+from nvmeio import FastFileReader, FastIO, FastIOStats, PlainFileWriter, SafetensorsReader, SafetensorsWriter
 from nvmeio.safetensors_file import encode_header
-from nvmeio.plain_writer import PlainFileWriter
 from swapper.checksum import ChecksumAlgorithm, digest_chunks
 
 from .format import CheckpointCorruptionError

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from swapper import activation_swapper
-from swapper.buffer_pool import align_up
-from swapper.host_memory import HostMemory, format_bytes
+from swapper import ActivationSwapper
+from swapper.host_memory import HostMemory, align_up, format_bytes
 
 from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
@@ -76,7 +75,7 @@ def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize
             (2 + state_count) * numel * 4, "zero_optimization.offload_optimizer.device"))
     spill = spill_offload(zc) if config.activation_checkpointing.cpu_checkpointing else None
     if spill is not None:
-        count, size = activation_swapper.BUFFER_COUNT, activation_swapper.BUFFER_BYTES
+        count, size = ActivationSwapper.BUFFER_COUNT, ActivationSwapper.BUFFER_BYTES
         parts.append(MemoryPart(f"activation swap buffers ({count} x {format_bytes(size)})", count * size,
                                 "activation_checkpointing.cpu_checkpointing", locked=spill.pin_memory))
     if par.device != "none":  # gathered parameters live in host memory when computing on the CPU
