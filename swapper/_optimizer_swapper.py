@@ -346,6 +346,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
         return self.swap_dir.file(g.file_name), g.layout.offsets()
 
     def layout(self, sub_group_id: int) -> SubGroupLayout:
+        """The byte layout of a registered sub-group (as :meth:`register_sub_group` returned it)."""
         return self._group(sub_group_id).layout
 
     def share_file(self, sub_group_id: int, link: Callable[[str, bool], bool]) -> bool:
