@@ -53,7 +53,7 @@ class PoolBuffer:
     """One buffer of the pool. ``tensor`` is the whole buffer in the pool's dtype.
 
     Valid until it is released; the memory is reused by whoever acquires it next.
-    ``spare``: it lies in its pool's spare region (only a :class:`~swapper.span_pool.SpanPool`
+    ``spare``: it lies in its pool's spare region (only a :class:`~swapper.SpanPool`
     has one, _span_pool.py).
     """
 

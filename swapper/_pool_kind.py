@@ -3,7 +3,7 @@
 A swapper is given a pool kind, not a pool: the pool is made when the swapper
 knows its buffers' size (at construction, or from the registered entries at
 first use) and locks its memory through the swapper's own handle. Both kinds
-make a :class:`~swapper.buffer_pool.StagingPool`, so the swapper asks every
+make a :class:`~swapper.StagingPool`, so the swapper asks every
 pool the same questions in bytes; the one thing it asks the kind is what a
 request will take from the pool before the pool exists.
 
@@ -63,7 +63,7 @@ class WholeBuffers(PoolKind):
 
 @dataclass(frozen=True)
 class PackedSpans(PoolKind):
-    """A :class:`~swapper.span_pool.SpanPool` of the same bytes: a span of its own size per
+    """A :class:`~swapper.SpanPool` of the same bytes: a span of its own size per
     request; the last ``spare_buffers`` buffers' worth is its spare region."""
 
     spare_buffers: int = 0

@@ -177,7 +177,7 @@ class SpanPool(StagingPool):
             return spans
 
     def take(self, sizes: Sequence[int], *, holder: str = "", spare: bool = True) -> List[PoolSpan]:
-        """:meth:`acquire` without waiting (:class:`~swapper.buffer_pool.StagingPool`)."""
+        """:meth:`acquire` without waiting (:class:`~swapper.StagingPool`)."""
         return self.acquire(sizes, holder=holder, spare=spare)
 
     def fits(self, sizes: Sequence[int], *, spare: bool = False) -> int:

@@ -19,7 +19,7 @@ def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-# Loads swapper.swap_dir without the package __init__ (and so without torch, slow to import).
+# Loads swapper._swap_dir without the package __init__ (and so without torch, slow to import).
 _PREAMBLE = f"""
 import sys, types
 package = types.ModuleType("swapper")

@@ -119,7 +119,7 @@ class SavedActivations:
     """The saved-tensor store of an engine's train_batch windows (see the note).
 
     ``budget``: host bytes of saved storages kept before the oldest go to ``swapper``
-    (an :class:`~swapper.activation_swapper.ActivationSwapper`); None with no swapper: all kept.
+    (an :class:`~swapper.ActivationSwapper`); None with no swapper: all kept.
     """
 
     def __init__(self, budget: Optional[int], swapper=None, min_bytes: int = MIN_SPILL_BYTES):
