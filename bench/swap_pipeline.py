@@ -43,8 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper
-from swapper.optimizer_swapper import StepStats
+from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper, StepStats
 from tools.results_md import replace_section
 from torch.optim.adamw import adamw
 

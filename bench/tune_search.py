@@ -37,10 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import nvmeio
-from nvmeio.tune.dirs import check_dir
-from nvmeio.tune.measure import Workload
-from nvmeio.tune.search import grid_search, smart_search
-from nvmeio.tune.space import build_space, format_size, parse_size
+from nvmeio.tune._dirs import check_dir
+from nvmeio.tune._measure import Workload
+from nvmeio.tune._search import grid_search, smart_search
+from nvmeio.tune._space import build_space, format_size, parse_size
 from tools.results_md import replace_section
 
 SECTION = "## nvme_tune search (bench/tune_search.py)"

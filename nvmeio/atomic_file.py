@@ -51,7 +51,7 @@ from typing import Iterator, Optional
 from . import _native
 from .errors import make_error
 
-__all__ = ["TempFile", "DeviceFile", "create_temp_beside", "open_for_replacing",
+__all__ = ["TempFile", "DeviceFile", "create_temp_beside", "create_exclusive", "open_for_replacing",
            "is_device_node", "replacing", "write_atomically", "fsync_file", "fsync_directory",
            "exchange"]
 

@@ -174,7 +174,7 @@ def _kernel_version() -> tuple[int, int]:
 # -- directories -----------------------------------------------------------------------
 
 def _dir_checks(dirs: Sequence[str]) -> list[Check]:
-    from nvmeio.tune.dirs import check_dir
+    from nvmeio.tune._dirs import check_dir
 
     s = "directories"
     if not dirs:

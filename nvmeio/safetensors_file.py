@@ -31,9 +31,9 @@ import os
 import struct
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
-from .fast_reader import FastFileReader
-from .fast_writer import FastFileWriter
+from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
+from ._fast_reader import FastFileReader
+from ._fast_writer import FastFileWriter
 
 __all__ = ["SafetensorsWriter", "SafetensorsReader", "SafetensorsError", "save_file", "load_file",
            "TensorInfo", "encode_header"]

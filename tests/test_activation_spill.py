@@ -309,7 +309,7 @@ def test_a_saved_tensor_used_after_its_window_ended_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: saved tensors copied to pinned host memory "
                                                           "and back (no GPU here)")
 def test_on_cuda_saved_tensors_go_to_host_memory_and_back_unchanged(tmp_path):
-    from swapper.activation_swapper import ActivationSwapper
+    from swapper._activation_swapper import ActivationSwapper
 
     for budget, swapper in ((None, None), (0, ActivationSwapper(tmp_path, job_id="job"))):
         store = SavedActivations(budget, swapper)

@@ -21,7 +21,7 @@ import nvmeio
 from helpers import file_bytes, random_bytes, run_child
 from test_cuda_paths import on_fake_cuda, plain
 
-gds_module = importlib.import_module("nvmeio.gds")
+gds_module = importlib.import_module("nvmeio._gds")
 
 
 def _has_kvikio() -> bool:

@@ -15,9 +15,9 @@ from swapper import (
     SwapFileTruncatedError,
 )
 from swapper.checksum import ChecksumTable
-from swapper.param_swapper import PartitionState, swap_file_name
-from swapper.sub_group import SubGroupState
-from swapper.swap_dir import SwapDirectory
+from swapper._param_swapper import PartitionState, swap_file_name
+from swapper._sub_group import SubGroupState
+from swapper._swap_dir import SwapDirectory
 
 
 def _algorithm(name, package=None):

@@ -11,8 +11,8 @@ from swapper import (
     PinnedBufferPool,
     PipelinedOptimizerSwapper,
 )
-from swapper.param_swapper import PartitionState
-from swapper.swap_dir import SwapDirectory
+from swapper import PartitionState
+from swapper._swap_dir import SwapDirectory
 
 
 def _files(root):

@@ -391,7 +391,7 @@ def test_flush_page_cache_without_the_right_says_so(dirs, two_point_sweep):
 # -- interruption ------------------------------------------------------------------------
 
 def test_sigterm_and_sighup_interrupt_like_ctrl_c():
-    from nvmeio.tune import cli
+    from nvmeio.tune import _cli as cli
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         with pytest.raises(KeyboardInterrupt):
@@ -443,7 +443,7 @@ def test_help_lists_the_ds_nvme_tune_options_and_ours():
 def test_the_sweep_files_are_created_exclusively_never_through_a_symlink(tmp_path, monkeypatch):
     # nvme_dir may be shared: a symlink planted at the name (here: a guessed
     # one) makes the sweep refuse to start instead of writing through it.
-    from nvmeio.tune import measure
+    from nvmeio.tune import _measure as measure
 
     monkeypatch.setattr(measure.secrets, "token_hex", lambda n: "guessed")
     victim = tmp_path / "victim"

@@ -222,7 +222,7 @@ def test_zero_to_fp32_holds_the_model_once(tmp_path, safe):
     assert run.returncode == 0, run.stderr
     growth = int(run.stdout.strip().splitlines()[-1])
     assert model_bytes > 50_000_000
-    writer_buffers = 2 * nvmeio.fast_io.DEFAULT_BUFFER_SIZE + (8 << 20)  # + Python's own allocations
+    writer_buffers = 2 * nvmeio._fast_io.DEFAULT_BUFFER_SIZE + (8 << 20)  # + Python's own allocations
     largest = 4 * max(s.numel for u in engine.parts.rank_layout.units for s in u.slots)
     held = largest if safe else model_bytes
     assert growth < 1.25 * held + writer_buffers, (growth, held, writer_buffers)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import zero
-from swapper.buffer_pool import align_up
+from swapper.host_memory import align_up
 from zero.examples import GPT, GPTConfig
 from zero.stores.estimator import model_sizes
 from helpers import base_config, run_ranks

@@ -11,7 +11,7 @@ refusing to run until a checkpoint is loaded again.
 A shard that carries checksums is read once: where the store can stage it
 (the optimizer on NVMe, same layout), the check reads it into a staging swap
 file (a hard link of the shard, or a copy written as it is read) and hashes
-the bytes on the way (swapper/staged_state.py); only once every shard of the
+the bytes on the way (swapper/_staged_state.py); only once every shard of the
 checkpoint matched on every rank does the apply step publish the staged
 files (a rename each) and take the masters from the staging buffers. A
 mismatch, or a failure on another rank, discards the staged files: the

@@ -48,9 +48,8 @@ from typing import Dict, List, Optional, Set
 import torch
 import torch.nn as nn
 
-from nvmeio import AioSettings
-from nvmeio.env import env_str
-from nvmeio.handle_choice import require_gds
+from nvmeio import AioSettings, require_gds
+from nvmeio import env
 
 from ..runtime.comm import Comm, compute_device
 from ..config import ConfigError, DeepSpeedConfig, Problem
@@ -142,7 +141,7 @@ JOB_ID_ENV = "NVMEIO_JOB_ID"
 def _job_id(zc) -> str:
     """``zero_optimization.nvme_job_id``, else $NVMEIO_JOB_ID, else "zero_stage_3"; an engine made
     while another of the same process holds that id gets ".1", ".2", ..."""
-    base = zc.nvme_job_id or env_str(JOB_ID_ENV) or "zero_stage_3"
+    base = zc.nvme_job_id or env.get(JOB_ID_ENV)
     n = 0
     while (job_id := base if n == 0 else f"{base}.{n}") in _JOBS_IN_USE:
         n += 1
@@ -392,7 +391,7 @@ def _make_activation_store(config, aio, job_id, comm, device, default_budget, re
         log_rank0(comm.rank, "[zero] activation_checkpointing.cpu_checkpointing: saved activations stay in host "
                              "memory, all of them (no zero_optimization offload has device nvme to spill to)")
         return SavedActivations(None) if device.type == "cuda" else None
-    from swapper.activation_swapper import ActivationSwapper
+    from swapper import ActivationSwapper
 
     swapper = _swap_store(lambda: ActivationSwapper(
         offload.nvme_path, aio, job_id=job_id, rank=comm.rank, name="activations",

@@ -12,10 +12,10 @@ stale trace.
 [Note: read-ahead in batches]
 The store says how many bytes may be read ahead (``prefetch_capacity``) and
 what each unit costs (``prefetch_cost``): the pool's bytes, not its buffers,
-bound the read-ahead (swapper/span_pool.py). Each fetch frees about one
+bound the read-ahead (swapper/_span_pool.py). Each fetch frees about one
 unit's bytes. Read ahead one unit at a time, the reads would spread over
 every read queue, and a fetch, which waits for its whole queue
-(swapper/param_swapper.py, [Note: a ring of read queues, so a fetch waits
+(swapper/_param_swapper.py, [Note: a ring of read queues, so a fetch waits
 for its own read only]), would wait for reads far ahead of it. So while room
 is what limits it, the read-ahead waits until a batch's worth
 (``prefetch_batch_bytes``) is free, and the store gives each batch a queue

@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from nvmeio.env import env_flag
+from nvmeio import env
 
 from .malloc_trim import return_freed_heap
 
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 def _mallopt():
-    if not env_flag("NVMEIO_MALLOC_TUNING", True):
+    if not env.get("NVMEIO_MALLOC_TUNING"):
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")

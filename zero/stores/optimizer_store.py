@@ -135,7 +135,7 @@ class OptimizerStore(abc.ABC):
                     algorithm) -> Optional[object]:
         """Read the sub-group's own shard once into a staging place, hashing each of ``keys``
         with ``algorithm`` on the way, without changing the sub-group (see
-        swapper/staged_state.py [Note: a staged load reads each byte once]); returns the
+        swapper/_staged_state.py [Note: a staged load reads each byte once]); returns the
         staged state (its ``digests`` for the caller to check), or None where this store
         cannot stage (the caller verifies and loads the shard as two reads)."""
         return None
@@ -233,7 +233,7 @@ class NvmeOptimizerStore(OptimizerStore):
     needs ``pipeline_read`` and ``pipeline_write``. Such a backward reads
     :data:`BACKWARD_READ_AHEAD` sub-groups ahead (five buffers: those, the one
     stepped, the one written), each on a read queue of its own so that a step
-    waits for its own read only (swapper/optimizer_swapper.py [Note: reads on
+    waits for its own read only (swapper/_optimizer_swapper.py [Note: reads on
     queues of their own]): a sub-group's state is most of the backward's I/O,
     and with one read ahead the disk idled between a read landing and the next
     step submitting one (3.1B GPT of bench/scale.py: the disk idle 8 s of a
@@ -394,7 +394,7 @@ class NvmeOptimizerStore(OptimizerStore):
     def abandon_backward_step(self) -> None:
         """A backward that stepped sub-groups failed: give back every buffer it held unwritten
         (a failed write's new values included: only a checkpoint load makes the state whole)."""
-        from swapper.sub_group import SubGroupState
+        from swapper import SubGroupState
 
         self._stepping = False
         try:
@@ -424,7 +424,7 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _write_held(self, groups) -> None:
         """Write out sub-groups a failed step left in host memory (their buffers are needed)."""
-        from swapper.sub_group import SubGroupState
+        from swapper import SubGroupState
 
         for sg in groups:
             if self.swapper.state(sg.index) is SubGroupState.AVAILABLE:

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
-from swapper import activation_swapper
-from swapper.buffer_pool import align_up
+from swapper import ActivationSwapper
+from swapper.host_memory import align_up
 from swapper.host_memory import format_bytes
 
 from .layouts import RankLayout
@@ -177,7 +177,7 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
                 fix=_STAGE_0_OPTIMIZER_FIX if stage == 0 else None)
 
     if activation_spill is not None:
-        count, size = activation_swapper.BUFFER_COUNT, activation_swapper.BUFFER_BYTES
+        count, size = ActivationSwapper.BUFFER_COUNT, ActivationSwapper.BUFFER_BYTES
         add(f"activation swap buffers ({count} x {format_bytes(size)})", count * size,
             "activation_checkpointing.cpu_checkpointing", HOST, locked=activation_spill.pin_memory)
 

@@ -15,15 +15,13 @@ order) stay in ordinary host memory for good and never touch NVMe. Swap files
 are named after the caller's ids (``param_<id>.swp``), which must therefore be
 stable across runs: a parameter's name or its index, never ``id()``.
 
-With ``packed=True`` the pool is a :class:`SpanPool` of the same ``buffer_count
-× buffer_size`` elements, and each partition takes a span of its own size
-(whole pages): the memory bounds the bytes held, not the number of partitions
-(span_pool.py, [Note: read-ahead bounded by bytes, not by buffers]). Its last
-``spare_buffers`` buffers' worth is kept for blocking swap-ins and writes;
-:meth:`read_ahead`, which never fails for want of room, stays out of it.
+With ``pool=PackedSpans(spare_buffers=k)`` (_pool_kind.py) each partition takes
+a span of its own size from the same bytes instead of a whole buffer, and
+:meth:`read_ahead`, which never fails for want of room, stays out of the last
+``k`` buffers' worth, kept for blocking swap-ins and writes.
 
 [Note: a ring of read queues, so a fetch waits for its own read only]
-A handle's ``wait()`` completes every op submitted on it (io_queue.py), so
+A handle's ``wait()`` completes every op submitted on it (_io_queue.py), so
 with one read queue a blocking :meth:`swap_in` of a prefetched partition waits
 for every prefetch issued after it too: a forward reading ahead along its
 trace would stall on the whole read-ahead at each module. ``read_queues`` > 1
@@ -34,117 +32,37 @@ for (and the writes of those being written), not every op in flight.
 ``write_queues`` > 1 does the same for writes (io_queue.WriteRing): a full pool
 then waits for the oldest batch of writes, not for all of them.
 
-[Note: a partition homed in another owner's file]
-With fp32 training a unit's parameter shard is, byte for byte, a slice of the
-optimizer's fp32 master, which the optimizer swapper writes anyway; a copy in
-a parameter swap file of its own costs a write of every parameter per step,
-and the buffers those writes hold. :meth:`store_at` makes a byte range of
-another file the partition's home: nothing is written, the digest of the bytes
-the owner is writing there is recorded, and swap-ins read from there. Direct
-I/O needs the file offset and the memory address to agree within a page, so
-the data sits in its buffer at the home's offset within a page and the read
-covers whole pages (buffers need :data:`HOME_SLACK_BYTES` more); the checksum
-covers the partition's bytes alone. The owner keeps the two promises the
-swapper cannot check: the bytes are at the home before a swap-in reads them
-(else it hands them over with :meth:`fill`), and no read of a home is in
-flight when the owner rewrites it (:meth:`settle`).
+Partitions stored in another owner's file (:meth:`store_at`): _partition.py,
+[Note: a partition homed in another owner's file].
 """
 from __future__ import annotations
 
-import enum
-import hashlib
 import math
 import os
-from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
-from urllib.parse import quote
 
 import torch
 
 from nvmeio import AioSettings
 
-from .buffer_pool import PAGE_BYTES, PoolBuffer, align_up, as_count
+from ._buffer_pool import PoolBuffer, as_count
+from .host_memory import PAGE_BYTES, align_up
 from .checksum import ChecksumAlgorithm, ChecksumTable
-from .errors import BufferTooSmallError, SwapFileTruncatedError, SwapStateError, add_note
-from .io_queue import IoKind, IoQueue, WriteRing
-from .span_pool import SpanPool
-from .swap_dir import FreeSpaceFn
-from .swapper_base import SwapperBase
-
-ParamId = Union[int, str]
-Home = Tuple[str, int]  # (path, byte offset) of a partition's bytes in another owner's file
-HOME_SLACK_BYTES = 2 * PAGE_BYTES  # a homed partition's buffer: its skew and its last page's rest
-
-
-class PartitionState(enum.Enum):
-    """Where a registered partition's data is, and what host memory it holds."""
-
-    UNWRITTEN = "unwritten"
-    """Registered, no data anywhere yet; holds nothing."""
-    AVAILABLE = "available"
-    """Data valid in its pool buffer; holds one pool buffer (``buffer_size`` elements)."""
-    READING = "reading"
-    """Read from NVMe in flight; holds one pool buffer, undefined until ``synchronize()``."""
-    WRITING = "writing"
-    """Write to NVMe in flight; holds one pool buffer, which must not change until ``synchronize()``."""
-    ON_NVME = "on_nvme"
-    """Data only in its swap file; holds no host memory."""
-    IN_CPU = "in_cpu"
-    """Kept in host memory within ``max_in_cpu``: ``numel × itemsize`` bytes of ordinary
-    (pageable) memory for its whole life; never on NVMe."""
-
-
-def swap_file_name(param_id: ParamId) -> str:
-    """The file name of a partition: the id, percent-escaped; long ids end in a digest."""
-    text = quote(str(param_id), safe="")
-    if len(text) > 180:
-        text = text[:160] + "-" + hashlib.sha1(text.encode()).hexdigest()[:16]
-    return f"param_{text}.swp"
-
-
-@dataclass(eq=False)
-class _Partition:
-    param_id: ParamId
-    numel: int
-    dtype: torch.dtype
-    file_name: str
-    state: PartitionState
-    buffer: Optional[PoolBuffer] = None
-    cpu_tensor: Optional[torch.Tensor] = None
-    has_data: bool = False  # for IN_CPU partitions: written at least once
-    on_nvme: bool = False  # the swap file holds the current data
-    keep_after_write: bool = False  # swap_in asked for it while its write was in flight
-    queue: Optional[IoQueue] = None  # the read queue of its read in flight (READING)
-    home: Optional[Home] = None  # stored in another owner's file (store_at), not in file_name
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
-
-    @property
-    def skew(self) -> int:
-        """Where the data starts in its buffer: the home's offset within a page (see the note)."""
-        return 0 if self.home is None else self.home[1] % PAGE_BYTES
-
-    def tensor(self) -> torch.Tensor:
-        if self.cpu_tensor is not None:
-            return self.cpu_tensor
-        assert self.buffer is not None
-        return self.buffer.view(self.numel, self.dtype, self.skew)
-
-    def read_span(self) -> Tuple[int, int]:
-        """(file offset, bytes) of the whole pages a swap-in reads, from the buffer's start."""
-        if self.home is None:
-            return 0, self.nbytes
-        return self.home[1] - self.skew, align_up(self.skew + self.nbytes)
-
+from ._errors import BufferTooSmallError, SwapStateError, add_note
+from ._io_queue import IoKind, WriteRing
+from ._partition import HOME_SLACK_BYTES, Home, ParamId, Partition, PartitionState, swap_file_name
+from ._pool_kind import PoolKind, WholeBuffers
+from ._swap_dir import FreeSpaceFn
+from ._swapper_base import SwapperBase
 
 class PartitionedParamSwapper(SwapperBase):
     """Swaps parameter partitions, registered by stable id, between NVMe and pool buffers.
 
     Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``aio_config`` is a
     DeepSpeed ``aio`` dict or :class:`nvmeio.AioSettings`; ``buffer_size`` and ``max_in_cpu``
-    count elements of ``dtype`` (integral floats such as ``1e8`` are accepted).
+    count elements of ``dtype`` (integral floats such as ``1e8`` are accepted); ``pool`` is the
+    kind of pool they make (_pool_kind.py: :class:`WholeBuffers`, the default, or
+    :class:`PackedSpans`).
     ``checksum`` (``"xxhash"``, ``"crc32c"``, ``"crc32"`` or ``None``) verifies every
     swap-in. Tensors returned by :meth:`swap_in` / :meth:`get_buffer` view pool
     memory: they are valid until the partition is released or swapped out.
@@ -172,8 +90,7 @@ class PartitionedParamSwapper(SwapperBase):
         remove_stale: bool = False,
         read_queues: int = 1,
         write_queues: int = 1,
-        packed: bool = False,
-        spare_buffers: int = 0,
+        pool: PoolKind = WholeBuffers(),
     ):
         config = AioSettings.coerce(aio_config)
         read_queues = as_count(read_queues, "read_queues")
@@ -183,21 +100,16 @@ class PartitionedParamSwapper(SwapperBase):
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
             raise ValueError(f"max_in_cpu must be a non-negative integer, got {max_in_cpu!r}")
         self.max_in_cpu = int(max_in_cpu)
-        if isinstance(spare_buffers, bool) or not isinstance(spare_buffers, int) or \
-                not 0 <= spare_buffers <= self.buffer_count:
+        if pool.spare_buffers > self.buffer_count:
             raise ValueError(f"spare_buffers must be an integer from 0 to buffer_count ({self.buffer_count}), "
-                             f"got {spare_buffers!r}")
-        if spare_buffers and not packed:
-            raise ValueError("spare_buffers needs packed=True (a pool of whole buffers has no spare region)")
-        self.packed = packed
-        self.spare_buffers = spare_buffers
-        self._parts: Dict[ParamId, _Partition] = {}
+                             f"got {pool.spare_buffers!r}")
+        self._parts: Dict[ParamId, Partition] = {}
         self._by_file: Dict[str, ParamId] = {}
         self._cpu_numel = 0
         self._nvme_bytes = 0
         super().__init__(
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
-            pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
+            pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale, pool_kind=pool,
         )
         self._writes = WriteRing(self._writes, self._new_queue, write_queues)
         self._spread_reads(read_queues)
@@ -226,7 +138,7 @@ class PartitionedParamSwapper(SwapperBase):
         if param_id in self._parts or file_name in self._by_file:
             raise ValueError(f"partition id {param_id!r} is registered already")
         dtype = dtype or self.dtype
-        part = _Partition(param_id, numel, dtype, file_name, PartitionState.UNWRITTEN)
+        part = Partition(param_id, numel, dtype, file_name, PartitionState.UNWRITTEN)
         if self._cpu_numel + numel <= self.max_in_cpu:
             part.state = PartitionState.IN_CPU
             part.cpu_tensor = torch.empty(numel, dtype=dtype)
@@ -280,20 +192,18 @@ class PartitionedParamSwapper(SwapperBase):
         return self._nvme_bytes
 
     def buffer_bytes(self, param_id: ParamId) -> int:
-        """The pool memory ``param_id`` takes while in a buffer: its span (packed), else one whole
-        buffer; 0 for a partition kept in host memory."""
+        """The pool memory ``param_id`` takes while in a buffer (_pool_kind.py: one whole buffer, or
+        its span); 0 for a partition kept in host memory."""
         part = self._lookup([param_id])[0]
         if part.cpu_tensor is not None:
             return 0
-        if self.packed:
-            return self._span_bytes(part)
-        return align_up(self._buffer_nbytes() or self._span_bytes(part))
+        return self.pool_kind.footprint(part.span_bytes(), self._buffer_nbytes())
 
     def in_spare(self, param_id: ParamId) -> bool:
-        """Whether the partition's buffer lies in the packed pool's spare region (span_pool.py):
-        memory kept for blocking swap-ins and writes, which should go back soon."""
+        """Whether the partition's buffer lies in the pool's spare region (``PackedSpans``,
+        _span_pool.py): memory kept for blocking swap-ins and writes, which should go back soon."""
         buffer = self._lookup([param_id])[0].buffer
-        return getattr(buffer, "spare", False)
+        return buffer is not None and buffer.spare
 
     # -- data movement ------------------------------------------------------------------------
     def get_buffer(self, param_id: ParamId) -> torch.Tensor:
@@ -376,7 +286,7 @@ class PartitionedParamSwapper(SwapperBase):
 
     def read_ahead(self, param_ids: Sequence[ParamId], copies: Optional[Dict[ParamId, torch.Tensor]] = None) -> int:
         """Start bringing in the leading partitions of ``param_ids`` that the pool holds now
-        (packed: outside its spare region, see span_pool.py), completing the oldest writes
+        (packed: outside its spare region, see _span_pool.py), completing the oldest writes
         first if that makes room; never raises :class:`PoolExhaustedError`. A partition in
         ``copies`` (stored with :meth:`store_at`, its data still in its owner's memory, as for
         :meth:`fill`) is copied from there, the others are read, on one read queue. Returns how
@@ -390,12 +300,12 @@ class PartitionedParamSwapper(SwapperBase):
         self._start_swap_in(parts[:fit], spare=False, copies=copies)
         return fit
 
-    def _check_readable(self, parts: List[_Partition]) -> None:
+    def _check_readable(self, parts: List[Partition]) -> None:
         for p in parts:
             if p.state is PartitionState.UNWRITTEN or (p.cpu_tensor is not None and not p.has_data):
                 raise SwapStateError(f"partition {p.param_id!r} was never written; nothing to swap in")
 
-    def _start_swap_in(self, parts: List[_Partition], spare: bool,
+    def _start_swap_in(self, parts: List[Partition], spare: bool,
                        copies: Optional[Dict[ParamId, torch.Tensor]] = None) -> None:
         """Take buffers for the partitions of ``parts`` on NVMe, all or none, and start their
         reads (or copy them from ``copies``)."""
@@ -436,7 +346,8 @@ class PartitionedParamSwapper(SwapperBase):
             raise
 
     # -- partitions homed in another owner's file (see the note) --------------------------------
-    def store_at(self, param_ids: Sequence[ParamId], homes: Sequence[Home], tensors: Sequence[torch.Tensor]) -> None:
+    def store_at(self, param_ids: Sequence[ParamId], homes: Sequence[Tuple[str, int]],
+                 tensors: Sequence[torch.Tensor]) -> None:
         """Make ``tensors[i]`` the data of ``param_ids[i]``, stored by another owner at
         ``homes[i]`` = (path, byte offset) of its file: nothing is written here. A partition held
         in a buffer is updated there; its own swap file, if any, is deleted. Partitions kept in
@@ -461,9 +372,10 @@ class PartitionedParamSwapper(SwapperBase):
                 p.cpu_tensor.copy_(t.reshape(-1))
                 p.has_data = True
                 continue
-            need = self._span_bytes(p, skew=int(home[1]) % PAGE_BYTES)
-            if self.packed and p.state is PartitionState.AVAILABLE and p.buffer.nbytes < need:
-                # its span holds the data from the old home's offset in a page, too few pages for the new one's
+            need = p.span_bytes(skew=int(home[1]) % PAGE_BYTES)
+            if p.state is PartitionState.AVAILABLE and p.buffer.nbytes < need:
+                # a span holds the data from the old home's offset in a page, too few pages for the new one's
+                # (a whole buffer has room for any: checked above)
                 wider = self._acquire([p], "store_at", sizes=[need])[0]
                 self._pool.release([p.buffer])
                 p.buffer = wider
@@ -471,10 +383,10 @@ class PartitionedParamSwapper(SwapperBase):
                 self.swap_dir.remove(p.file_name)
                 self._nvme_bytes -= p.nbytes
             elif self._checksums is not None:
-                self._checksums.forget_region(p.home[0], p.home[1], p.nbytes)
-            p.home = (os.fspath(home[0]), int(home[1]))
+                self._checksums.forget_region(p.home.path, p.home.offset, p.nbytes)
+            p.home = Home(os.fspath(home[0]), int(home[1]))
             if self._checksums is not None:
-                self._checksums.record(p.home[0], p.home[1], t)
+                self._checksums.record(p.home.path, p.home.offset, t)
             if p.state is PartitionState.AVAILABLE:
                 p.tensor().copy_(t.reshape(-1))
             else:
@@ -500,7 +412,7 @@ class PartitionedParamSwapper(SwapperBase):
         if reading:
             self._complete(reading)
 
-    def _complete(self, parts: List[_Partition]) -> None:
+    def _complete(self, parts: List[Partition]) -> None:
         """Complete the I/O in flight of ``parts``: every op when there is one read queue (as
         :meth:`synchronize`), else only the queues holding their reads and, if one is being
         written, the writes (see the note)."""
@@ -568,14 +480,14 @@ class PartitionedParamSwapper(SwapperBase):
         return [p.param_id for p in lost]
 
     # -- internals ---------------------------------------------------------------------------
-    def _swapped_entries(self) -> List[_Partition]:
+    def _swapped_entries(self) -> List[Partition]:
         return [p for p in self._parts.values() if p.cpu_tensor is None]
 
     def _forget_entries(self) -> None:
         self._parts.clear()
         self._by_file.clear()
 
-    def _lookup(self, param_ids: Iterable[ParamId]) -> List[_Partition]:
+    def _lookup(self, param_ids: Iterable[ParamId]) -> List[Partition]:
         self._check_open()
         if isinstance(param_ids, (str, int)):
             raise TypeError("pass a list of partition ids")
@@ -594,40 +506,27 @@ class PartitionedParamSwapper(SwapperBase):
 
     def _make_pool(self, buffer_size: int):
         self._buffer_bytes = buffer_size * self._itemsize()
-        if not self.packed:
-            return super()._make_pool(buffer_size)
-        stride = align_up(self._buffer_bytes)
-        return SpanPool(self.buffer_count * stride, self.spare_buffers * stride, pin_memory=self.pin_memory,
-                        handle=self._reads.handle)
+        return super()._make_pool(buffer_size)
 
-    def _span_bytes(self, p: _Partition, skew: Optional[int] = None) -> int:
-        """What a buffer of ``p`` takes from a packed pool: its data from ``skew`` (default: its
-        home's), in whole pages."""
-        return align_up((p.skew if skew is None else skew) + p.nbytes)
-
-    def _acquire(self, parts: List[_Partition], what: str, spare: bool = True,
+    def _acquire(self, parts: List[Partition], what: str, spare: bool = True,
                  sizes: Optional[List[int]] = None) -> List[PoolBuffer]:
         count = len(parts)
         holder = f"partition {parts[0].param_id!r}" if count == 1 else f"{what} of {count} partitions"
         buffers = self._take_buffers(
-            count, holder, hint="release() partitions that are no longer needed, or raise buffer_count",
-            sizes=sizes or [self._span_bytes(p) for p in parts], spare=spare,
+            sizes or [p.span_bytes() for p in parts], holder,
+            hint="release() partitions that are no longer needed, or raise buffer_count", spare=spare,
         )
         for p, b in zip(parts, buffers):
             b.holder = f"partition {p.param_id!r}"
         return buffers
 
-    def _leading_that_fit(self, parts: List[_Partition]) -> int:
+    def _leading_that_fit(self, parts: List[Partition]) -> int:
         """How many of ``parts``, from the first, the pool can hold now outside its spare region."""
-        pool = self._ensure_pool()
         needing = [i for i, p in enumerate(parts) if p.state is PartitionState.ON_NVME]
-        if isinstance(pool, SpanPool):
-            placed = pool.fits([self._span_bytes(parts[i]) for i in needing], spare=False)
-        else:
-            placed = min(len(needing), pool.free_count)
+        placed = self._ensure_pool().fits([parts[i].span_bytes() for i in needing], spare=False)
         return needing[placed] if placed < len(needing) else len(parts)
 
-    def _submit_write(self, p: _Partition) -> None:
+    def _submit_write(self, p: Partition) -> None:
         self._check_space()
         path = self.swap_dir.create(p.file_name)
         data = p.tensor()
@@ -636,7 +535,7 @@ class PartitionedParamSwapper(SwapperBase):
         p.state, p.keep_after_write = PartitionState.WRITING, False
         self._writes.submit(IoKind.WRITE, data, path, 0, self._on_write(p))
 
-    def _on_write(self, p: _Partition):
+    def _on_write(self, p: Partition):
         def on_done(error: Optional[BaseException]) -> None:
             if error is not None:  # the data is still in the buffer: keep it there
                 p.state, p.on_nvme = PartitionState.AVAILABLE, False
@@ -651,7 +550,7 @@ class PartitionedParamSwapper(SwapperBase):
 
         return on_done
 
-    def _on_read(self, p: _Partition, path: str, offset: int, data: torch.Tensor):
+    def _on_read(self, p: Partition, path: str, offset: int, data: torch.Tensor):
         # p holds its buffer from now to on_done; a homed read also covers bytes of its neighbours
         # (whole pages): the checksums verified are the recorded regions inside the read.
         def on_done(error: Optional[BaseException]) -> None:
@@ -660,25 +559,17 @@ class PartitionedParamSwapper(SwapperBase):
 
         return on_done
 
-    def _stored_path(self, p: _Partition) -> str:
-        return self.swap_dir.file(p.file_name) if p.home is None else p.home[0]
+    def _stored_path(self, p: Partition) -> str:
+        return self.swap_dir.file(p.file_name) if p.home is None else p.home.path
 
-    def _check_stored_size(self, p: _Partition) -> None:
+    def _check_stored_size(self, p: Partition) -> None:
         if p.home is None:
             self._check_file_size(p.file_name, f"partition {p.param_id!r}", p.nbytes)
-            return
-        offset, nbytes = p.read_span()
-        try:
-            size = os.stat(p.home[0]).st_size
-        except FileNotFoundError:
-            size = 0
-        if size < offset + nbytes:
-            raise SwapFileTruncatedError(
-                f"file {p.home[0]} holding partition {p.param_id!r} is {size} bytes, expected at least "
-                f"{offset + nbytes}: it was truncated behind the swapper's back", p.home[0])
+        else:
+            p.check_home_size()
 
-    def _unhome(self, p: _Partition) -> None:
+    def _unhome(self, p: Partition) -> None:
         if self._checksums is not None:
-            self._checksums.forget_region(p.home[0], p.home[1], p.nbytes)
+            self._checksums.forget_region(p.home.path, p.home.offset, p.nbytes)
         p.home = None
         self._nvme_bytes += p.nbytes

@@ -21,15 +21,15 @@ from typing import Optional, Union
 
 import torch
 
-from nvmeio import AioSettings, new_handle
-from nvmeio.locked import huge_page_tensor
+from nvmeio import AioSettings, huge_page_tensor, new_handle
 
-from .async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
-from .buffer_pool import PinnedBufferPool, align_up, byte_view
+from ._async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
+from ._buffer_pool import PinnedBufferPool, byte_view
+from .host_memory import align_up
 from .checksum import ChecksumAlgorithm, checksum_table
-from .errors import SwapStateError
-from .io_queue import IoBytes, IoKind, IoQueue, ReadRing
-from .swap_dir import FreeSpaceFn, SwapDirectory
+from ._errors import SwapStateError
+from ._io_queue import IoBytes, IoKind, IoQueue, ReadRing
+from ._swap_dir import FreeSpaceFn, SwapDirectory
 
 BUFFER_COUNT = 4  # pool buffers the writes are staged in (a blob larger than one is split)
 BUFFER_BYTES = 8 << 20
@@ -51,6 +51,9 @@ class Blob:
 
 class ActivationSwapper:
     """Blobs of bytes to ``<nvme_path>/<job_id>/rank<rank>/<name>/window<n>`` and back."""
+
+    BUFFER_COUNT = BUFFER_COUNT  # its staging memory: BUFFER_COUNT x BUFFER_BYTES, locked when pinned
+    BUFFER_BYTES = BUFFER_BYTES
 
     def __init__(
         self,

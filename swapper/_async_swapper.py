@@ -22,11 +22,12 @@ import torch
 
 from nvmeio import AioSettings, new_handle
 
-from .buffer_pool import PinnedBufferPool, PoolBuffer, align_up, byte_view
+from ._buffer_pool import PinnedBufferPool, PoolBuffer, byte_view
+from .host_memory import align_up
 from .checksum import ChecksumAlgorithm, ChecksumTable, checksum_table
-from .errors import PoolExhaustedError, SwapFileTruncatedError
-from .io_queue import IoKind, IoQueue
-from .swap_dir import SwapDirectory
+from ._errors import PoolExhaustedError, SwapFileTruncatedError
+from ._io_queue import IoKind, IoQueue
+from ._swap_dir import SwapDirectory
 
 
 class WriteState(enum.Enum):

@@ -25,7 +25,8 @@ import time
 import warnings
 
 from . import _native
-from .env import env_flag, env_str
+from . import env
+from ._process import native_handle
 
 __all__ = ["available_backends", "fastest_backend", "measure_backends", "resolve_backend"]
 
@@ -60,9 +61,9 @@ def resolve_backend(backend: str) -> str:
 
 def _one_round(backend: str, path: str, buf) -> float:
     # The native handle directly (an aio_handle would resolve "auto" through this module).
-    h = _native.Handle(block_size=1 << 20, queue_depth=32, single_submit=False,
+    h = native_handle(block_size=1 << 20, queue_depth=32, single_submit=False,
                        overlap_events=False, intra_op_parallelism=1, backend=backend,
-                       direct_io=env_flag("NVMEIO_DIRECT_IO", True))
+                       direct_io=env.get("NVMEIO_DIRECT_IO"))
     ptr = buf.ptr
     start = time.perf_counter()
     for write in (True, False):
@@ -80,7 +81,7 @@ def _one_round(backend: str, path: str, buf) -> float:
 def measure_backends(directory: str | None = None, rounds: int = 5) -> dict[str, float]:
     """Median seconds of the probe mix per available backend."""
     backends = available_backends()
-    directory = directory or env_str("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
+    directory = directory or env.get("NVMEIO_PROBE_DIR") or tempfile.gettempdir()
     buf = _native.LockedBuffer(_BIG, True)
     times: dict[str, list[float]] = {b: [] for b in backends}
     # Created exclusively with a random name, then reached only through its
@@ -111,7 +112,7 @@ def fastest_backend() -> str:
     """The backend ``"auto"`` resolves to in this process (see the note)."""
     global _chosen
     if _chosen is None:
-        forced = env_str("NVMEIO_BACKEND")
+        forced = env.get("NVMEIO_BACKEND")
         available = available_backends()
         if forced:
             if forced not in available:

@@ -3,7 +3,7 @@
 A sub-group's fp32 master partition and optimizer states are laid out back to
 back after a header page, each region starting on a 4096-byte boundary, in its
 swap file and in its pool buffer alike; its optional gradient has a file of
-its own and follows the states in the buffer (see optimizer_swapper.py).
+its own and follows the states in the buffer (see _optimizer_swapper.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .async_swapper import SwapOutTicket
-from .buffer_pool import PoolBuffer, align_up
+from ._async_swapper import SwapOutTicket, WriteState
+from ._buffer_pool import PoolBuffer
+from ._errors import SwapCorruptionError
+from .host_memory import align_up
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -70,6 +72,10 @@ class SubGroupLayout:
         (after the header page, see [Note: the header page])."""
         return HEADER_BYTES + index * self.region_bytes
 
+    def offsets(self) -> Dict[str, int]:
+        """The byte offset of each tensor of the state file: ``"master"``, then each state."""
+        return {"master": self.offset(0), **{n: self.offset(1 + i) for i, n in enumerate(self.state_names)}}
+
     @property
     def written_bytes(self) -> int:
         """The end of what a swap-out writes: master and states, padding included."""
@@ -105,6 +111,50 @@ class SubGroupTensors:
 
 
 @dataclass(eq=False)
+class GradientPieces:
+    """The pieces of a sub-group's gradient written to its gradient file since a swap-out of its
+    state last consumed them: element ranges, and the tickets of their writes."""
+
+    ranges: List[Tuple[int, int]] = field(default_factory=list)
+    tickets: List[SwapOutTicket] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def add(self, start: int, stop: int, tickets: List[SwapOutTicket]) -> None:
+        self.ranges.append((start, stop))
+        self.tickets.extend(tickets)
+
+    def covered(self) -> int:
+        return covered_elements(self.ranges)
+
+    def in_flight(self) -> bool:
+        return any(not t.done for t in self.tickets)
+
+    def check_written(self, sub_group_id: int) -> None:
+        """A gradient whose write failed is lost (its bytes on disk are undefined, and the source
+        was freed when it was copied): never read it, until it is dropped."""
+        for t in self.tickets:
+            if t.state is WriteState.FAILED:
+                raise SwapCorruptionError(
+                    f"the gradient of sub-group {sub_group_id} was never written to {t.path} ({t.error}): "
+                    f"it is lost; drop_gradients({sub_group_id}) before writing it again", t.path)
+
+    def mark(self) -> Tuple[int, int]:
+        """How many pieces there are now (for :meth:`consume`)."""
+        return len(self.ranges), len(self.tickets)
+
+    def consume(self, mark: Optional[Tuple[int, int]] = None) -> None:
+        """Forget the pieces counted by ``mark`` (None: all of them)."""
+        if mark is None:
+            self.ranges.clear()
+            self.tickets.clear()
+        else:
+            del self.ranges[:mark[0]]
+            del self.tickets[:mark[1]]
+
+
+@dataclass(eq=False)
 class SubGroupEntry:
     """The swapper's record of one registered sub-group."""
 
@@ -114,8 +164,7 @@ class SubGroupEntry:
     grad_file_name: str
     state: SubGroupState = SubGroupState.UNWRITTEN
     buffer: Optional[PoolBuffer] = None
-    grad_ranges: List[Tuple[int, int]] = field(default_factory=list)  # element ranges written
-    grad_tickets: List[SwapOutTicket] = field(default_factory=list)
+    grad: GradientPieces = field(default_factory=GradientPieces)  # written since the last swap-out
     read_grad: bool = False  # the buffer holds a gradient read with the state
     linked: bool = False  # the swap file is also a checkpoint's: write a new file next time
     read_queue: Optional[object] = None  # the IoQueue of its read in flight (while READING)

@@ -10,7 +10,8 @@ a sub-group needs exactly one buffer. The optional gradient (written during
 backward, read with the state, never written back: the step consumes it) lives
 in a file of its own, ``subgroup<k>.grad``, and after the states in the buffer:
 the state file is then written only by swap-outs, as a whole, which is what
-lets a checkpoint take it by a hard link (sub_group_files.py; sub_group.py [Note: the header page]). ``buffer_count`` therefore
+lets a checkpoint take it by a hard link (_sub_group.py [Note: the header page]; the file
+operations of checkpoints are a collaborator's, _sub_group_files.py). ``buffer_count`` therefore
 counts sub-groups in host memory at once, not tensors as in DeepSpeed: 1 for
 this swapper, up to 3 for the pipelined one; ``None`` (the default) takes what
 the schedule needs and a smaller number is refused when the swapper is made.
@@ -27,6 +28,7 @@ two, 45 s three, all on one handle; three on queues of their own: 41 s.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -35,24 +37,23 @@ import torch
 
 from nvmeio import AioSettings
 
-from .async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
-from .buffer_pool import PoolBuffer, as_count
+from ._async_swapper import AsyncTensorSwapper, SwapOutTicket
+from ._buffer_pool import PoolBuffer, as_count
 from .checksum import ChecksumAlgorithm, ChecksumTable
-from .errors import BufferTooSmallError, SwapCorruptionError, SwapStateError
-from .io_queue import IoKind
-from .sub_group import (
+from ._errors import BufferTooSmallError, SwapStateError
+from ._io_queue import IoKind
+from ._sub_group import (
     ADAM_STATES,
     HEADER_BYTES,
     SubGroupEntry,
     SubGroupLayout,
     SubGroupState,
     SubGroupTensors,
-    covered_elements,
 )
-from .staged_state import StagedState
-from .sub_group_files import SubGroupFiles
-from .swap_dir import FreeSpaceFn
-from .swapper_base import SwapperBase
+from ._staged_state import StagedState
+from ._sub_group_files import Carried, Sources, SubGroupFiles
+from ._swap_dir import FreeSpaceFn
+from ._swapper_base import SwapperBase
 
 StepFn = Callable[[int, SubGroupTensors], None]
 
@@ -67,7 +68,7 @@ class StepStats:
     wall_seconds: float = 0.0
 
 
-class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
+class PartitionedOptimizerSwapper(SwapperBase):
     """Per sub-group: master partition, optimizer states (and gradient) in, step, out.
 
     Files live in ``<nvme_path>/<job_id>/rank<rank>/<name>/``. ``state_names``
@@ -79,7 +80,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
     pipeline_read = False
     pipeline_write = False
     # Called with a sub-group id before its state file is rewritten or replaced, so that another
-    # reader of its bytes (parameter partitions homed in the master, param_swapper.py) completes
+    # reader of its bytes (parameter partitions homed in the master, _param_swapper.py) completes
     # its reads first.
     on_rewrite: Optional[Callable[[int], None]] = None
     _State = SubGroupState
@@ -120,7 +121,6 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         self.swap_gradients = swap_gradients
         self._groups: Dict[int, SubGroupEntry] = {}
         self._grad_swapper: Optional[AsyncTensorSwapper] = None
-        self._staged: Dict[int, StagedState] = {}  # sub-group id -> state staged, not published yet
         super().__init__(
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
             pin_memory=pin_memory, free_space_fn=free_space_fn, remove_stale=remove_stale,
@@ -128,6 +128,10 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         # One queue per buffer: waiting for one sub-group's read never waits for those read
         # ahead of it (see [Note: reads on queues of their own]).
         self._spread_reads(buffer_count)
+        self._files = SubGroupFiles(
+            self, self._checksums, (self._reads.handle, self._writes.handle),
+            take_buffer=lambda nbytes, holder: self._take_buffers([nbytes], holder)[0],
+            release_buffer=lambda buffer: self._pool.release([buffer]))
 
     def buffers_needed(self) -> int:
         """Sub-groups this schedule holds in host memory at once."""
@@ -222,53 +226,41 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             [g.grad_file_name],
             [offset * g.layout.itemsize],
         )
-        g.grad_ranges.append((offset, offset + grad.numel()))
-        g.grad_tickets.extend(tickets)
+        g.grad.add(offset, offset + grad.numel(), tickets)
         return tickets
 
     def swap_in_gradients(self, sub_group_id: int, out: torch.Tensor) -> None:
         """Read back the whole gradient written with :meth:`swap_out_gradients` into ``out``
         (blocking; gradient accumulation adds the next micro-batch to it)."""
         g = self._group(sub_group_id)
-        covered = covered_elements(g.grad_ranges)
+        covered = g.grad.covered()
         if covered != g.layout.numel or out.numel() != g.layout.numel:
             raise SwapStateError(
                 f"sub-group {sub_group_id}: {covered} of {g.layout.numel} gradient elements are on NVMe, "
                 f"{out.numel()} asked for"
             )
-        if any(not t.done for t in g.grad_tickets):
+        if g.grad.in_flight():
             self._writes.drain()
-        self._check_gradient_written(g)
+        g.grad.check_written(sub_group_id)
         self._gradients().swap_in([out.reshape(-1)], [g.grad_file_name], [0])
 
     def wait_gradients(self) -> None:
         """Wait for every gradient write in flight; raises when one failed (see below)."""
-        if any(not t.done for g in self._groups.values() for t in g.grad_tickets):
+        if any(g.grad.in_flight() for g in self._groups.values()):
             self._writes.drain()
         for g in self._groups.values():
-            self._check_gradient_written(g)
-
-    @staticmethod
-    def _check_gradient_written(g: SubGroupEntry) -> None:
-        """A gradient whose write failed is lost (its bytes on disk are undefined, and the source
-        was freed when it was copied): never read it, until :meth:`drop_gradients`."""
-        for t in g.grad_tickets:
-            if t.state is WriteState.FAILED:
-                raise SwapCorruptionError(
-                    f"the gradient of sub-group {g.sub_group_id} was never written to {t.path} ({t.error}): "
-                    f"it is lost; drop_gradients({g.sub_group_id}) before writing it again", t.path)
+            g.grad.check_written(g.sub_group_id)
 
     def drop_gradients(self, sub_group_id: int) -> None:
         """Forget the gradient written since the last swap-out (a skipped step): the next
         swap-in reads master and states only."""
         g = self._group(sub_group_id)
-        if any(not t.done for t in g.grad_tickets):
+        if g.grad.in_flight():
             self._writes.drain()
         self._await_read(g)
         if g.state is SubGroupState.AVAILABLE and g.read_grad:
             self._evict(g)  # the state is unchanged on NVMe; only the gradient is dropped
-        g.grad_ranges.clear()
-        g.grad_tickets.clear()
+        g.grad.consume()
 
     def swap_in(self, sub_group_id: int, async_op: bool = False) -> SubGroupTensors:
         """Bring a sub-group into a pool buffer; the tensors are valid after :meth:`synchronize`
@@ -296,7 +288,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         """Start reading a sub-group on NVMe when a pool buffer is free now (never waits for
         one); True when its state is in host memory or on its way there."""
         g = self._group(sub_group_id)
-        if g.state is SubGroupState.ON_NVME and self._ensure_pool().free_count:
+        if g.state is SubGroupState.ON_NVME and self._ensure_pool().fits([g.layout.file_bytes]):
             self._begin_read(g)
         if g.state is SubGroupState.READING and g.read_queue.landed():
             self._await_read(g)  # done already: settle it (and verify) without blocking
@@ -334,9 +326,133 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
             return self._tensors(g, with_grad=False)
         return None
 
-    @staticmethod
-    def _offsets(layout: SubGroupLayout) -> Dict[str, int]:
-        return {"master": layout.offset(0), **{n: layout.offset(1 + i) for i, n in enumerate(layout.state_names)}}
+    # -- checkpoint files: the states move here, the files in SubGroupFiles --------------------
+    def stored_file(self, sub_group_id: int) -> Tuple[str, Dict[str, int]]:
+        """The swap file holding a sub-group's state, and the byte offset of each of its
+        tensors there (``"master"`` and the state names; ``numel * itemsize`` bytes each),
+        so that a checkpoint can copy them file to file.
+
+        The file is made current first: a read or write in flight completes, and a
+        sub-group held in host memory is written out (its buffer returns to the pool).
+        """
+        g = self._group(sub_group_id)
+        if g.state is SubGroupState.UNWRITTEN:
+            raise SwapStateError(f"sub-group {sub_group_id} was never initialized")
+        self._await_read(g)
+        if g.state is SubGroupState.AVAILABLE:
+            self._begin_write(g)
+        if g.state is SubGroupState.WRITING:
+            self._wait(self._writes, None)
+        return self.swap_dir.file(g.file_name), g.layout.offsets()
+
+    def layout(self, sub_group_id: int) -> SubGroupLayout:
+        """The byte layout of a registered sub-group (as :meth:`register_sub_group` returned it)."""
+        return self._group(sub_group_id).layout
+
+    def share_file(self, sub_group_id: int, link: Callable[[str, bool], bool]) -> bool:
+        """Makes the sub-group's swap file current (:meth:`stored_file`) and lets
+        ``link(path, shared)`` give it another name (``shared``: it has one already). When that
+        returns True the file is shared: the next swap-out writes a new file, so the other name
+        keeps this state. Returns what ``link`` returned."""
+        g = self._group(sub_group_id)
+        path, _ = self.stored_file(sub_group_id)
+        if not link(path, g.linked):
+            return False
+        g.linked = True
+        return True
+
+    def replace_file(self, sub_group_id: int, replace: Callable[[str], bool], shared: bool) -> bool:
+        """Lets ``replace(path)`` put another file in place of the sub-group's swap file (True
+        when it did): the sub-group's I/O in flight completes and :attr:`on_rewrite` is called
+        first. After a replacement the new file is its state (``shared``: also another file's,
+        see :meth:`share_file`); a state held in host memory and a gradient written since the
+        last swap-out are dropped. Returns what ``replace`` returned."""
+        g = self._group(sub_group_id)
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        if self.on_rewrite is not None:
+            self.on_rewrite(sub_group_id)
+        if not replace(self.swap_dir.file(g.file_name)):
+            return False
+        if g.state is SubGroupState.AVAILABLE:
+            self._evict(g)
+        g.state, g.linked = SubGroupState.ON_NVME, shared
+        g.grad.consume()
+        return True
+
+    @property
+    def can_import(self) -> bool:
+        """Whether :meth:`import_state` may be used (always: the state is written through
+        the pool like any swap-out, checksums included)."""
+        return True
+
+    def import_state(self, sub_group_id: int, sources: Sources, write: bool = True) -> SubGroupTensors:
+        """Replaces a sub-group's state with bytes of other files (a checkpoint's tensor
+        data), never through torch tensors: ``sources`` maps ``"master"`` and every state
+        name to ``(path, byte offset)`` of its ``numel * itemsize`` bytes. They are read
+        straight into the sub-group's pool buffer (O_DIRECT, one op each, in parallel)
+        and written out as one swap-out; ``write=False`` leaves the sub-group in host
+        memory instead (the returned tensors; :meth:`swap_out` it when done)."""
+        g = self._group(sub_group_id)
+        wanted = {"master", *self.state_names}
+        if set(sources) != wanted:
+            raise ValueError(f"import_state needs sources for exactly {sorted(wanted)}, got {sorted(sources)}")
+        if g.state in (SubGroupState.READING, SubGroupState.WRITING):
+            self.synchronize()
+        if g.buffer is None:
+            g.buffer = self._acquire(g)
+        lay, offsets = g.layout, g.layout.offsets()
+        g.state, g.read_grad, g.read_queue = SubGroupState.READING, False, self._reads
+        for name, (src_path, src_offset) in sources.items():
+            view = g.buffer.bytes()[offsets[name]:offsets[name] + lay.tensor_bytes]
+            self._reads.submit(IoKind.READ, view, os.fspath(src_path), src_offset, lambda error: None)
+        try:
+            self._wait(self._reads, None)
+        except BaseException:
+            self._evict(g)  # the swap file still holds the previous state
+            raise
+        g.state = SubGroupState.AVAILABLE
+        g.grad.consume()
+        tensors = self._tensors(g, with_grad=False)
+        if write:
+            self._begin_write(g)
+            self._wait(self._writes, None)
+        return tensors
+
+    # -- the file operations of checkpoints: SubGroupFiles', through the methods above ---------
+    def stored_checksums(self, sub_group_id: int) -> Optional[Dict[str, int]]:
+        """The digests recorded with the sub-group's state file (:meth:`SubGroupFiles.stored_checksums`)."""
+        return self._files.stored_checksums(sub_group_id)
+
+    def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
+        """The state file becomes also ``dest``, a hard link (:meth:`SubGroupFiles.link_state`)."""
+        return self._files.link_state(sub_group_id, dest, header)
+
+    def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int],
+                   checksums: Optional[Carried] = None) -> bool:
+        """A checkpoint's shard becomes the state file, a hard link (:meth:`SubGroupFiles.adopt_file`)."""
+        return self._files.adopt_file(sub_group_id, path, offsets, checksums)
+
+    def can_stage(self, sub_group_id: int, sources: Sources) -> bool:
+        """Whether :meth:`stage_state` takes ``sources`` (:meth:`SubGroupFiles.can_stage`)."""
+        return self._files.can_stage(sub_group_id, sources)
+
+    def stage_state(self, sub_group_id: int, sources: Sources, algorithm: Optional[ChecksumAlgorithm],
+                    link: bool) -> StagedState:
+        """A shard read once, hashed, into a staging file (:meth:`SubGroupFiles.stage_state`)."""
+        return self._files.stage_state(sub_group_id, sources, algorithm, link)
+
+    def publish_staged(self, staged: StagedState, checksums: Optional[Carried] = None) -> Optional[torch.Tensor]:
+        """The staging file becomes the state file (:meth:`SubGroupFiles.publish_staged`)."""
+        return self._files.publish_staged(staged, checksums)
+
+    def release_staged(self, staged: StagedState) -> None:
+        """The staged state's buffer goes back to the pool (:meth:`SubGroupFiles.release_staged`)."""
+        self._files.release_staged(staged)
+
+    def discard_staged(self, staged: StagedState) -> None:
+        """The staged state is forgotten (:meth:`SubGroupFiles.discard_staged`)."""
+        self._files.discard_staged(staged)
 
     def step(self, step_fn: StepFn, sub_group_ids: Optional[Sequence[int]] = None) -> StepStats:
         """For each sub-group in order: swap in, ``step_fn(sub_group_id, tensors)``, swap out.
@@ -407,7 +523,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         return self._grad_swapper
 
     def _acquire(self, g: SubGroupEntry) -> PoolBuffer:
-        return self._take_buffers(1, f"sub-group {g.sub_group_id}")[0]
+        return self._take_buffers([g.layout.file_bytes], f"sub-group {g.sub_group_id}")[0]
 
     def _drop_buffer(self, g: SubGroupEntry) -> None:
         super()._drop_buffer(g)
@@ -429,16 +545,16 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
     def _begin_read(self, g: SubGroupEntry) -> None:
         """Take a buffer for ``g`` and submit its read (state, and gradient if one was written)."""
         lay = g.layout
-        with_grad = bool(g.grad_ranges)
+        with_grad = bool(g.grad)
         if with_grad:
-            covered = covered_elements(g.grad_ranges)
+            covered = g.grad.covered()
             if covered != lay.numel:
                 raise SwapStateError(
                     f"the gradient of sub-group {g.sub_group_id} covers {covered} of {lay.numel} elements"
                 )
-            if any(not t.done for t in g.grad_tickets):
+            if g.grad.in_flight():
                 self._writes.drain()
-            self._check_gradient_written(g)
+            g.grad.check_written(g.sub_group_id)
         holder = f"sub-group {g.sub_group_id}"
         self._check_file_size(g.file_name, holder, lay.written_bytes, at_least=True)
         if with_grad:
@@ -493,7 +609,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
         # A step read the gradient with the state: this write consumes exactly the gradient
         # pieces written before it. A gradient written while this write is in flight (the next
         # backward) belongs to the next step and is kept.
-        consumed = (len(g.grad_ranges), len(g.grad_tickets)) if g.read_grad else None
+        consumed = g.grad.mark() if g.read_grad else None
 
         def on_done(error: Optional[BaseException]) -> None:
             if digests is not None:
@@ -503,12 +619,7 @@ class PartitionedOptimizerSwapper(SubGroupFiles, SwapperBase):
                 return
             self._drop_buffer(g)
             g.state = SubGroupState.ON_NVME
-            if consumed is None:
-                g.grad_ranges.clear()
-                g.grad_tickets.clear()
-            else:
-                del g.grad_ranges[:consumed[0]]
-                del g.grad_tickets[:consumed[1]]
+            g.grad.consume(consumed)
 
         self._writes.submit(IoKind.WRITE, g.buffer.bytes()[HEADER_BYTES:lay.written_bytes], path, HEADER_BYTES,
                             on_done)

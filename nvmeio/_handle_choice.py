@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Union
 
-from .handle import aio_handle
-from .gds import gds_handle, gds_unavailable_reason
+from ._handle import aio_handle
+from ._gds import gds_handle, gds_unavailable_reason
 from .settings import AioSettings
 
 __all__ = ["new_handle", "require_gds"]

@@ -9,13 +9,13 @@
 A writer or reader made on its own (``FastFileWriter(path)``) makes private
 buffers and closes them with the file. Saving many files (a checkpoint's shards)
 through one FastIO sets the handle and the buffers up once. The buffers and
-their lending are :class:`~nvmeio.fast_buffers.IOBuffers`.
+their lending are :class:`~nvmeio._fast_buffers.IOBuffers`.
 """
 from __future__ import annotations
 
-from .fast_buffers import DEFAULT_BUFFER_SIZE, FastIOStats, IOBuffers
-from .fast_reader import FastFileReader
-from .fast_writer import FastFileWriter
+from ._fast_buffers import DEFAULT_BUFFER_SIZE, FastIOStats, IOBuffers
+from ._fast_reader import FastFileReader
+from ._fast_writer import FastFileWriter
 
 __all__ = ["FastIO", "FastIOStats", "DEFAULT_BUFFER_SIZE"]
 

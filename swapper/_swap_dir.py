@@ -34,7 +34,7 @@ from typing import Callable, Dict, Optional, Set, Tuple
 
 from nvmeio.atomic_file import create_exclusive
 
-from .errors import (
+from ._errors import (
     InsufficientSwapSpaceError,
     StaleSwapDirectoryError,
     SwapDirectoryInUseError,

@@ -1,8 +1,8 @@
 """SwapperBase: what the parameter and optimizer swappers share.
 
-Two I/O queues (one handle for reads, one for writes: see io_queue.py), the
-swap directory, a pool of pinned buffers made at first use, the free-space
-check before writes, and a lifetime: ``synchronize`` / ``cleanup`` / ``with``.
+Two I/O queues (one handle for reads, one for writes: see _io_queue.py), the
+swap directory, a pool of the subclass's kind made at first use (_pool_kind.py), the
+free-space check before writes, and a lifetime: ``synchronize`` / ``cleanup`` / ``with``.
 
 A subclass keeps one *entry* per thing it swaps (a partition, a sub-group),
 each with ``file_name``, ``nbytes`` (its swap file's size), ``state`` (a member
@@ -15,18 +15,18 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-from typing import Iterable, List, Optional, Union
+from typing import Iterable, List, Optional
 
 import torch
 
 from nvmeio import AioSettings, new_handle
 
-from .buffer_pool import PinnedBufferPool, PoolBuffer
+from ._buffer_pool import PoolBuffer, StagingPool
 from .checksum import checksum_table
-from .errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
-from .io_queue import IoBytes, IoQueue, ReadRing
-from .span_pool import SpanPool
-from .swap_dir import SwapDirectory
+from ._errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
+from ._io_queue import IoBytes, IoQueue, ReadRing
+from ._pool_kind import PoolKind, WholeBuffers
+from ._swap_dir import SwapDirectory
 
 
 class SwapperBase(abc.ABC):
@@ -49,13 +49,15 @@ class SwapperBase(abc.ABC):
         pin_memory,
         free_space_fn,
         remove_stale,
+        pool_kind: PoolKind = WholeBuffers(),
     ):
         self.dtype = dtype
+        self.pool_kind = pool_kind
         self.pin_memory = pin_memory
-        self.aio_config = config  # for a handle of its own where one is needed (staged_state.py)
+        self.aio_config = config  # for a handle of its own where one is needed (_staged_state.py)
         self._checksums = checksum_table(checksum)
         self.io_bytes = IoBytes()  # what this swapper's queues moved (tests and benchmarks read it)
-        self._pool: Optional[Union[PinnedBufferPool, SpanPool]] = None
+        self._pool: Optional[StagingPool] = None
         self._space_checked = 0
         self._closed = False
         # A directory that cannot be claimed (in use, stale) must not leave the handles' threads
@@ -95,7 +97,7 @@ class SwapperBase(abc.ABC):
         return self._checksums.algorithm if self._checksums is not None else None
 
     @property
-    def pool(self) -> Optional[Union[PinnedBufferPool, SpanPool]]:
+    def pool(self) -> Optional[StagingPool]:
         """The buffer pool; ``None`` until first needed when it is sized from the entries."""
         return self._pool
 
@@ -104,7 +106,7 @@ class SwapperBase(abc.ABC):
 
     def _spread_reads(self, queues: int) -> None:
         """Reads over up to ``queues`` queues, each its own handle (made at first need), so that
-        waiting for one read need not wait for the others (io_queue.py ReadRing)."""
+        waiting for one read need not wait for the others (_io_queue.py ReadRing)."""
         self._read_ring = ReadRing(self._reads, self._new_queue, queues)
 
     def synchronize(self) -> None:
@@ -161,30 +163,27 @@ class SwapperBase(abc.ABC):
     def _itemsize(self) -> int:
         return torch.empty(0, dtype=self.dtype).element_size()
 
-    def _make_pool(self, buffer_size: int) -> PinnedBufferPool:
-        return PinnedBufferPool(
-            self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory, handle=self._reads.handle
-        )
+    def _make_pool(self, buffer_size: int) -> StagingPool:
+        return self.pool_kind.make(self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory,
+                                   handle=self._reads.handle)
 
-    def _ensure_pool(self) -> Union[PinnedBufferPool, SpanPool]:
+    def _ensure_pool(self) -> StagingPool:
         """The pool; made at first use with buffers that hold the largest entry."""
         if self._pool is None:
             largest = max((e.nbytes for e in self._swapped_entries()), default=0)
             self._pool = self._make_pool(max(1, math.ceil(largest / self._itemsize())))
         return self._pool
 
-    def _take_buffers(self, count: int, holder: str, hint: Optional[str] = None,
-                      sizes: Optional[List[int]] = None, spare: bool = True) -> List[PoolBuffer]:
-        """``count`` pool buffers (from a :class:`SpanPool`: spans of ``sizes`` bytes, in its
-        spare region too when ``spare``); when they do not fit, completes the writes in flight
-        (which return theirs) and tries again. ``hint`` is noted on a final PoolExhaustedError."""
+    def _take_buffers(self, sizes: List[int], holder: str, hint: Optional[str] = None,
+                      spare: bool = True) -> List[PoolBuffer]:
+        """Pool buffers for requests of ``sizes`` bytes (in the pool's spare region too when
+        ``spare``); when they do not fit, completes the writes in flight (which return theirs)
+        and tries again. ``hint`` is noted on a final PoolExhaustedError."""
         pool = self._ensure_pool()
         try:
             while True:
                 try:
-                    if isinstance(pool, SpanPool):
-                        return pool.acquire(sizes, holder=holder, spare=spare)
-                    return pool.acquire(count, holder=holder)
+                    return pool.take(sizes, holder=holder, spare=spare)
                 except PoolExhaustedError:
                     if not len(self._writes):
                         raise

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _native
-from .cuda import cuda_unavailable_reason
+from ._cuda import cuda_unavailable_reason
 
 __all__ = ["IoBuffer", "DeviceBuffer", "as_io_buffer", "mark_read_into"]
 

@@ -18,7 +18,7 @@ import warnings
 import weakref
 
 from . import _native
-from .env import env_flag
+from . import env
 
 __all__ = ["LockedTensors", "check_new_tensor_args", "huge_page_tensor"]
 
@@ -71,7 +71,7 @@ class LockedTensors:
         check_new_tensor_args(num_elem, example_tensor)
         dtype = example_tensor.dtype
         nbytes = num_elem * example_tensor.element_size()
-        region = _native.LockedBuffer(nbytes, env_flag("NVMEIO_MLOCK", True))
+        region = _native.LockedBuffer(nbytes, env.get("NVMEIO_MLOCK"))
         if not region.locked and not self._warned:
             self._warned = True
             why = region.lock_error or "disabled by NVMEIO_MLOCK=0"

@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from .space import Config
+from ._space import Config
 
 __all__ = ["GIB", "Sample", "PageCache", "Workload", "split_io_size"]
 

@@ -24,7 +24,7 @@ import torch
 
 from nvmeio.file_ops import open_direct, preallocate
 
-from .buffer_pool import PoolBuffer
+from ._buffer_pool import PoolBuffer
 from .checksum import ChecksumAlgorithm, StreamingDigest
 
 # One read op of a handle; the digest of one overlaps the reads of the next two. 128 MiB read

@@ -26,7 +26,7 @@ from typing import Optional
 
 from . import _native
 from .atomic_file import TempFile, fsync_file, is_device_node
-from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
+from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .file_ops import copy_range, open_direct, preallocate, temp_beside
 
 __all__ = ["FastFileWriter"]

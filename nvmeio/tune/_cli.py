@@ -22,12 +22,12 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from ..env import env_flag
-from .dirs import check_dir
-from .log import PlotUnavailable, RunLog, plot_results, require_matplotlib
-from .measure import PageCache, Workload, split_io_size
-from .search import METHODS, SearchResult, grid_search, planned_evals, smart_search
-from .space import (Config, SweepConfigError, SweepSpace, build_space, format_size,
+from .. import env
+from ._dirs import check_dir
+from ._log import PlotUnavailable, RunLog, plot_results, require_matplotlib
+from ._measure import PageCache, Workload, split_io_size
+from ._search import METHODS, SearchResult, grid_search, planned_evals, smart_search
+from ._space import (Config, SweepConfigError, SweepSpace, build_space, format_size,
                     load_sweep_config, parse_size)
 
 __all__ = ["main", "build_parser"]
@@ -253,7 +253,7 @@ def _tune(args: argparse.Namespace, space: SweepSpace, buffered: list[str]) -> i
         _note("no O_DIRECT in " + "; ".join(buffered) + ": tuning anyway in buffered mode "
               "(page cache + fdatasync; the files are evicted before every read), so the "
               "numbers are not those of direct I/O")
-    elif not env_flag("NVMEIO_DIRECT_IO", True):
+    elif not env.get("NVMEIO_DIRECT_IO"):
         _note("NVMEIO_DIRECT_IO=0: tuning in buffered mode")
         buffered = ["NVMEIO_DIRECT_IO=0"]
     try:

@@ -15,9 +15,9 @@ import math
 import os
 from typing import Any, Optional
 
-from .measure import Sample
-from .space import Config, format_size
-from .search import Results
+from ._measure import Sample
+from ._space import Config, format_size
+from ._search import Results
 
 __all__ = ["RunLog", "read_records", "plot_results", "PlotUnavailable"]
 

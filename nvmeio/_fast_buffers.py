@@ -1,5 +1,5 @@
 """IOBuffers: one aio_handle and its locked I/O buffers, lent to one fast file at a time;
-the base of :class:`nvmeio.FastIO` (fast_io.py), kept apart so that the readers and
+the base of :class:`nvmeio.FastIO` (_fast_io.py), kept apart so that the readers and
 writers that borrow the buffers do not import the class that makes them.
 
 Settings mirror DeepSpeed's ``checkpoint.writer`` section: ``buffer_size``
@@ -15,7 +15,7 @@ import warnings
 import weakref
 from typing import Optional
 
-from .handle import aio_handle
+from ._handle import aio_handle
 
 __all__ = ["IOBuffers", "FastIOStats", "DEFAULT_BUFFER_SIZE"]
 

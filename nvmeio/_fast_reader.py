@@ -30,7 +30,7 @@ import time
 from typing import Iterator, Optional
 
 from . import _native
-from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
+from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .file_ops import open_direct, populate
 
 __all__ = ["FastFileReader"]

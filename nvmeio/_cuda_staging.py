@@ -62,16 +62,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from . import _native
-from .cuda import CudaBackend
-from .device_ops import DeviceOpQueue
-from .env import env_int
-from .file_checks import compare_with_file, prepare_target
+from ._cuda import CudaBackend
+from ._device_ops import DeviceOpQueue
+from . import env
+from ._file_checks import compare_with_file, prepare_target
 
 __all__ = ["Chunk", "plan_chunks", "StagingConfig", "StagingEngine", "run_write", "run_read"]
 
 FILE_ALIGN = 4096  # chunk boundaries in the file; the O_DIRECT alignment nvmeio uses
 DEFAULT_CHUNK_BYTES = 32 << 20
-DEFAULT_NUM_CHUNKS = 3
+DEFAULT_NUM_CHUNKS = env.default("NVMEIO_STAGING_CHUNKS")
 
 
 def _round_up(n: int, k: int) -> int:
@@ -136,9 +136,8 @@ class StagingConfig:
         """The handle's staging: the environment's values, else the defaults,
         with a chunk big enough to give every worker thread a full block."""
         default = max(DEFAULT_CHUNK_BYTES, _round_up(block_size, FILE_ALIGN) * intra_op_parallelism)
-        chunk = env_int("NVMEIO_STAGING_CHUNK_BYTES", default, 1)
-        count = env_int("NVMEIO_STAGING_CHUNKS", DEFAULT_NUM_CHUNKS, 2)
-        return cls(_round_up(chunk, FILE_ALIGN), count)
+        chunk = env.get("NVMEIO_STAGING_CHUNK_BYTES")
+        return cls(_round_up(default if chunk is None else chunk, FILE_ALIGN), env.get("NVMEIO_STAGING_CHUNKS"))
 
 
 # -- the pipeline (device side injected: CUDA in use, a CPU stand-in in tests) ---------------------

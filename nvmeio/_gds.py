@@ -35,12 +35,12 @@ import threading
 import weakref
 from typing import Any, Optional
 
-from .handle import aio_handle
-from .cuda import cuda_unavailable_reason, stream_fence
-from .device_ops import DeviceOpQueue
+from ._handle import aio_handle
+from ._cuda import cuda_unavailable_reason, stream_fence
+from ._device_ops import DeviceOpQueue
 from .errors import AioError, make_error
-from .file_checks import compare_with_file, prepare_target
-from .locked import check_new_tensor_args
+from ._file_checks import compare_with_file, prepare_target
+from ._locked import check_new_tensor_args
 from .settings import AioSettings
 
 __all__ = ["gds_handle", "gds_unavailable_reason"]

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .errors import add_note
+from ._errors import add_note
 
 OnDone = Callable[[Optional[BaseException]], None]
 

@@ -31,20 +31,19 @@ import time
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .buffer_pool import PAGE_BYTES, PoolBuffer, align_up, allocate_staging
-from .errors import PoolExhaustedError, SwapStateError
-from .host_memory import format_bytes
+from ._buffer_pool import PoolBuffer, StagingPool, allocate_staging
+from ._errors import PoolExhaustedError, SwapStateError
+from .host_memory import PAGE_BYTES, align_up, format_bytes
 
 HOLDERS_NAMED = 8  # an exhaustion message names this many holders, then counts the rest
 
 
 @dataclass(eq=False)
 class PoolSpan(PoolBuffer):
-    """A span of a :class:`SpanPool`: ``tensor`` is its bytes (uint8), from ``offset`` in the pool.
-    ``spare``: it lies in the pool's spare region (see the note)."""
+    """A span of a :class:`SpanPool`: ``tensor`` is its bytes (uint8), from ``offset`` in the pool;
+    ``spare`` when it lies in the pool's spare region (see the note)."""
 
     offset: int = 0
-    spare: bool = False
 
     @property
     def name(self) -> str:
@@ -100,7 +99,7 @@ class _Region:
         self.runs.insert(i, (s, e))
 
 
-class SpanPool:
+class SpanPool(StagingPool):
     """``nbytes`` of page-aligned host memory (locked when ``pin_memory``, else on transparent
     huge pages) handed out as spans of the sizes asked for; the last ``spare_bytes`` for
     ``spare=True`` requests only (see the note). Memory: ``nbytes`` rounded up to 4096, from
@@ -176,6 +175,10 @@ class SpanPool:
                 self._held[pos] = span
                 spans.append(span)
             return spans
+
+    def take(self, sizes: Sequence[int], *, holder: str = "", spare: bool = True) -> List[PoolSpan]:
+        """:meth:`acquire` without waiting (:class:`~swapper.StagingPool`)."""
+        return self.acquire(sizes, holder=holder, spare=spare)
 
     def fits(self, sizes: Sequence[int], *, spare: bool = False) -> int:
         """How many of ``sizes``, from the first, :meth:`acquire` would place now (taking nothing)."""

@@ -3,33 +3,32 @@
 [Note: one allocation, handed out whole, never grown]
 The pool makes one page-aligned allocation of ``buffer_count`` buffers at
 construction (locked through ``aio_handle.new_cpu_locked_tensor`` when
-``pin_memory``; on transparent huge pages either way, nvmeio.locked.huge_page_tensor)
+``pin_memory``; on transparent huge pages either way, nvmeio._locked.huge_page_tensor)
 and never allocates again: asking for more buffers than exist
 is an error right away, asking for more than are free either errors at once
 (``timeout=0``, the default, right for single-threaded callers, where nobody
 else could free one) or waits for another thread to release some. Each buffer
 starts on a 4096-byte boundary, so a buffer's start is aligned for O_DIRECT in
 any dtype; tensors of other dtypes are laid into buffers through byte views.
+
+A swapper reaches its pool through :class:`StagingPool`, which this pool and
+the packed one (_span_pool.py) both are: a request is a size in bytes, and
+each pool answers it its way (a whole buffer here, a span of that size there).
 """
 from __future__ import annotations
 
+import abc
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
 
-from .errors import BufferTooSmallError, InsufficientHostMemoryError, PoolExhaustedError, SwapStateError
-from .host_memory import HostMemory, format_bytes
-
-PAGE_BYTES = 4096
-
-
-def align_up(n: int, alignment: int = PAGE_BYTES) -> int:
-    return (n + alignment - 1) // alignment * alignment
+from ._errors import BufferTooSmallError, InsufficientHostMemoryError, PoolExhaustedError, SwapStateError
+from .host_memory import HostMemory, align_up, format_bytes
 
 
 def as_count(value, name: str) -> int:
@@ -54,11 +53,14 @@ class PoolBuffer:
     """One buffer of the pool. ``tensor`` is the whole buffer in the pool's dtype.
 
     Valid until it is released; the memory is reused by whoever acquires it next.
+    ``spare``: it lies in its pool's spare region (only a :class:`~swapper.SpanPool`
+    has one, _span_pool.py).
     """
 
     index: int
     tensor: torch.Tensor
     holder: Optional[str] = field(default=None, repr=True)
+    spare: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +103,7 @@ def allocate_staging(owner, nbytes: int, what: str, pin_memory: bool, handle=Non
     if refusal is not None:
         raise InsufficientHostMemoryError(refusal)
     if not pin_memory:
-        from nvmeio.locked import huge_page_tensor
+        from nvmeio import huge_page_tensor
 
         return huge_page_tensor(nbytes), None, handle  # not locked, but on huge pages: whole requests
     own_handle = handle is None
@@ -116,12 +118,48 @@ def allocate_staging(owner, nbytes: int, what: str, pin_memory: bool, handle=Non
         if own_handle:
             handle.close()
         raise
-    # Unlocks the pages (the memory itself lives as long as any view of it, nvmeio.locked),
+    # Unlocks the pages (the memory itself lives as long as any view of it, nvmeio._locked),
     # and ends the threads of a handle made here only to lock them.
     return storage, weakref.finalize(owner, _free_locked, handle, storage, own_handle), handle
 
 
-class PinnedBufferPool:
+class StagingPool(abc.ABC):
+    """What a swapper asks of its pool, whichever pool it is: memory for requests of given
+    sizes in bytes, all or none, now (the swappers are single-threaded: nobody else would
+    free any), what fits now, and giving it back. ``spare``: a request that must not fail for
+    want of read-ahead's memory may use the pool's spare region, where it has one."""
+
+    nbytes: int  # the pool's whole allocation
+
+    @property
+    @abc.abstractmethod
+    def main_bytes(self) -> int:
+        """Bytes outside the spare region: all that read-ahead and loans may hold at once."""
+
+    @abc.abstractmethod
+    def take(self, sizes: Sequence[int], *, holder: str = "", spare: bool = True) -> List[PoolBuffer]:
+        """A buffer of at least ``sizes[i]`` bytes for each i, all or none;
+        :class:`PoolExhaustedError` when they do not fit now."""
+
+    @abc.abstractmethod
+    def fits(self, sizes: Sequence[int], *, spare: bool = False) -> int:
+        """How many of ``sizes``, from the first, :meth:`take` would serve now (taking nothing)."""
+
+    @abc.abstractmethod
+    def release(self, buffers: Iterable[PoolBuffer]) -> None:
+        """Give buffers back. Releasing one that is not out is an error."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free the memory; every buffer must be back."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool:
+        ...
+
+
+class PinnedBufferPool(StagingPool):
     """``buffer_count`` aligned buffers of ``buffer_size`` elements of ``dtype``.
 
     Memory: ``buffer_count × align_up(buffer_size × itemsize, 4096)`` bytes, locked
@@ -173,6 +211,27 @@ class PinnedBufferPool:
     def free_count(self) -> int:
         with self._cond:
             return len(self._free)
+
+    @property
+    def main_bytes(self) -> int:
+        return self.nbytes  # no spare region
+
+    def take(self, sizes: Sequence[int], *, holder: str = "", spare: bool = True) -> List[PoolBuffer]:
+        """One whole buffer per request (:class:`StagingPool`); a request larger than a buffer's
+        stride is refused (the caller sized the pool)."""
+        if any(n > self._stride_bytes for n in sizes):
+            raise BufferTooSmallError(
+                f"{holder or 'caller'} asks for {max(sizes)} bytes in one buffer, but a buffer of the pool "
+                f"holds {self.buffer_nbytes}")
+        return self.acquire(len(sizes), holder=holder)
+
+    def fits(self, sizes: Sequence[int], *, spare: bool = False) -> int:
+        with self._cond:
+            self._check_open()
+            fit = 0
+            while fit < min(len(sizes), len(self._free)) and sizes[fit] <= self._stride_bytes:
+                fit += 1
+            return fit
 
     def acquire(self, count: int = 1, *, holder: str = "", timeout: Optional[float] = 0.0) -> List[PoolBuffer]:
         """Take ``count`` buffers, all or none.

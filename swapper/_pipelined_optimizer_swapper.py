@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import List
 
-from .optimizer_swapper import PartitionedOptimizerSwapper, StepFn, StepStats
+from ._optimizer_swapper import PartitionedOptimizerSwapper, StepFn, StepStats
 
 
 class PipelinedOptimizerSwapper(PartitionedOptimizerSwapper):

@@ -42,8 +42,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .measure import Sample
-from .space import Config, SweepSpace
+from ._measure import Sample
+from ._space import Config, SweepSpace
 
 __all__ = ["Results", "SearchResult", "grid_search", "smart_search", "planned_evals",
            "SMALL_SPACE", "METHODS"]

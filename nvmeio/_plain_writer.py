@@ -14,7 +14,7 @@ import warnings
 from typing import Optional
 
 from .atomic_file import TempFile, fsync_file, is_device_node
-from .fast_buffers import FastIOStats
+from ._fast_buffers import FastIOStats
 from .file_ops import copy_range, temp_beside
 
 __all__ = ["PlainFileWriter"]

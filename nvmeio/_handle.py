@@ -23,14 +23,15 @@ import threading
 import warnings
 from typing import Any, Callable, Optional
 
-from . import _native, atomic_file
-from .backend_choice import resolve_backend
-from .buffers import DeviceBuffer, IoBuffer, as_io_buffer, mark_read_into
-from .cuda_staging import StagingConfig, StagingEngine
-from .env import env_flag
+from . import atomic_file
+from ._backend_choice import resolve_backend
+from ._buffers import DeviceBuffer, IoBuffer, as_io_buffer, mark_read_into
+from ._cuda_staging import StagingConfig, StagingEngine
+from . import env
 from .errors import make_error
-from .file_checks import compare_with_file, whole_file_size
-from .locked import LockedTensors
+from ._file_checks import compare_with_file, whole_file_size
+from ._locked import LockedTensors
+from ._process import native_handle, prepare
 from .settings import AioSettings
 
 __all__ = ["aio_handle"]
@@ -82,7 +83,7 @@ class aio_handle:  # the name users know from DeepSpeed
             for each whole batch.
         intra_op_parallelism: worker threads; one op is split across them.
         backend: "auto" (the fastest available, measured once per process; see
-            nvmeio.backend_choice), "io_uring", "aio" (kernel AIO) or "psync".
+            nvmeio._backend_choice), "io_uring", "aio" (kernel AIO) or "psync".
 
     Environment (read by nvmeio.env; flags take 0/1, false/true, no/yes,
     off/on): ``NVMEIO_BACKEND`` fixes what "auto" means; ``NVMEIO_DIRECT_IO=0``
@@ -101,13 +102,14 @@ class aio_handle:  # the name users know from DeepSpeed
                                single_submit=bool(single_submit),
                                overlap_events=bool(overlap_events),
                                intra_op_parallelism=intra_op_parallelism, backend=backend)
+        prepare()  # before "auto" is resolved: its probe is native I/O too (_process.py)
         self._block_size = settings.block_size
         self._queue_depth = settings.queue_depth
         self._intra_op_parallelism = settings.intra_op_parallelism
         self._single_submit = settings.single_submit
         self._overlap_events = settings.overlap_events
         self._backend = resolve_backend(settings.backend)
-        self._direct_io = env_flag("NVMEIO_DIRECT_IO", True)
+        self._direct_io = env.get("NVMEIO_DIRECT_IO")
         self._native = self._new_native()
         self._device_ops = None  # device (CUDA) ops: created on the first one
         self._lock = threading.Lock()
@@ -121,7 +123,7 @@ class aio_handle:  # the name users know from DeepSpeed
                 f"intra_op_parallelism={self._intra_op_parallelism}, backend={self._backend!r})")
 
     def _new_native(self):
-        return _native.Handle(
+        return native_handle(
             block_size=self._block_size, queue_depth=self._queue_depth,
             single_submit=self._single_submit, overlap_events=self._overlap_events,
             intra_op_parallelism=self._intra_op_parallelism, backend=self._backend,
