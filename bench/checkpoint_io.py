@@ -203,7 +203,7 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
         store = engine.parts.optimizer_store
         store._link_state = lambda *args, **kwargs: False
         store._adopt_file = lambda *args, **kwargs: False
-        store.link_on_load = False  # a staged load copies the shard too (checkpoint/load.py [Note])
+        store.link_on_load = False  # a staged load copies the shard too (zero/checkpoint/load.py [Note])
     numel = engine.parts.rank_layout.numel
     ckpt = os.path.join(directory, "ckpt")
     saves, loads, sizes, load_io = [], [], [], []

@@ -2,7 +2,7 @@
 
     flock /tmp/bench.lock python -m bench.io_bound --out bench/out/io_bound.json --results-md bench/RESULTS.md
     python -m bench.io_bound --quick --contenders ours      # smoke test, ~2 min
-    python -m bench.io_bound --render OUT.json --results-md bench/RESULTS.md
+    python -m bench.io_bound --render bench/out/io_bound.json --results-md bench/RESULTS.md
 
 [Note: what is measured]
 Compute here is ~100x slower than a GPU's and hides I/O. The stand-in: the

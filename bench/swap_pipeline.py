@@ -40,8 +40,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from bench import harness
-from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper
-from swapper.optimizer_swapper import StepStats
+from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper, StepStats
 
 SECTION = "## Swapper pipeline"
 IO_PLAIN = "I/O alone (plain, no-op step)"

@@ -31,10 +31,10 @@ import time
 
 import nvmeio
 from bench import harness
-from nvmeio.tune.dirs import check_dir
-from nvmeio.tune.measure import Workload
-from nvmeio.tune.search import grid_search, smart_search
-from nvmeio.tune.space import build_space, format_size, parse_size
+from nvmeio.tune._dirs import check_dir
+from nvmeio.tune._measure import Workload
+from nvmeio.tune._search import grid_search, smart_search
+from nvmeio.tune._space import build_space, format_size, parse_size
 
 SECTION = "## nvme_tune search (bench/tune_search.py)"
 TIME_GOAL, QUALITY_GOAL = 0.25, 0.95

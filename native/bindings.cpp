@@ -23,6 +23,20 @@ namespace {
 
 char* as_ptr(uintptr_t p) { return reinterpret_cast<char*>(p); }
 
+// [Note: paths cross the binding as bytes]
+// The kernel takes any bytes but NUL as a file name, and a name that is not
+// UTF-8 reaches Python as a str with surrogate escapes (os.fsdecode). pybind11
+// converts a str to std::string as strict UTF-8, which fails for such a name,
+// so the Python side passes every path as os.fsencode(path): bytes, which
+// pybind11 copies into the std::string unchanged. The way back (an IoError's
+// path, and its message, which may quote a directory) is fs_str: os.fsdecode's
+// decoding, so the exception names the very str the caller passed.
+py::str fs_str(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeFSDefaultAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+  if (o == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(o);
+}
+
 // Address and size of a C-contiguous buffer-protocol object. The caller keeps
 // the object (a memoryview) alive while the I/O runs.
 py::tuple buffer_address(py::handle obj, bool writable) {
@@ -61,7 +75,7 @@ PYBIND11_MODULE(_native, m) {
       if (p) std::rethrow_exception(p);
     } catch (const IoError& e) {
       py::object make = py::module_::import("nvmeio.errors").attr("make_error");
-      py::object exc = make(e.err(), e.what(), e.path(), e.offset(), e.length());
+      py::object exc = make(e.err(), fs_str(e.what()), fs_str(e.path()), e.offset(), e.length());
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
@@ -78,6 +92,7 @@ PYBIND11_MODULE(_native, m) {
     return out;
   }, "Backends this build compiled and this kernel accepts, fastest first.");
   m.def("buffer_address", &buffer_address, py::arg("obj"), py::arg("writable"));
+  // Every path argument below is bytes (os.fsencode): see [Note: paths cross the binding as bytes].
   m.def("in_pseudo_file_system", &in_pseudo_file_system, py::arg("path"),
         "True for a file of /proc, /sys and the like (they report a size of 0).");
   m.def("file_kind", [](unsigned mode) { return file_kind(static_cast<mode_t>(mode)); },

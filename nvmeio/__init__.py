@@ -3,15 +3,20 @@
     import nvmeio
     h = nvmeio.aio_handle(queue_depth=32)
     h.async_pwrite(tensor, "/local_nvme/t.bin"); h.wait()
+
+The public API is this package's ``__all__`` and the public modules, each with an ``__all__``
+of its own: ``env`` (the environment variables), ``settings``, ``hints``, ``host_sum``,
+``file_ops``, ``atomic_file``, ``safetensors_file``, ``faults``, ``resources``, ``report``,
+``demo`` and the ``tune`` package. A module whose name starts with an underscore is internal.
+Importing nvmeio has no side effect on the process (_process.py).
 """
 
 from __future__ import annotations
 
 import os as _os
-import resource as _resource
 
 try:
-    from . import _native  # noqa: F401
+    from . import _native  # noqa: F401 - imported first: an unbuilt source tree fails here, explained below
 except ImportError as _e:
     if _os.path.exists(_os.path.join(_os.path.dirname(__file__), _os.pardir, "CMakeLists.txt")):
         raise ImportError(
@@ -22,36 +27,23 @@ except ImportError as _e:
             "`pip install -e . --no-build-isolation`") from _e
     raise
 
-from . import faults
-from .handle import aio_handle
-from .backend_choice import available_backends
+from . import faults  # noqa: F401 - nvmeio.faults.inject(...), as the README shows
+from ._backend_choice import available_backends
 from .errors import AioError, ShortReadError, ValidationError
-from .fast_io import FastIO
-from .fast_reader import FastFileReader
-from .fast_writer import FastFileWriter
+from ._fast_buffers import FastIOStats
+from ._fast_io import FastIO
+from ._fast_reader import FastFileReader
+from ._fast_writer import FastFileWriter
+from ._gds import gds_handle, gds_unavailable_reason
+from ._handle import aio_handle
+from ._handle_choice import new_handle, require_gds
+from ._locked import huge_page_tensor
+from ._plain_writer import PlainFileWriter
 from .safetensors_file import SafetensorsError, SafetensorsReader, SafetensorsWriter
-from .gds import gds_handle, gds_unavailable_reason
-from .handle_choice import new_handle
 from .settings import AioSettings
 
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
-           "AioSettings", "new_handle", "ShortReadError", "ValidationError", "FastIO",
-           "FastFileWriter", "FastFileReader", "SafetensorsWriter", "SafetensorsReader",
-           "SafetensorsError", "__version__"]
-
-
-def _raise_open_file_limit() -> None:
-    # Each op in flight holds its file open; thousands of small async ops
-    # (one file per tensor) exceed the usual soft limit of 1024.
-    soft, hard = _resource.getrlimit(_resource.RLIMIT_NOFILE)
-    want = hard if hard != _resource.RLIM_INFINITY else 1 << 20
-    if soft != _resource.RLIM_INFINITY and soft < want:
-        try:
-            _resource.setrlimit(_resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):
-            pass
-
-
-_raise_open_file_limit()
-faults.arm_from_env()
+           "AioSettings", "new_handle", "require_gds", "ShortReadError", "ValidationError", "FastIO",
+           "FastIOStats", "FastFileWriter", "FastFileReader", "PlainFileWriter", "SafetensorsWriter",
+           "SafetensorsReader", "SafetensorsError", "huge_page_tensor", "__version__"]

@@ -51,7 +51,7 @@ from typing import Iterator, Optional
 from . import _native
 from .errors import make_error
 
-__all__ = ["TempFile", "DeviceFile", "create_temp_beside", "open_for_replacing",
+__all__ = ["TempFile", "DeviceFile", "create_temp_beside", "create_exclusive", "open_for_replacing",
            "is_device_node", "replacing", "write_atomically", "fsync_file", "fsync_directory",
            "exchange"]
 
@@ -194,12 +194,14 @@ def is_device_node(target: "str | os.PathLike[str]", length: int = 0) -> bool:
                              "through a symlink nor replaces one to a device, FIFO or socket"
                              + (f": name {real!r} itself" if device else ""), target, 0, length)
         return False
-    _native.refuse_without_offsets(st.st_mode, target, 0, length, "open for writing")
+    _native.refuse_without_offsets(st.st_mode, os.fsencode(target), 0, length, "open for writing")
     return stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)
 
 
-def _checked_path(target: "str | os.PathLike[str]") -> str:
-    target = os.fspath(target)
+def _checked_path(target: "str | bytes | os.PathLike") -> str:
+    # A bytes path becomes the str os.fsdecode gives (a name that is not UTF-8 keeps its
+    # bytes as surrogate escapes), so that names built from it are all of one type.
+    target = os.fsdecode(target)
     if "\0" in target:
         raise ValueError(f"path contains a NUL byte: {target!r}")
     return target
@@ -311,7 +313,7 @@ def fsync_directory(directory: "str | os.PathLike[str]") -> None:
         os.close(fd)
 
 
-_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_EXCHANGE = 2  # <linux/fs.h>
 _AT_FDCWD = -100
 
 

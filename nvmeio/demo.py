@@ -14,6 +14,8 @@ import torch
 
 import nvmeio
 
+__all__ = ["main"]
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -10,7 +10,8 @@ in the process::
         ...                      # the 3rd write request on a path containing "optimizer" fails
     assert fired()["failed"] == 1
 
-or, for a whole process, the environment (read when nvmeio is imported; a
+or, for a whole process, the environment (read at the first native handle or
+the first ``arm``/``inject``, whichever comes first, _process.py; a
 RuntimeWarning says it is on)::
 
     NVMEIO_FAULTS="fail_nth=3,errno=ENOSPC,path_contains=optimizer,op=write" python train.py
@@ -47,12 +48,13 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import os
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Iterator, Optional, Union
 
 from . import _native
-from .env import env_str
+from . import env
 
 __all__ = ["FaultPlan", "inject", "arm", "disarm", "fired", "plan_from_text", "ENV_VAR"]
 
@@ -104,7 +106,7 @@ class FaultPlan:
             engine_failure_nth=self.engine_failure_nth,
             engine_failure_errno=_errno_value("engine_failure_errno", self.engine_failure_errno),
             engine_create_failures=self.engine_create_failures,
-            path_contains=self.path_contains, direction=_OPS[self.op])
+            path_contains=os.fsencode(self.path_contains), direction=_OPS[self.op])
 
 
 def _errno_value(name: str, value: Union[int, str]) -> int:
@@ -126,6 +128,7 @@ _armed: Optional[FaultPlan] = None
 def arm(plan: Optional[FaultPlan] = None, **kwargs) -> FaultPlan:
     """Arms ``plan`` (or ``FaultPlan(**kwargs)``) for the whole process; counts start at 0."""
     global _armed
+    arm_from_env()
     plan = plan if plan is not None else FaultPlan(**kwargs)
     plan._arm()
     _armed = plan
@@ -151,6 +154,7 @@ def inject(plan: Optional[FaultPlan] = None, **kwargs) -> Iterator:
 
     Refuses to nest: a plan is process-wide, and two would silently mix.
     """
+    arm_from_env()
     if _armed is not None:
         raise RuntimeError(f"faults are already being injected ({_armed}); one plan at a time")
     arm(plan, **kwargs)
@@ -183,12 +187,23 @@ def plan_from_text(text: str) -> FaultPlan:
     return FaultPlan(**kwargs)
 
 
+_env_read = False  # NVMEIO_FAULTS has been read (and armed, if set)
+
+
 def arm_from_env() -> Optional[FaultPlan]:
-    """Arms the plan in NVMEIO_FAULTS, if set (called when nvmeio is imported)."""
-    text = (env_str(ENV_VAR) or "").strip()
-    if not text:
+    """Arms the plan in NVMEIO_FAULTS, if set, the first time it is called in the process
+    (_process.py [Note: nothing happens on import]); a plan that does not parse raises, and
+    is read again at the next call."""
+    global _env_read
+    if _env_read:
         return None
-    plan = arm(plan_from_text(text))
+    text = (env.get(ENV_VAR) or "").strip()
+    if not text:
+        _env_read = True
+        return None
+    plan = plan_from_text(text)
+    _env_read = True
+    plan = arm(plan)
     shown = {k: v for k, v in asdict(plan).items() if v != getattr(FaultPlan, k)}
     warnings.warn(f"nvmeio: fault injection is ON ({ENV_VAR}={text!r}: {shown})", RuntimeWarning,
                   stacklevel=2)

@@ -22,6 +22,8 @@ import torch
 
 from . import _native
 
+__all__ = ["sum_series"]
+
 _NATIVE = (torch.float32, torch.bfloat16)
 
 

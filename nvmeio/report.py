@@ -174,7 +174,7 @@ def _kernel_version() -> tuple[int, int]:
 # -- directories -----------------------------------------------------------------------
 
 def _dir_checks(dirs: Sequence[str]) -> list[Check]:
-    from nvmeio.tune.dirs import check_dir
+    from nvmeio.tune._dirs import check_dir
 
     s = "directories"
     if not dirs:
@@ -311,7 +311,7 @@ def _gds_handle_check(cuda: bool) -> Check:
         return Check(s, "gds_handle", NO, "needs CUDA (see above)", None)
     try:
         make()
-    except Exception as e:  # its message names what is missing
+    except Exception as e:  # noqa: BLE001 - its message names what is missing
         return Check(s, "gds_handle", NO, str(e), None)
     return Check(s, "gds_handle", OK, "constructs")
 

@@ -31,9 +31,9 @@ import os
 import struct
 from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from .fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
-from .fast_reader import FastFileReader
-from .fast_writer import FastFileWriter
+from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
+from ._fast_reader import FastFileReader
+from ._fast_writer import FastFileWriter
 
 __all__ = ["SafetensorsWriter", "SafetensorsReader", "SafetensorsError", "save_file", "load_file",
            "TensorInfo", "encode_header"]
@@ -298,7 +298,7 @@ class SafetensorsReader:
         if direct:
             self._file = FastFileReader(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
         else:
-            self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+            self._file = open(path, "rb", buffering=0)  # closed by close()
             self._file.size = os.fstat(self._file.fileno()).st_size
         self.name = os.fspath(path)
         try:

@@ -1,6 +1,6 @@
 """swapper: tensors in and out of NVMe through a pool of pinned buffers.
 
-Layer contract (DESIGN.md): built on ``nvmeio.aio_handle`` only; knows nothing
+Layer contract (docs/architecture.md): built on ``nvmeio.aio_handle`` only; knows nothing
 of modules, process groups or ZeRO. A rank number and a job id arrive as plain
 arguments and only name the swap directory ``<nvme_path>/<job_id>/rank<r>/``.
 
@@ -27,12 +27,16 @@ Optimizer state (``offload_optimizer: nvme``)::
 
 ``cleanup()`` (or ``with``) deletes the files; a clean interpreter exit does too.
 
-The package exports the swappers, the buffer pool and the errors; the rest
-(states, layouts, checksums, the swap directory) is imported from its module.
+The public API is this package's ``__all__`` (the swappers, their pools and pool kinds, the
+states and layouts they return, the swap directory, the errors) and two public modules with an
+``__all__`` of their own: ``checksum`` (checksums of swapped bytes, also a checkpoint's) and
+``host_memory`` (what host memory and the memlock limit can hold, page arithmetic). A module
+whose name starts with an underscore is internal.
 """
-from .async_swapper import AsyncTensorSwapper
-from .buffer_pool import PinnedBufferPool
-from .errors import (
+from ._activation_swapper import ActivationSwapper
+from ._async_swapper import AsyncTensorSwapper
+from ._buffer_pool import PinnedBufferPool, PoolBuffer, StagingPool
+from ._errors import (
     BufferTooSmallError,
     InsufficientHostMemoryError,
     InsufficientSwapSpaceError,
@@ -44,16 +48,37 @@ from .errors import (
     SwapFileTruncatedError,
     SwapStateError,
 )
-from .optimizer_swapper import PartitionedOptimizerSwapper
-from .param_swapper import PartitionedParamSwapper
-from .pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+from ._optimizer_swapper import PartitionedOptimizerSwapper, StepStats
+from ._param_swapper import PartitionedParamSwapper
+from ._partition import HOME_SLACK_BYTES, PartitionState
+from ._pipelined_optimizer_swapper import PipelinedOptimizerSwapper
+from ._pool_kind import PackedSpans, PoolKind, WholeBuffers
+from ._span_pool import SpanPool
+from ._staged_state import StagedState
+from ._sub_group import SubGroupLayout, SubGroupState, SubGroupTensors
+from ._swap_dir import SwapDirectory
 
 __all__ = [
+    "ActivationSwapper",
     "AsyncTensorSwapper",
     "PartitionedParamSwapper",
     "PartitionedOptimizerSwapper",
     "PipelinedOptimizerSwapper",
+    "StepStats",
+    "PartitionState",
+    "HOME_SLACK_BYTES",
+    "SubGroupState",
+    "SubGroupLayout",
+    "SubGroupTensors",
+    "StagedState",
+    "StagingPool",
     "PinnedBufferPool",
+    "SpanPool",
+    "PoolBuffer",
+    "PoolKind",
+    "PackedSpans",
+    "WholeBuffers",
+    "SwapDirectory",
     "BufferTooSmallError",
     "InsufficientHostMemoryError",
     "InsufficientSwapSpaceError",

@@ -36,7 +36,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Un
 
 import torch
 
-from .errors import SwapCorruptionError
+from ._errors import SwapCorruptionError
+
+__all__ = ["ChecksumAlgorithm", "ChecksumTable", "StreamingDigest", "PendingDigests", "digest_chunks",
+           "checksum_table", "fastest_available"]
 
 
 class ChecksumAlgorithm(enum.Enum):

@@ -18,7 +18,15 @@ import resource
 from dataclasses import dataclass
 from typing import Optional
 
+__all__ = ["HostMemory", "format_bytes", "PAGE_BYTES", "align_up"]
+
 _CAP_IPC_LOCK = 14
+PAGE_BYTES = 4096  # the page; every pool buffer and span starts on one (O_DIRECT)
+
+
+def align_up(n: int, alignment: int = PAGE_BYTES) -> int:
+    """``n`` rounded up to a multiple of ``alignment`` (whole pages by default)."""
+    return (n + alignment - 1) // alignment * alignment
 
 
 def format_bytes(n: int) -> str:

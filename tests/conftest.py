@@ -21,7 +21,7 @@ from helpers import BACKENDS
 def fresh_direct_io_warnings(monkeypatch):
     """The "no O_DIRECT" warning comes once per process per kind of file: each test
     starts as a fresh process would, so that a test expecting it sees it."""
-    monkeypatch.setattr(importlib.import_module("nvmeio.handle"), "_warned_no_direct", set())
+    monkeypatch.setattr(importlib.import_module("nvmeio._handle"), "_warned_no_direct", set())
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Test helpers: the engine training loop, test configs, several ranks in one test,
-and byte-level helpers for the I/O tests.
+"""Test helpers: engines built for a test and their weights, the engine training loop, test
+configs, several ranks in one test, and byte-level helpers for the I/O tests.
 
 Tests import this module directly (``from helpers import ...``): pytest's ``pythonpath``
 (pyproject.toml) puts the tests folder on ``sys.path``; their child Pythons find it on the
@@ -8,6 +8,7 @@ PYTHONPATH conftest.py sets; bench/reliability imports it as ``tests.helpers``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import resource
 import shutil
@@ -17,12 +18,13 @@ import stat
 import subprocess
 import threading
 import time
-from typing import List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 import nvmeio
+import zero
 from zero.examples import GPT, GPTConfig, make_batches
 
 BACKENDS = nvmeio.available_backends()
@@ -181,6 +183,65 @@ def load_error(engine, load_dir):
     return None
 
 
+# -- engines built for a test, and their weights -------------------------------------------------------
+
+def _merge(into: dict, extra: dict) -> None:
+    """``extra`` merged into ``into``: a dict merged key by key, any other value replacing (copied)."""
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(value)
+
+
+def make_engine(nvme_path=None, offload: str = "nvme", *, seed: int = 0,
+                model: Optional[Callable[[], torch.nn.Module]] = None, config: Optional[dict] = None,
+                checksum: Optional[str] = None, overrides: Optional[dict] = None, **config_args):
+    """A ZeRO engine for a test; its model is ``engine.module``.
+
+    The model is ``model()`` (default ``GPT(GPTConfig())``), built right after
+    ``torch.manual_seed(seed)``: engines made with one seed start from the same weights. The
+    config is a copy of ``config``, or else ``base_config(offload, offload, nvme_path,
+    **config_args)``; ``checksum`` is then set on both offload sections and ``overrides`` merged in
+    (a dict key by key, any other value replacing). ``nvme_path`` is created when missing.
+    """
+    if config is None:
+        config = base_config(offload, offload, nvme_path, **config_args)
+    elif config_args:
+        raise TypeError(f"make_engine: base_config's arguments {sorted(config_args)} given with a whole config")
+    else:
+        config = copy.deepcopy(config)
+    if checksum is not None:
+        _merge(config, {"zero_optimization": {key: {"checksum": checksum}
+                                              for key in ("offload_param", "offload_optimizer")}})
+    _merge(config, overrides or {})
+    if nvme_path is not None:
+        os.makedirs(nvme_path, exist_ok=True)
+    torch.manual_seed(seed)
+    built = model() if model is not None else GPT(GPTConfig())
+    engine, _, _, _ = zero.initialize(model=built, config=config)
+    return engine
+
+
+def weights(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter of a partitioned ``model`` (``engine.module``) gathered whole: name -> a copy."""
+    with zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def weight_digests(model: torch.nn.Module) -> Dict[str, str]:
+    """``weights(model)`` as SHA-256 digests of their bytes (for a rank to report to its test)."""
+    import hashlib
+
+    return {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in weights(model).items()}
+
+
+def same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
+    """Two ``weights()`` results with the same names and equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 # -- processes a test starts: never waited for longer than a timeout ------------------------------------
 
 # [Note: timeouts of multi-process tests]
@@ -292,7 +353,7 @@ def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, time
     for name, fn, kwargs in scenarios:
         try:
             results[name] = fn(rank, world_size, os.path.join(out_dir, name), **kwargs)
-        except Exception:  # reported to the test, which fails with the traceback
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with the traceback
             results[name] = {"error": traceback.format_exc()}
             traceback.print_exc()  # and into the rank's log, for a failure after it
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -358,20 +419,19 @@ def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str 
 
     ``use_init`` builds the model inside ``zero.Init``; ``config_extra`` adds top-level keys.
     """
-    import zero
-
     config = base_config(offload_param, offload_optimizer, scratch, accumulation=accumulation, clip=clip,
                          precision=precision, lr=lr, world_size=world_size, sub_group_size=3000, **zero_extra)
     config.update(config_extra or {})
-    torch.manual_seed(0)
     c = GPTConfig()
-    if use_init:
+
+    def model():
+        if not use_init:
+            return GPT(c)
         with zero.Init(config_dict_or_path=config):
-            model = GPT(c)
-    else:
-        model = GPT(c)
+            return GPT(c)
+
     batches = make_batches(c, steps * accumulation, 4 * world_size)
-    engine, _, _, _ = zero.initialize(model=model, config=config)
+    engine = make_engine(scratch, config=config, model=model)
     try:
         return train_engine(engine, batches, steps, accumulation, rank=rank, shards=world_size)
     finally:
@@ -380,7 +440,7 @@ def scenario_train(rank: int, world_size: int, scratch: str, offload_param: str 
 
 def parameter_read_dir(engine) -> str:
     """Where an NVMe engine reads parameter shards from: the optimizer's swap directory when fp32
-    shards live in its master (param_store.py [Note]), else the parameter swap directory."""
+    shards live in its master (zero/stores/param_store.py [Note]), else the parameter swap directory."""
     store = engine.parts.param_store
     return store.master.swap_dir if store.master is not None else store.swap_dir
 
@@ -392,16 +452,9 @@ def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, whi
     step's only collective (the clip norm) comes before any I/O, so the retry needs none.
     (Parameters are written to swap files of their own with bf16 only: fp32 shards live in the
     optimizer's master.)"""
-    import hashlib
-
-    import zero
     from nvmeio import faults
 
-    os.makedirs(scratch, exist_ok=True)
-    torch.manual_seed(0)
-    config = base_config("nvme", "nvme", scratch, world_size=world_size, clip=0.5, lr=1e-2, sub_group_size=3000,
-                         precision=precision)
-    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    engine = make_engine(scratch, world_size=world_size, clip=0.5, lr=1e-2, sub_group_size=3000, precision=precision)
     losses, refused = [], ""
     for step, (x, y) in enumerate(make_batches(GPTConfig(), 4, 4 * world_size)):
         loss = engine(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
@@ -421,9 +474,7 @@ def scenario_step_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, whi
         except zero.EngineStateError as error:
             refused += f"\n{error}"
         engine.step()  # finish it
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        digests = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                   for n, p in engine.module.named_parameters()}
+    digests = weight_digests(engine.module)
     engine.destroy()
     return {"losses": losses, "weights": digests, "refused": refused}
 
@@ -436,16 +487,10 @@ def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=
     NVMe), sub-groups stepped in backward without; or its parameter reads fail); every rank raises, then runs the batch
     again (forward) or loads the checkpoint (backward) and trains on. Returns losses, weight
     digests and each rank's errors."""
-    import hashlib
-
-    import zero
     from nvmeio import faults
 
-    os.makedirs(os.path.join(scratch, "swap"), exist_ok=True)
-    torch.manual_seed(0)
-    config = base_config("nvme", "nvme", os.path.join(scratch, "swap"), world_size=world_size, clip=clip, lr=1e-2,
+    engine = make_engine(os.path.join(scratch, "swap"), world_size=world_size, clip=clip, lr=1e-2,
                          sub_group_size=3000, stage3_max_reuse_distance=0)  # backward reads parameters too
-    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
     engine.parts.reducer.stash.hold_budget = 0
     batches = [(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
                for x, y in make_batches(GPTConfig(), 4, 4 * world_size)]
@@ -469,9 +514,7 @@ def scenario_io_fails_on_one_rank(rank, world_size, scratch, fail_rank=-1, clip=
                 error += f"\n{exc}"
             engine.load_checkpoint(os.path.join(scratch, "ckpt"))
     losses += train_engine(engine, batches[1:], 3)
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        digests = {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                   for n, p in engine.module.named_parameters()}
+    digests = weight_digests(engine.module)
     engine.destroy()
     return {"losses": losses, "weights": digests, "error": error}
 

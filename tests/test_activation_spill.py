@@ -10,14 +10,13 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo  # imported now: its import makes a cache folder under TMPDIR (see below)
 import torch.nn.functional as F
 
-import zero
 from zero.config import ConfigError, load_config
 from zero.examples import GPT, GPTConfig, make_batches
-from zero.partitioning.gathered import GatheredParameters
 from zero.runtime.activation_spill import MIN_SPILL_BYTES, SavedActivations
-from helpers import CheckpointedGPT, base_config, train_engine
+from helpers import CheckpointedGPT, make_engine, same_weights, train_engine, weights
 
 STEPS = 2
 MICRO = 8
@@ -28,30 +27,21 @@ assert MICRO * SHAPE.seq * SHAPE.d_model * 4 >= MIN_SPILL_BYTES
 MODELS = {"plain": GPT, "checkpointed": CheckpointedGPT}
 
 
-def config(nvme_path, k, budget="off"):
-    c = base_config("nvme", "nvme", nvme_path, accumulation=k, micro=MICRO)
-    if budget != "off":
-        c["activation_checkpointing"] = {"cpu_checkpointing": True}
-        if budget is not None:
-            c["activation_checkpointing"]["max_in_cpu_bytes"] = budget
-    return c
-
-
-def make_engine(nvme_path, k, model="plain", budget="off"):
-    os.makedirs(nvme_path, exist_ok=True)
-    torch.manual_seed(0)
-    engine, _, _, _ = zero.initialize(model=MODELS[model](SHAPE), config=config(nvme_path, k, budget))
-    return engine
-
-
-def weights(engine):
-    with GatheredParameters(list(engine.module.parameters())):
-        return [p.detach().clone() for p in engine.module.parameters()]
+def spill(budget):
+    """The config's activation_checkpointing for ``budget``: "off" (none), None (cpu_checkpointing
+    with the default budget) or max_in_cpu_bytes."""
+    if budget == "off":
+        return {}
+    section = {"cpu_checkpointing": True}
+    if budget is not None:
+        section["max_in_cpu_bytes"] = budget
+    return {"activation_checkpointing": section}
 
 
 def train(nvme_path, k, model="plain", budget="off", loop=False):
     """(window means, weights, the store's stats or None)."""
-    engine = make_engine(nvme_path, k, model, budget)
+    engine = make_engine(nvme_path, accumulation=k, micro=MICRO, model=lambda: MODELS[model](SHAPE),
+                         overrides=spill(budget))
     batches = make_batches(SHAPE, STEPS * k, MICRO)
     if loop:
         losses = train_engine(engine, batches, STEPS, k)
@@ -59,14 +49,14 @@ def train(nvme_path, k, model="plain", budget="off", loop=False):
     else:
         means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
     store = engine.parts.activations
-    out = means, weights(engine), (store.stats if store is not None else None)
+    out = means, weights(engine.module), (store.stats if store is not None else None)
     engine.destroy()
     return out
 
 
 def assert_same(a, b):
     assert a[0] == b[0]
-    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert same_weights(a[1], b[1])
 
 
 def activation_files(nvme_path):
@@ -105,12 +95,14 @@ def test_a_budget_keeps_the_newest_bytes_and_spills_the_rest(tmp_path):
 
 
 def test_the_swap_file_lives_in_the_window_only_and_nothing_is_written_outside_nvme_path(tmp_path, monkeypatch):
+    # torch makes torchinductor_<user> under TMPDIR when torch._dynamo is first imported (the first
+    # torch optimizer does it): done at this module's import, so not counted as the engine's file.
     nvme, elsewhere = tmp_path / "nvme", tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     monkeypatch.setenv("TMPDIR", str(elsewhere))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
-    engine = make_engine(nvme, 3, budget=0)
+    engine = make_engine(nvme, accumulation=3, micro=MICRO, model=lambda: GPT(SHAPE), overrides=spill(0))
     before = set(all_files(tmp_path))
     seen = []
 
@@ -156,13 +148,11 @@ class FailingGPT(GPT):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-MODELS["failing"] = FailingGPT
-
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_an_error_in_backward_removes_the_window_files(tmp_path, monkeypatch, k):
     monkeypatch.setattr(FailsInBackward, "armed", True)
-    engine = make_engine(tmp_path, k, model="failing", budget=0)
+    engine = make_engine(tmp_path, accumulation=k, micro=MICRO, model=lambda: FailingGPT(SHAPE), overrides=spill(0))
     store = engine.parts.activations
     with pytest.raises(RuntimeError, match="injected failure in backward"):
         engine.train_batch(make_batches(SHAPE, k, MICRO))
@@ -172,7 +162,7 @@ def test_an_error_in_backward_removes_the_window_files(tmp_path, monkeypatch, k)
 
 
 def test_the_default_budget_is_half_the_gradient_stash_s_headroom(tmp_path):
-    engine = make_engine(tmp_path, 3, budget=None)
+    engine = make_engine(tmp_path, accumulation=3, micro=MICRO, model=lambda: GPT(SHAPE), overrides=spill(None))
     stash = engine.parts.reducer.stash
     assert engine.parts.activations.budget == stash.hold_budget // 2 > 0
     engine.destroy()
@@ -184,7 +174,7 @@ def test_the_activation_swap_buffers_are_in_the_memory_check(tmp_path, monkeypat
 
     monkeypatch.setattr(memory_check, "probe", lambda: HostMemory(1 << 20, None, 0))
     with pytest.raises(ConfigError) as info:
-        make_engine(tmp_path, 3, budget=None)
+        make_engine(tmp_path, accumulation=3, micro=MICRO, model=lambda: GPT(SHAPE), overrides=spill(None))
     problem = info.value.problems[0]
     assert problem.path == "activation_checkpointing.cpu_checkpointing"
     assert "; activation swap buffers (4 x 8.00 MiB): 32.00 MiB; " in problem.message
@@ -250,11 +240,9 @@ def test_cpu_checkpointing_no_longer_warns_and_the_other_keys_still_do(tmp_path)
 
 
 def test_without_an_nvme_offload_saved_activations_stay_in_memory_with_one_log_line(tmp_path, caplog):
-    torch.manual_seed(0)
-    c = base_config("cpu", "cpu", accumulation=3, micro=MICRO)
-    c["activation_checkpointing"] = {"cpu_checkpointing": True}
     with caplog.at_level(logging.INFO, logger="zero"):
-        engine, _, _, _ = zero.initialize(model=GPT(SHAPE), config=c)
+        engine = make_engine(None, "cpu", accumulation=3, micro=MICRO, model=lambda: GPT(SHAPE),
+                             overrides=spill(None))
     said = [r.getMessage() for r in caplog.records if "cpu_checkpointing" in r.getMessage()]
     assert said == ["[zero] activation_checkpointing.cpu_checkpointing: saved activations stay in host memory, all "
                     "of them (no zero_optimization offload has device nvme to spill to)"]
@@ -321,7 +309,7 @@ def test_a_saved_tensor_used_after_its_window_ended_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: saved tensors copied to pinned host memory "
                                                           "and back (no GPU here)")
 def test_on_cuda_saved_tensors_go_to_host_memory_and_back_unchanged(tmp_path):
-    from swapper.activation_swapper import ActivationSwapper
+    from swapper._activation_swapper import ActivationSwapper
 
     for budget, swapper in ((None, None), (0, ActivationSwapper(tmp_path, job_id="job"))):
         store = SavedActivations(budget, swapper)

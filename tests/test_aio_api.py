@@ -143,7 +143,7 @@ def test_validate_raises_when_file_differs(nvme_dir):
 
 
 def test_pending_counts_ops_until_they_finish_and_wait_then_does_not_block(nvme_dir):
-    from swapper.io_queue import IoKind, IoQueue
+    from swapper._io_queue import IoKind, IoQueue
 
     h = nvmeio.aio_handle()
     src = random_bytes(1 << 20)

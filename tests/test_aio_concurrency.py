@@ -66,7 +66,7 @@ def test_several_handles_in_several_threads(nvme_dir):
                 dst = np.empty_like(src)
                 h.sync_pread(dst, path, file_offset=j * 513)
                 assert np.array_equal(src, dst)
-        except Exception as e:  # surfaced below
+        except Exception as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
@@ -87,7 +87,7 @@ def test_one_handle_shared_by_threads(nvme_dir):
             for j in range(3):
                 h.async_pwrite(srcs[k], nvme_dir / f"sh{k}_{j}.bin")
             h.wait()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]

@@ -237,8 +237,8 @@ def test_environment_variable_arms_a_plan_and_says_so(tmp_path):
     assert r.returncode == 1
     assert "nvmeio: fault injection is ON (NVMEIO_FAULTS=" in r.stderr
     assert "No space left on device" in r.stderr
-    env["NVMEIO_FAULTS"] = "fail_nth=x"
-    r = run_process([sys.executable, "-c", "import nvmeio"], env=env, timeout=60)
+    env["NVMEIO_FAULTS"] = "fail_nth=x"  # a plan that does not parse fails the first handle, not the import
+    r = run_process([sys.executable, "-c", "import nvmeio; nvmeio.aio_handle()"], env=env, timeout=60)
     assert r.returncode == 1 and "NVMEIO_FAULTS: fail_nth must be an int, got 'x'" in r.stderr
 
 

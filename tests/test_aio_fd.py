@@ -72,7 +72,7 @@ def test_fd_argument_errors(h, nvme_dir):
 
 
 def test_keyword_names_are_deepspeeds():
-    params = lambda m: list(inspect.signature(getattr(nvmeio.aio_handle, m)).parameters)[1:]  # noqa: E731
+    params = lambda m: list(inspect.signature(getattr(nvmeio.aio_handle, m)).parameters)[1:]
     for m in ("async_pread", "async_pwrite", "sync_pread", "sync_pwrite"):
         assert params(m)[:3] == ["buffer", "filename", "file_offset"] and "fd" in params(m)
     for m in ("pread", "pwrite"):  # the 4th is `async` in DeepSpeed: a Python keyword, taken by **kwargs

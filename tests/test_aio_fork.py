@@ -21,7 +21,7 @@ def _child(path, queue):
         del h, _child.handle
         gc.collect()                         # destroys the inherited handle
         queue.put("collected")
-    except BaseException as e:               # reported to the parent
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put(repr(e))
 
 

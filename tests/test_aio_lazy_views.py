@@ -1,6 +1,6 @@
 """Conjugate and negative views (x.conj(), x.conj().imag) hold other values in
 memory than they show: a write stores the values they show, a read into one
-is refused (see [Note: conjugate and negative views] in nvmeio.buffers)."""
+is refused (see [Note: conjugate and negative views] in nvmeio._buffers)."""
 
 import os
 

@@ -10,7 +10,7 @@ import nvmeio
 import zero
 from helpers import base_config
 from nvmeio.settings import ZERO_CONFIG_DEFAULTS, AioSettings
-from nvmeio.tune.space import HANDLE_DEFAULTS, Config
+from nvmeio.tune._space import HANDLE_DEFAULTS, Config
 from swapper import PartitionedParamSwapper
 from zero.config import AioConfig, load_config
 from zero.examples import GPT, GPTConfig

@@ -5,7 +5,7 @@ import os
 import pytest
 
 import nvmeio
-from nvmeio import backend_choice
+from nvmeio import _backend_choice as backend_choice
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,6 @@
 writers give the same checkpoint, NVMe-resident optimizer state is copied file to
 file, shards are safetensors, config errors are clear, a full disk or a killed
 save leaves the previous checkpoint loadable."""
-import json
 import logging
 import os
 import random
@@ -18,28 +17,14 @@ import torch
 import zero
 from zero.config import ConfigError
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, file_bytes, train_engine, wait_for_line
+from helpers import base_config, file_bytes, make_engine, same_weights, train_engine, wait_for_line, weights
 
 CFG = GPTConfig()
 
 
-def make_engine(tmp_path, offload="nvme", writer=None, seed=0, checksum=None):
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    config = base_config(offload, offload, tmp_path / "swap", lr=1e-2)
-    if checksum is not None:
-        for key in ("offload_param", "offload_optimizer"):
-            config["zero_optimization"][key]["checksum"] = checksum
-    if writer is not None:
-        config["checkpoint"] = {"writer": writer}
-    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
-    engine, _, _, _ = zero.initialize(model=model, config=config)
-    return engine, model
-
-
-def gathered(model):
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+def writer(**keys):
+    """A config's ``checkpoint.writer`` section (for make_engine's ``overrides``)."""
+    return {"checkpoint": {"writer": keys}}
 
 
 def checkpoint_files(root):
@@ -87,8 +72,8 @@ def test_fast_and_python_writers_write_the_same_checkpoint(tmp_path, offload, ca
     for kind in ("fast", "python"):
         # Swap checksums off: with them on, a save reads the state through the swapper, which
         # verifies it, instead of copying the swap file (tests/test_zero_swap_checksums.py).
-        engine, _ = make_engine(tmp_path / kind, offload, {"type": kind, "io_buffer_size": 8192,
-                                                           "show_statistics": True}, checksum="none")
+        engine = make_engine(tmp_path / kind / "swap", offload, lr=1e-2, checksum="none",
+                             overrides=writer(type=kind, io_buffer_size=8192, show_statistics=True))
         train_engine(engine, make_batches(CFG, 2, 4), 2)
         with caplog.at_level(logging.INFO, logger="zero"):
             engine.save_checkpoint(tmp_path / kind / "ckpt")
@@ -106,7 +91,7 @@ def test_fast_and_python_writers_write_the_same_checkpoint(tmp_path, offload, ca
 
 
 def test_shards_are_safetensors_with_master_and_states(tmp_path):
-    engine, model = make_engine(tmp_path, "nvme")
+    engine = make_engine(tmp_path / "swap", lr=1e-2)
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     layout = engine.parts.rank_layout
@@ -121,15 +106,16 @@ def test_shards_are_safetensors_with_master_and_states(tmp_path):
 
 
 @pytest.mark.parametrize("offload", ["nvme", "cpu"])
-@pytest.mark.parametrize("writer", ["fast", "python"])
-def test_resume_is_bit_identical(tmp_path, offload, writer):
+@pytest.mark.parametrize("kind", ["fast", "python"])
+def test_resume_is_bit_identical(tmp_path, offload, kind):
     batches = make_batches(CFG, 4, 4)
-    engine, _ = make_engine(tmp_path / "a", offload, {"type": writer, "io_buffer_size": 8192})
+    engine = make_engine(tmp_path / "a" / "swap", offload, lr=1e-2, overrides=writer(type=kind, io_buffer_size=8192))
     train_engine(engine, batches[:2], 2)
     engine.save_checkpoint(tmp_path / "ckpt")
     reference = train_engine(engine, batches[2:], 2)
     engine.destroy()
-    resumed, _ = make_engine(tmp_path / "b", offload, {"type": writer, "io_buffer_double": False}, seed=1)
+    resumed = make_engine(tmp_path / "b" / "swap", offload, lr=1e-2, seed=1,
+                          overrides=writer(type=kind, io_buffer_double=False))
     resumed.load_checkpoint(tmp_path / "ckpt")
     assert train_engine(resumed, batches[2:], 2) == reference
     resumed.destroy()
@@ -153,13 +139,14 @@ def small_tmpfs(tmp_path):
 
 
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_path, small_tmpfs):
-    engine, model = make_engine(tmp_path, "nvme")
+    engine = make_engine(tmp_path / "swap", lr=1e-2)
+    model = engine.module
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.save_checkpoint(tmp_path / "probe")
     size = sum(len(b) for b in checkpoint_files(tmp_path / "probe").values())
     mnt = small_tmpfs(int(size * 1.5) // 4096 * 4096)  # room for one checkpoint, not two
     engine.save_checkpoint(mnt)
-    first = gathered(model)
+    first = weights(model)
     before = checkpoint_files(mnt)
     train_engine(engine, make_batches(CFG, 2, 4)[1:], 1)
     with pytest.raises(OSError) as e:
@@ -170,7 +157,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_p
     assert checkpoint_files(mnt) == before  # nothing of the failed save is left
     assert (mnt / "latest").read_text() == "global_step1"
     engine.load_checkpoint(mnt)
-    assert all(torch.equal(first[n], v) for n, v in gathered(model).items())
+    assert same_weights(weights(model), first)
     engine.destroy()
 
 
@@ -192,12 +179,13 @@ for i in range(1000):
 
 
 def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
-    engine, model = make_engine(tmp_path / "ref", "nvme")
+    engine = make_engine(tmp_path / "ref" / "swap", lr=1e-2)
+    model = engine.module
     batches = make_batches(CFG, 2, 4)
     train_engine(engine, batches[:1], 1)
-    step1 = gathered(model)
+    step1 = weights(model)
     train_engine(engine, batches[1:], 1)
-    step2 = gathered(model)
+    step2 = weights(model)
     rng = random.Random(11)
     for attempt in range(3):
         ckpt, swap = tmp_path / f"ckpt{attempt}", tmp_path / f"swap{attempt}"
@@ -211,7 +199,7 @@ def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
         tag = (ckpt / "latest").read_text()
         engine.load_checkpoint(ckpt)  # whatever latest names is complete
         expected = step1 if tag == "global_step1" else step2
-        assert all(torch.equal(expected[n], v) for n, v in gathered(model).items()), tag
+        assert same_weights(weights(model), expected), tag
     engine.destroy()
 
 
@@ -220,7 +208,7 @@ def test_shards_never_change_after_the_save_or_the_load(tmp_path, checksum):
     """Training after a save, or after a load, leaves the checkpoint's files as they were,
     also where they are the swap files themselves (hard links)."""
     batches = make_batches(CFG, 4, 4)
-    engine, _ = make_engine(tmp_path / "a", "nvme", checksum=checksum)
+    engine = make_engine(tmp_path / "a" / "swap", lr=1e-2, checksum=checksum)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     shards = list((tmp_path / "ckpt").glob("*/rank00000/subgroup*.safetensors"))
@@ -242,7 +230,7 @@ def test_a_damaged_shard_is_refused_before_the_load_changes_anything(tmp_path, s
     """Shards carry the checksums of their tensors: a load on the same layout and one that
     regroups the state (another sub_group_size) read every shard they use first."""
     batches = make_batches(CFG, 2, 4)
-    engine, _ = make_engine(tmp_path / "a", "nvme")
+    engine = make_engine(tmp_path / "a" / "swap", lr=1e-2)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.destroy()
@@ -252,15 +240,11 @@ def test_a_damaged_shard_is_refused_before_the_load_changes_anything(tmp_path, s
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))
-    torch.manual_seed(5)
-    model = GPT(CFG)
-    config = base_config("nvme", "nvme", tmp_path / "swap", lr=1e-2, sub_group_size=sub_group_size)
-    (tmp_path / "swap").mkdir()
-    other, _, _, _ = zero.initialize(model=model, config=config)
-    before = gathered(model)
+    other = make_engine(tmp_path / "swap", lr=1e-2, sub_group_size=sub_group_size, seed=5)
+    before = weights(other.module)
     with pytest.raises(zero.CheckpointCorruptionError, match="subgroup00000.safetensors .*'exp_avg_sq'"):
         other.load_checkpoint(tmp_path / "ckpt")
-    assert all(torch.equal(before[n], v) for n, v in gathered(model).items())
+    assert same_weights(weights(other.module), before)
     assert other.global_steps == 0
     other.destroy()
 
@@ -269,7 +253,7 @@ def test_a_checkpoint_loaded_right_after_its_save_again_and_again(tmp_path):
     """The shard is then the swap file itself (one file, two names): the load adopts it as it is,
     and saving and loading it repeatedly leaves no stray file and resumes exactly."""
     batches = make_batches(CFG, 3, 4)
-    engine, _ = make_engine(tmp_path / "a", "nvme")
+    engine = make_engine(tmp_path / "a" / "swap", lr=1e-2)
     train_engine(engine, batches[:1], 1)
     for _ in range(3):
         engine.save_checkpoint(tmp_path / "ckpt", tag="t")

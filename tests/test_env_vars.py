@@ -1,9 +1,14 @@
-"""NVMEIO_* environment variables: one reader, one spelling of booleans, clear errors."""
+"""Environment variables: one declaration each (nvmeio/env.py), one reader, one spelling of
+booleans, clear errors; docs/tuning.md lists them as declared."""
+
+import os
+import re
 
 import pytest
 
 import nvmeio
-from nvmeio.cuda_staging import StagingConfig
+from nvmeio import env
+from nvmeio._cuda_staging import StagingConfig
 from nvmeio.env import env_flag, env_int, env_str
 from nvmeio.hints import did_you_mean, hint
 
@@ -59,3 +64,50 @@ def test_did_you_mean_is_shared():
     assert did_you_mean("IO_URING", ["io_uring", "aio"], ignore_case=True) == "io_uring"
     assert did_you_mean("zzz", ["block_size"]) is None
     assert hint("zzz", ["a", "b"]) == "known keys: a, b"
+
+
+# -- the registry: one declaration per variable, every reader through it ---------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READS = re.compile(r"os\.environ|os\.getenv|\bgetenv\(|\benv_(?:flag|int|str)\(")
+
+
+def _sources():
+    for package in ("nvmeio", "swapper", "zero"):
+        for folder, _, files in os.walk(os.path.join(REPO, package)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    yield os.path.relpath(path, REPO), open(path).read()
+
+
+def test_tuning_md_lists_the_declared_variables():
+    text = open(os.path.join(REPO, "docs", "tuning.md")).read()
+    assert env.markdown_table() in text, "paste nvmeio.env.markdown_table() into docs/tuning.md:\n" + \
+        env.markdown_table()
+
+
+def test_no_module_reads_the_environment_but_the_registry():
+    readers = [f"{path}:{n}" for path, text in _sources() if path != os.path.join("nvmeio", "env.py")
+               for n, line in enumerate(text.splitlines(), 1) if READS.search(line)]
+    assert readers == []
+
+
+def test_every_variable_read_is_declared_and_every_declared_one_is_read():
+    named = {m for _, text in _sources() for m in re.findall(r"env\.(?:get|is_set|default)\(\"(\w+)\"\)", text)}
+    assert named - set(env.VARIABLES) == set()
+    everything = "".join(text for path, text in _sources() if path != os.path.join("nvmeio", "env.py"))
+    assert [name for name in env.VARIABLES if f'"{name}"' not in everything] == []
+
+
+def test_reading_an_undeclared_variable_says_so(monkeypatch):
+    with pytest.raises(KeyError, match="NVMEIO_DIRECTIO is not a declared environment variable "
+                                       r"\(did you mean 'NVMEIO_DIRECT_IO'\?\)"):
+        env.get("NVMEIO_DIRECTIO")
+    monkeypatch.setenv("NVMEIO_STAGING_CHUNKS", "1")
+    with pytest.raises(ValueError, match="NVMEIO_STAGING_CHUNKS=1 must be at least 2"):
+        env.get("NVMEIO_STAGING_CHUNKS")
+    monkeypatch.delenv("NVMEIO_STAGING_CHUNKS")
+    assert env.get("NVMEIO_STAGING_CHUNKS") == env.default("NVMEIO_STAGING_CHUNKS") == 3
+    monkeypatch.setenv("NVMEIO_JOB_ID", "")
+    assert env.get("NVMEIO_JOB_ID") == "zero_stage_3" and not env.is_set("NVMEIO_JOB_ID")

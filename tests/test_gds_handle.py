@@ -18,17 +18,17 @@ import pytest
 import torch
 
 import nvmeio
-from helpers import file_bytes, random_bytes
+from helpers import file_bytes, random_bytes, run_child
 from test_cuda_paths import on_fake_cuda, plain
 
-gds_module = importlib.import_module("nvmeio.gds")
+gds_module = importlib.import_module("nvmeio._gds")
 
 
 def _has_kvikio() -> bool:
     try:
         importlib.import_module("kvikio")
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a kvikio that fails to load (its CUDA libraries) counts as absent
         return False
 
 
@@ -285,7 +285,45 @@ def test_gpu_round_trip_matches_the_cpu_path(nvme_dir, dtype, numel, offset):
     dst = torch.empty_like(src)
     assert h.sync_pread(dst, nvme_dir / "g.bin", file_offset=offset) == 1
     assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8))
-    assert isinstance(h.get_compat_mode(), bool)
+
+
+GDS_MODE_CODE = r"""
+import json, sys, torch, nvmeio
+h = nvmeio.gds_handle()
+t = torch.arange(1 << 21, dtype=torch.int32, device="cuda")  # 8 MiB: past kvikio's GDS threshold
+h.sync_pwrite(t, sys.argv[1])
+h.sync_pread(t, sys.argv[1])
+with open("/proc/self/maps") as f:
+    cufile_loaded = "libcufile" in f.read()
+print(json.dumps({"compat": h.get_compat_mode(), "io_mode": h.get_io_mode(), "cufile_loaded": cufile_loaded}))
+"""
+
+
+def kvikio_compat_mode_expected(cufile_loaded: bool) -> bool:
+    """kvikio's rule (``defaults::infer_compat_mode_if_auto`` and ``is_cufile_available`` in its C++
+    library): KVIKIO_COMPAT_MODE=ON or OFF decides; AUTO, the default, runs POSIX I/O unless
+    libcufile.so.0 loads, /run/udev is readable and this is not WSL."""
+    setting = os.environ.get("KVIKIO_COMPAT_MODE", "AUTO").strip().lower()
+    if setting in ("on", "true", "yes", "1"):
+        return True
+    if setting in ("off", "false", "no", "0"):
+        return False
+    with open("/proc/sys/kernel/osrelease") as f:
+        wsl = "microsoft" in f.read().lower()
+    return not (cufile_loaded and os.access("/run/udev", os.R_OK) and not wsl)
+
+
+@needs_gds
+def test_gpu_compat_mode_is_what_kvikio_decides_for_this_machine(nvme_dir):
+    """In a fresh process (where nothing but kvikio loads libcufile): compatibility mode is on
+    exactly where kvikio's rule puts it (no libcufile, no /run/udev, WSL, or the environment
+    variable), and the I/O path reported matches it."""
+    got = run_child(GDS_MODE_CODE, str(nvme_dir / "m.bin"))
+    assert got["compat"] is kvikio_compat_mode_expected(got["cufile_loaded"]), got
+    if got["compat"]:
+        assert got["io_mode"] == "posix", got
+    else:
+        assert got["cufile_loaded"] and got["io_mode"] in ("gds", "cufile-compat", "cufile"), got
 
 
 @needs_gds

@@ -13,10 +13,10 @@ import torch
 
 from test_hf_trainer import HIDDEN, dataset, losses, nvme_config, training_args
 
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
 
-from zero.hf import ZeroTrainer  # noqa: E402
-from zero.partitioning.full_state_dict import full_state_dict  # noqa: E402
+from zero.hf import ZeroTrainer
+from zero.partitioning.full_state_dict import full_state_dict
 
 EPOCHS = dict(max_steps=-1, num_train_epochs=2)  # 5 batches an epoch: its last window is cut short
 

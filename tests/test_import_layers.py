@@ -1,7 +1,10 @@
 """The layering holds: native -> nvmeio -> swapper -> zero, no upward import; inside zero
 the sub-areas import only those below them; no module of nvmeio, swapper or zero is in an
-import circle (imports inside functions count too); and no package exports a name equal
-to one of its submodules (``import zero.initialize`` once made ``zero.initialize`` a module)."""
+import circle (imports inside functions count too); no package exports a name equal
+to one of its submodules (``import zero.initialize`` once made ``zero.initialize`` a module);
+and a package imports of another only its public names: a name in that package's ``__all__``,
+or in the ``__all__`` of a public module (no part of its name starts with an underscore),
+which every public module of nvmeio and swapper has."""
 
 import ast
 import importlib
@@ -95,7 +98,7 @@ def test_no_package_imports_a_layer_above_it():
 
 
 def test_no_module_is_in_an_import_circle():
-    assert "zero.engine.entry" in _graph() and "nvmeio.fast_io" in _graph()
+    assert "zero.engine.entry" in _graph() and "nvmeio._fast_io" in _graph()
     assert _cycles(_graph()) == []
 
 
@@ -180,3 +183,100 @@ def test_the_architecture_map_names_every_module_and_no_other(package):
     for folder, path in folders.items():
         files = {f[:-3] for f in os.listdir(path) if f.endswith(".py") and f not in ("__init__.py", "__main__.py")}
         assert named.get(folder, set()) == files, folder or package
+
+
+# -- public names across packages ----------------------------------------------------------------
+
+def _is_public(module: str) -> bool:
+    return not any(part.startswith("_") for part in module.split(".")[1:])
+
+
+def _runtime_exports(module: str):
+    """The ``__all__`` of ``module`` (imported), or None where it has none."""
+    exported = getattr(importlib.import_module(module), "__all__", None)
+    return None if exported is None else set(exported)
+
+
+def _non_public_imports(module: str, tree: ast.AST, mods, exports=_runtime_exports) -> list:
+    """What ``module`` (of the package its name starts with) imports from another package of
+    LAYERS that is not public there: a module with a part starting with an underscore, a name
+    outside the ``__all__`` of the module it comes from, or such an attribute of a package
+    imported whole (``import nvmeio`` then ``nvmeio._handle``). ``mods``: the modules that exist;
+    ``exports(name)``: a module's ``__all__`` (None: it has none)."""
+    own = module.split(".")[0]
+    found, whole = [], set()
+
+    def foreign(target: str) -> bool:
+        top = target.split(".")[0]
+        return top != own and top in LAYERS
+
+    def check_name(base: str, name: str) -> None:
+        full = f"{base}.{name}"
+        if full in mods:
+            if name.startswith("_"):
+                found.append(full)
+        elif name not in (exports(base) or set()):
+            found.append(full)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if foreign(a.name):
+                    if not _is_public(a.name) or a.name not in mods:
+                        found.append(a.name)
+                    elif a.asname is None and "." not in a.name:
+                        whole.add(a.name)
+        elif isinstance(node, ast.ImportFrom) and not node.level and foreign(node.module):
+            if not _is_public(node.module) or node.module not in mods:
+                found.append(node.module)
+                continue
+            for a in node.names:
+                check_name(node.module, a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in whole:
+            check_name(node.value.id, node.attr)
+    return sorted(set(found))
+
+
+def test_packages_import_only_each_others_public_names():
+    mods = _modules()
+    found = {}
+    for module, path in mods.items():
+        bad = _non_public_imports(module, ast.parse(open(path).read()), mods)
+        if bad:
+            found[module] = bad
+    assert found == {}
+
+
+def test_the_public_name_checker_rejects_a_private_module_or_a_name_outside_all():
+    mods = {"nvmeio": "", "nvmeio._handle": "", "nvmeio.settings": "", "swapper": "", "swapper._pool": ""}
+    exports = {"nvmeio": {"aio_handle"}, "nvmeio.settings": {"AioSettings"}, "nvmeio._handle": {"aio_handle"},
+               "swapper": {"PinnedBufferPool"}}.get
+
+    def check(source: str, module: str = "zero.stores.x") -> list:
+        return _non_public_imports(module, ast.parse(source), mods, exports)
+
+    assert check("from nvmeio import aio_handle\nfrom nvmeio.settings import AioSettings\n"
+                 "import nvmeio.settings\nfrom nvmeio import settings\nimport nvmeio\nnvmeio.aio_handle()\n"
+                 "from swapper import PinnedBufferPool\nimport torch.nn\n") == []
+    assert check("from nvmeio._handle import aio_handle") == ["nvmeio._handle"]
+    assert check("from nvmeio import _handle") == ["nvmeio._handle"]
+    assert check("import nvmeio._handle as h") == ["nvmeio._handle"]
+    assert check("def f():\n    from nvmeio.settings import MAX_BLOCK_SIZE\n") == ["nvmeio.settings.MAX_BLOCK_SIZE"]
+    assert check("from nvmeio import new_handle") == ["nvmeio.new_handle"]
+    assert check("import nvmeio\nh = nvmeio._handle.aio_handle()") == ["nvmeio._handle"]
+    assert check("from swapper._pool import SpanPool") == ["swapper._pool"]
+    # its own package's private modules are a package's own business
+    assert check("from nvmeio._handle import aio_handle", module="nvmeio.fast_io") == []
+    assert check("from swapper._pool import SpanPool", module="swapper.x") == []
+
+
+@pytest.mark.parametrize("package", ["nvmeio", "swapper"])
+def test_every_public_module_says_what_it_exports(package):
+    """A module without a leading underscore is public: it has an ``__all__``, every name of which exists."""
+    public = [m for m in _modules() if m.split(".")[0] == package and _is_public(m) and not m.endswith("__main__")]
+    assert f"{package}.settings" in public or f"{package}.checksum" in public
+    for module in public:
+        mod = importlib.import_module(module)
+        assert isinstance(getattr(mod, "__all__", None), list), module
+        assert [n for n in mod.__all__ if not hasattr(mod, n)] == [], module

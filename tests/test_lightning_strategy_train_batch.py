@@ -13,10 +13,10 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch", reason="needs the lightning extra: pip install 'nvmeio[lightning]'")
 
-from test_lightning_strategy import GPTModule, assert_same_weights, loader, nvme_strategy, trainer  # noqa: E402
+from test_lightning_strategy import GPTModule, assert_same_weights, loader, nvme_strategy, trainer
 
-from zero.partitioning.full_state_dict import full_state_dict  # noqa: E402
-from zero.lightning import ZeroStrategy  # noqa: E402
+from zero.partitioning.full_state_dict import full_state_dict
+from zero.lightning import ZeroStrategy
 
 EPOCHS = dict(max_steps=-1, max_epochs=2)  # 5 batches an epoch: its last window is cut short
 

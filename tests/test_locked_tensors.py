@@ -109,9 +109,9 @@ def _thp_eligible(address: int) -> bool:
 
 def test_unlocked_io_buffers_sit_on_huge_pages_and_the_swap_pool_uses_them():
     # pin_memory off (the default) still gets huge-page memory: a direct request from 4 KiB
-    # pages is split by the device (see nvmeio.locked.huge_page_tensor).
-    from nvmeio.locked import huge_page_tensor
-    from swapper.buffer_pool import PinnedBufferPool
+    # pages is split by the device (see nvmeio._locked.huge_page_tensor).
+    from nvmeio._locked import huge_page_tensor
+    from swapper._buffer_pool import PinnedBufferPool
 
     t = huge_page_tensor(5 << 20)
     assert t.dtype == torch.uint8 and t.numel() == 5 << 20 and t.data_ptr() % (2 << 20) == 0

@@ -59,13 +59,21 @@ def test_we_read_what_the_package_writes(tmp_path):
 
 
 def test_streaming_writer_one_tensor_at_a_time(tmp_path):
-    spec = {f"layer{i}.weight": (torch.bfloat16, (64, 33)) for i in range(5)}
+    """Tensors sit back to back in the declared order (here not the names' order)."""
+    spec = {f"layer{i}.weight": (torch.bfloat16, (64, 33)) for i in (3, 1, 4, 0, 2)}
     path = tmp_path / "m.safetensors"
     with SafetensorsWriter(path, spec, {"format": "pt"}, buffer_size=8192) as w:
         for i, name in enumerate(spec):
             w.write(name, random_tensor(torch.bfloat16, (64, 33), i))  # made, written, dropped
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    assert header.pop("__metadata__") == {"format": "pt"} and set(header) == set(spec)
+    nbytes = 64 * 33 * 2
+    assert [header[name]["data_offsets"] for name in spec] == [[k * nbytes, (k + 1) * nbytes]
+                                                               for k in range(len(spec))]
     back = safetensors.torch.load_file(str(path))
-    assert list(back) == list(spec) or set(back) == set(spec)
+    assert set(back) == set(spec)
     for i, name in enumerate(spec):
         assert same_bits(back[name], random_tensor(torch.bfloat16, (64, 33), i))
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swapper import SwapCorruptionError, SwapStateError
-from swapper.activation_swapper import BUFFER_BYTES, ActivationSwapper
+from swapper._activation_swapper import BUFFER_BYTES, ActivationSwapper
 
 
 def _blob_bytes(nbytes, seed):

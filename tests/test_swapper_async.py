@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 from swapper import AsyncTensorSwapper, PinnedBufferPool, PoolExhaustedError
-from swapper.async_swapper import WriteState
-from swapper.swap_dir import SwapDirectory
+from swapper._async_swapper import WriteState
+from swapper._swap_dir import SwapDirectory
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int64, torch.bool, torch.complex64]
 

@@ -1,4 +1,5 @@
 """PinnedBufferPool: aligned locked buffers, handed out and returned, never grown."""
+import os
 import threading
 import time
 
@@ -140,8 +141,23 @@ def test_pool_over_the_memlock_limit_is_refused_unless_unpinned(monkeypatch):
 
 
 def test_host_memory_probe_reads_this_machine():
-    mem = HostMemory.probe()
-    assert mem.available_bytes > 0 and mem.locked_bytes >= 0
+    """Available memory lies within the machine's RAM, the memlock limit is this process's, and
+    memory locked meanwhile shows in locked_bytes."""
+    import resource
+
+    before = HostMemory.probe()
+    assert 0 < before.available_bytes <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    assert before.memlock_limit_bytes in (None, soft)  # None: unlimited, or CAP_IPC_LOCK
+    h = nvmeio.aio_handle()
+    t = h.new_cpu_locked_tensor(1 << 20, torch.empty(0, dtype=torch.uint8))
+    try:
+        if not h.is_pinned(t):
+            pytest.skip("cannot lock 1 MiB here (memlock limit, or NVMEIO_MLOCK=0)")
+        assert HostMemory.probe().locked_bytes - before.locked_bytes >= 1 << 20
+    finally:
+        h.free_cpu_locked_tensor(t)
+        h.close()
 
 
 def test_sizes_accept_integral_floats_and_reject_the_rest():

@@ -15,9 +15,9 @@ from swapper import (
     SwapFileTruncatedError,
 )
 from swapper.checksum import ChecksumTable
-from swapper.param_swapper import PartitionState, swap_file_name
-from swapper.sub_group import SubGroupState
-from swapper.swap_dir import SwapDirectory
+from swapper._param_swapper import PartitionState, swap_file_name
+from swapper._sub_group import SubGroupState
+from swapper._swap_dir import SwapDirectory
 
 
 def _algorithm(name, package=None):
@@ -76,7 +76,7 @@ def test_digests_recorded_later_on_a_helper_thread_equal_those_taken_at_once():
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 def test_helper_threads_hash_at_idle_priority_and_the_caller_keeps_its_own():
-    """A helper runs only on a core nothing else wants (checksum.py's note): the matrix products'
+    """A helper runs only on a core nothing else wants (swapper/checksum.py's note): the matrix products'
     threads are never made to wait for a core it holds."""
     seen = []
 

@@ -11,7 +11,8 @@ from swapper import (
     PinnedBufferPool,
     PipelinedOptimizerSwapper,
 )
-from swapper.swap_dir import SwapDirectory
+from swapper import PartitionState
+from swapper._swap_dir import SwapDirectory
 
 
 def _files(root):
@@ -50,9 +51,16 @@ def test_param_swapper_rechecks_when_registrations_grow(tmp_path):
 
 
 def test_max_in_cpu_partitions_need_no_space(tmp_path):
+    """With no free space at all, a partition kept in host memory swaps out and back (no error,
+    no file, nothing counted on NVMe)."""
     with PartitionedParamSwapper(tmp_path, None, buffer_size=None, max_in_cpu=100, free_space_fn=lambda p: 0) as s:
-        s.register(0, 100)
-        s.swap_out_tensors([0], [torch.ones(100)])
+        assert s.register(0, 100) is PartitionState.IN_CPU
+        data = torch.arange(100, dtype=torch.float32)
+        s.swap_out_tensors([0], [data])
+        s.swap_out([0])
+        assert s.nvme_bytes == 0 and s.cpu_numel == 100 and s.state(0) is PartitionState.IN_CPU
+        assert torch.equal(s.swap_in([0])[0], data)
+        assert _files(tmp_path) == []
 
 
 def test_optimizer_swapper_checks_before_initializing(tmp_path):

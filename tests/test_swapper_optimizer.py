@@ -7,7 +7,7 @@ import torch
 
 from nvmeio import faults
 from swapper import PartitionedOptimizerSwapper, SwapCorruptionError, SwapStateError
-from swapper.sub_group import SubGroupState
+from swapper._sub_group import SubGroupState
 
 SIZES = [5, 1000, 4097, 33]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from swapper import BufferTooSmallError, PartitionedParamSwapper, PoolExhaustedError, SwapStateError
-from swapper.param_swapper import PartitionState, swap_file_name
+from swapper._param_swapper import PartitionState, swap_file_name
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8]
 

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from swapper import BufferTooSmallError, PartitionedParamSwapper, SwapCorruptionError, SwapStateError
-from swapper.errors import SwapFileTruncatedError
-from swapper.param_swapper import HOME_SLACK_BYTES, PartitionState
+from swapper import (BufferTooSmallError, PackedSpans, PartitionedParamSwapper, SwapCorruptionError, SwapStateError,
+                     WholeBuffers)
+from swapper._errors import SwapFileTruncatedError
+from swapper._param_swapper import HOME_SLACK_BYTES, PartitionState
 
 SIZES = {"a": 1000, "b": 3, "c": 5000, "d": 1}  # back to back: offsets 0, 4000, 4012, 24012 (+ base)
 BASE = 4096 + 8  # a header page, then 8 bytes: no home starts on a page
@@ -33,7 +34,8 @@ def homed(request, tmp_path, tmp_path_factory, swappers):
     path, homes = owner_file(tmp_path_factory.mktemp("owner"), values)
     s = swappers(PartitionedParamSwapper(
         tmp_path, {"queue_depth": 8}, buffer_count=3, max_in_cpu=0, checksum="xxhash",
-        buffer_size=max(SIZES.values()) + HOME_SLACK_BYTES // 4, read_queues=2, packed=request.param))
+        buffer_size=max(SIZES.values()) + HOME_SLACK_BYTES // 4, read_queues=2,
+        pool=PackedSpans() if request.param else WholeBuffers()))
     for key, n in SIZES.items():
         s.register(key, n)
     s.store_at(list(SIZES), [homes[k] for k in SIZES], [values[k] for k in SIZES])
@@ -135,7 +137,7 @@ def test_partitions_kept_in_host_memory_just_copy(tmp_path, swappers):
 
 def test_a_packed_span_covers_its_homes_skew_and_widens_for_a_new_home_that_needs_more(homed, tmp_path_factory):
     s, values, path, homes = homed
-    if not s.packed:
+    if isinstance(s.pool_kind, WholeBuffers):
         pytest.skip("whole buffers have the slack for any skew")
     held = s.swap_in(["a"])[0]  # 4000 bytes, 8 into a page: one page
     assert s.buffer_bytes("a") == 4096 and torch.equal(held, values["a"])

@@ -1,12 +1,12 @@
-"""PartitionedParamSwapper(packed=True): each partition takes a span of its own size from the
+"""PartitionedParamSwapper(pool=PackedSpans(...)): each partition takes a span of its own size from the
 pool's bytes, read_ahead starts what fits outside the spare region and never fails for want of
 room, blocking swap-ins and writes find the spare region."""
 import pytest
 import torch
 
-from swapper import PartitionedParamSwapper, PoolExhaustedError
-from swapper.param_swapper import PartitionState
-from swapper.span_pool import SpanPool
+from swapper import PackedSpans, PartitionedParamSwapper, PoolExhaustedError
+from swapper._param_swapper import PartitionState
+from swapper._span_pool import SpanPool
 
 PAGE = 4096
 FLOATS_PER_PAGE = PAGE // 4
@@ -19,7 +19,7 @@ def packed(tmp_path, swappers):
     def make(buffer_count, spare_buffers, sizes):
         s = swappers(PartitionedParamSwapper(
             tmp_path, {"queue_depth": 8}, buffer_count=buffer_count, buffer_size=max(sizes), max_in_cpu=0,
-            packed=True, spare_buffers=spare_buffers, read_queues=2, checksum="crc32"))
+            pool=PackedSpans(spare_buffers=spare_buffers), read_queues=2, checksum="crc32"))
         g = torch.Generator().manual_seed(0)
         values = {f"p{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
         for pid, t in values.items():
@@ -77,7 +77,7 @@ def test_read_ahead_completes_writes_in_flight_to_make_room(packed):
 
 
 def test_spare_buffers_are_checked(tmp_path):
-    with pytest.raises(ValueError, match=r"spare_buffers needs packed=True"):
-        PartitionedParamSwapper(tmp_path, buffer_count=2, buffer_size=10, spare_buffers=1)
+    with pytest.raises(ValueError, match=r"spare_buffers must be a non-negative integer, got -1"):
+        PackedSpans(spare_buffers=-1)
     with pytest.raises(ValueError, match=r"spare_buffers must be an integer from 0 to buffer_count \(2\), got 3"):
-        PartitionedParamSwapper(tmp_path, buffer_count=2, buffer_size=10, packed=True, spare_buffers=3)
+        PartitionedParamSwapper(tmp_path, buffer_count=2, buffer_size=10, pool=PackedSpans(spare_buffers=3))

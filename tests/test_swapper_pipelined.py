@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import nvmeio
-from nvmeio import handle_choice
+from nvmeio import _handle_choice as handle_choice
 from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper
 
 SIZES = [1000, 4097, 33, 2048, 777]
@@ -144,10 +144,10 @@ def test_explicit_buffer_count_below_the_pipeline_depth_is_refused(tmp_path):
 
 
 def test_a_swap_in_waits_for_its_own_read_only(tmp_path):
-    """Each read has a queue of its own (optimizer_swapper.py [Note: reads on queues of their
+    """Each read has a queue of its own (swapper/_optimizer_swapper.py [Note: reads on queues of their
     own]): a swap-in completes its sub-group's read and leaves those read ahead in flight, and
     a larger buffer_count lets read_if_room read further ahead; the bytes are the initial ones."""
-    from swapper.sub_group import SubGroupState
+    from swapper._sub_group import SubGroupState
 
     values = {i: torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(SIZES)}
     with PipelinedOptimizerSwapper(tmp_path, None, buffer_count=5) as s:

@@ -7,7 +7,7 @@ import torch
 
 import nvmeio
 from swapper import PoolExhaustedError, SwapStateError
-from swapper.span_pool import HOLDERS_NAMED, SpanPool
+from swapper._span_pool import HOLDERS_NAMED, SpanPool
 
 PAGE = 4096
 

@@ -1,4 +1,4 @@
-"""Staged state (swapper/staged_state.py): a sub-group's state read once from another file,
+"""Staged state (swapper/_staged_state.py): a sub-group's state read once from another file,
 hashed on the way, into a staging file that only ``publish_staged`` makes the swap file;
 until then, and after ``discard_staged``, the sub-group is exactly as it was."""
 import os
@@ -10,7 +10,7 @@ import torch
 
 from swapper import PartitionedOptimizerSwapper
 from swapper.checksum import ChecksumAlgorithm
-from swapper.staged_state import StagedRegion, stream_regions
+from swapper._staged_state import StagedRegion, stream_regions
 
 NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -110,7 +110,7 @@ def test_a_source_without_its_filler_is_not_staged(setup, tmp_path):
 def test_streamed_digests_equal_whole_digests_across_chunks(tmp_path, monkeypatch):
     """Regions longer than a chunk are hashed piece by piece, the filler never."""
     import nvmeio
-    from swapper import staged_state
+    from swapper import _staged_state as staged_state
 
     monkeypatch.setattr(staged_state, "CHUNK_BYTES", 1 << 20)
     n = (5 * (1 << 20) + 3 * 4096 + 100) // 4

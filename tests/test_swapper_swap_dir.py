@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from swapper import InsufficientSwapSpaceError, StaleSwapDirectoryError, SwapDirectoryInUseError
-from swapper.swap_dir import SwapDirectory, disk_free_bytes
+from swapper._swap_dir import SwapDirectory, disk_free_bytes
 from helpers import wait_for_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +19,7 @@ def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-# Loads swapper.swap_dir without the package __init__ (and so without torch, slow to import).
+# Loads swapper._swap_dir without the package __init__ (and so without torch, slow to import).
 _PREAMBLE = f"""
 import sys, types
 package = types.ModuleType("swapper")
@@ -75,7 +75,7 @@ def test_cleanup_keeps_the_job_directory_while_another_rank_uses_it(tmp_path):
 def test_directory_of_a_dead_job_is_reported_and_left_alone(tmp_path):
     child = _python(f"""
         import os
-        from swapper.swap_dir import SwapDirectory
+        from swapper._swap_dir import SwapDirectory
         d = SwapDirectory({str(tmp_path)!r}, "job", 0, "params")
         d.create("param_1.swp")
         print(os.getpid(), flush=True)
@@ -131,7 +131,7 @@ def test_a_directory_whose_owner_cannot_be_proven_dead_is_never_deleted(tmp_path
 def test_directory_of_a_running_job_is_in_use(tmp_path):
     child = _python(f"""
         import sys
-        from swapper.swap_dir import SwapDirectory
+        from swapper._swap_dir import SwapDirectory
         d = SwapDirectory({str(tmp_path)!r}, "job", 0, "params")
         print("ready", flush=True)
         sys.stdin.readline()

@@ -3,7 +3,7 @@ only, and a failure completes every write in flight before it is raised."""
 import pytest
 import torch
 
-from swapper.io_queue import IoKind, WriteRing
+from swapper._io_queue import IoKind, WriteRing
 
 
 class FakeQueue:

@@ -1,4 +1,4 @@
-"""tools/ (repository tooling, not installed): the RESULTS.md section writer, the README's
+"""tools/ (repository tooling, not installed): the bench/RESULTS.md section writer, the README's
 commands that CI runs, and fio's job lines."""
 
 import os
@@ -13,8 +13,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # holds the source tree of nvmeio, without the native module CI builds only into the install).
 sys.path.append(REPO)
 
-from tools import fio, readme_commands  # noqa: E402
-from tools.results_md import Figure, bar_chart, chart_link, replace_section, section_body  # noqa: E402
+from tools import fio, readme_commands
+from tools.results_md import Figure, bar_chart, chart_link, replace_section, section_body
 
 
 def test_replace_section_replaces_only_its_own(tmp_path):
@@ -52,7 +52,8 @@ def test_ci_runs_exactly_the_readmes_test_command():
         readme = f.read()
     cmds = readme_commands.commands(readme)
     assert f"```bash\n{cmds['test']}\n```" in readme.split("Tests:", 1)[1]
-    assert cmds["test"].endswith("pytest -q tests") and "pip install" in cmds["setup"]
+    assert cmds["test"].endswith('pip install ".[test]" && ruff check . && pytest -q tests')
+    assert "pip install" in cmds["setup"]
     out = run_process([sys.executable, os.path.join(REPO, "tools", "readme_commands.py"), "test"],
                       check=True).stdout.strip()
     assert out == cmds["test"]

@@ -23,9 +23,9 @@ AIO_KEYS = ["block_size", "queue_depth", "intra_op_parallelism", "single_submit"
 SWEEP = {"block_size": ["1M"], "queue_depth": [8, 32], "intra_op_parallelism": [1, 2]}
 
 
-def tune(*args, cwd=None, timeout=60):
+def tune(*args, cwd=None, timeout=60, env=None):
     return run_process([sys.executable, "-m", "nvmeio.tune", *map(str, args)], timeout=timeout,
-                       cwd=cwd)
+                       cwd=cwd, env=env)
 
 
 @pytest.fixture
@@ -297,10 +297,16 @@ def test_gds_without_cuda_prints_the_gds_handle_message(dirs):
         assert str(e) in r.stderr
 
 
-@pytest.mark.skipif(HAVE_MATPLOTLIB, reason="matplotlib is installed")
 def test_plot_without_matplotlib_is_refused(dirs, tmp_path):
+    """matplotlib hidden from the command (a package of that name first on its path that fails
+    to import), whether or not it is installed."""
     nvme, logs = dirs
-    r = tune("--nvme_dir", nvme, "--plot", tmp_path / "x.png", "--log_dir", logs)
+    hidden = tmp_path / "hidden" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('matplotlib is hidden by the test')\n")
+    path = os.pathsep.join(p for p in (str(hidden.parent), os.environ.get("PYTHONPATH")) if p)
+    r = tune("--nvme_dir", nvme, "--plot", tmp_path / "x.png", "--log_dir", logs,
+             env=dict(os.environ, PYTHONPATH=path))
     assert_refused(r, "pip install 'nvmeio[plot]'", nvme, logs)
 
 
@@ -385,7 +391,7 @@ def test_flush_page_cache_without_the_right_says_so(dirs, two_point_sweep):
 # -- interruption ------------------------------------------------------------------------
 
 def test_sigterm_and_sighup_interrupt_like_ctrl_c():
-    from nvmeio.tune import cli
+    from nvmeio.tune import _cli as cli
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         with pytest.raises(KeyboardInterrupt):
@@ -437,7 +443,7 @@ def test_help_lists_the_ds_nvme_tune_options_and_ours():
 def test_the_sweep_files_are_created_exclusively_never_through_a_symlink(tmp_path, monkeypatch):
     # nvme_dir may be shared: a symlink planted at the name (here: a guessed
     # one) makes the sweep refuse to start instead of writing through it.
-    from nvmeio.tune import measure
+    from nvmeio.tune import _measure as measure
 
     monkeypatch.setattr(measure.secrets, "token_hex", lambda n: "guessed")
     victim = tmp_path / "victim"

@@ -8,9 +8,9 @@ import statistics
 
 import pytest
 
-from nvmeio.tune.measure import Sample
-from nvmeio.tune.search import SMALL_SPACE, grid_search, planned_evals, smart_search
-from nvmeio.tune.space import build_space
+from nvmeio.tune._measure import Sample
+from nvmeio.tune._search import SMALL_SPACE, grid_search, planned_evals, smart_search
+from nvmeio.tune._space import build_space
 
 BACKENDS = ["io_uring", "aio", "psync"]
 IO_GIB = 400 / 1024  # GiB moved each way by one simulated run

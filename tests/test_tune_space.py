@@ -7,7 +7,7 @@ import json
 import pytest
 
 import nvmeio
-from nvmeio.tune.space import (GDS_BACKEND, Config, SweepConfigError, build_space,
+from nvmeio.tune._space import (GDS_BACKEND, Config, SweepConfigError, build_space,
                                load_sweep_config, normalize_sweep, parse_size)
 
 AVAILABLE = ["io_uring", "aio", "psync"]

@@ -16,41 +16,29 @@ import nvmeio
 import zero
 import zero.checkpoint.save as checkpoint_module
 from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, run_process, train_engine
+from helpers import base_config, make_engine, run_process, same_weights, train_engine, weights
 
 CFG = GPTConfig()
 
 
-def make_engine(tmp_path, offload="none", precision="fp32", seed=0, **extra):
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    config = base_config(offload, offload, tmp_path / "swap", clip=1.0, lr=1e-2, precision=precision)
-    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
-                                                           "warmup_num_steps": 4}}
-    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    config.update(extra)
-    (tmp_path / "swap").mkdir(exist_ok=True)
-    engine, _, _, _ = zero.initialize(model=model, config=config)
-    return engine, model
-
-
-def gathered(model):
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+# Every engine here clips, warms its learning rate up and gathers 16-bit weights on save.
+SETTINGS = dict(clip=1.0, lr=1e-2, overrides={
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4}},
+    "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}})
 
 
 @pytest.mark.parametrize("offload,precision", [("none", "fp32"), ("cpu", "fp32"), ("nvme", "fp32"),
                                                ("nvme", "fp16")])
 def test_resume_continues_exactly(tmp_path, offload, precision):
     batches = make_batches(CFG, 6, 4)
-    engine, _ = make_engine(tmp_path, offload, precision)
+    engine = make_engine(tmp_path / "swap", offload, precision=precision, **SETTINGS)
     train_engine(engine, batches[:3], 3)
     engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 7})
     expected = train_engine(engine, batches[3:], 3)
     expected_lr = engine.get_lr()
     engine.destroy()
 
-    resumed, _ = make_engine(tmp_path, offload, precision, seed=1)
+    resumed = make_engine(tmp_path / "swap", offload, precision=precision, seed=1, **SETTINGS)
     path, client = resumed.load_checkpoint(tmp_path / "ckpt")
     assert path == str(tmp_path / "ckpt" / "global_step3") and client == {"epoch": 7}
     assert resumed.global_steps == 3 and resumed.lr_scheduler.last_batch_iteration == 2
@@ -60,7 +48,7 @@ def test_resume_continues_exactly(tmp_path, offload, precision):
 
 
 def test_layout_latest_and_no_partial_left(tmp_path):
-    engine, _ = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", **SETTINGS)
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.save_checkpoint(tmp_path / "ckpt", tag="named")
@@ -74,11 +62,12 @@ def test_layout_latest_and_no_partial_left(tmp_path):
 
 
 def test_a_crash_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path, monkeypatch):
-    engine, model = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", **SETTINGS)
+    model = engine.module
     batches = make_batches(CFG, 2, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
-    first = gathered(model)
+    first = weights(model)
     train_engine(engine, batches[1:], 1)
 
     real_save, calls = torch.save, []
@@ -97,25 +86,24 @@ def test_a_crash_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path, 
     assert not (tmp_path / "ckpt" / "global_step2").exists()
 
     engine.load_checkpoint(tmp_path / "ckpt")
-    assert all(torch.equal(first[n], v) for n, v in gathered(model).items())
+    assert same_weights(weights(model), first)
     engine.save_checkpoint(tmp_path / "ckpt", tag="again")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["again", "global_step1", "latest"]
     engine.destroy()
 
 
 def test_resaving_a_tag_replaces_it_whole(tmp_path):
-    engine, _ = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", **SETTINGS)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     engine.destroy()
-    small, _ = make_engine(tmp_path, zero_optimization={**base_config()["zero_optimization"],
-                                                        "sub_group_size": 100_000})
+    small = make_engine(tmp_path / "swap", "none", sub_group_size=100_000, **SETTINGS)
     small.save_checkpoint(tmp_path / "ckpt", tag="t")
     small.destroy()
     assert sorted(os.listdir(tmp_path / "ckpt" / "t" / "rank00000")) == ["engine.pt", "subgroup00000.safetensors"]
 
 
 def test_zero_to_fp32_cli_and_functions_give_the_trained_weights(tmp_path):
-    engine, model = make_engine(tmp_path, "nvme", "fp16")
+    engine = make_engine(tmp_path / "swap", "nvme", precision="fp16", **SETTINGS)
     train_engine(engine, make_batches(CFG, 3, 4), 3)
     engine.save_checkpoint(tmp_path / "ckpt")
     master = {}
@@ -154,7 +142,8 @@ def test_zero_to_fp32_reports_a_missing_checkpoint(tmp_path):
 
 
 def test_save_16bit_model(tmp_path, caplog):
-    engine, model = make_engine(tmp_path, "cpu", "bf16")
+    engine = make_engine(tmp_path / "swap", "cpu", precision="bf16", **SETTINGS)
+    model = engine.module
     train_engine(engine, make_batches(CFG, 2, 4), 2)
     assert engine.save_16bit_model(tmp_path / "export")
     state = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
@@ -164,12 +153,30 @@ def test_save_16bit_model(tmp_path, caplog):
     assert set(state) == set(GPT(CFG).state_dict())
     engine.destroy()
 
-    off, _ = make_engine(tmp_path)
+    off = make_engine(tmp_path / "swap", "none", **SETTINGS)
     off.config.zero_optimization.__dict__["stage3_gather_16bit_weights_on_model_save"] = False
     assert off.save_16bit_model(tmp_path / "none") is False
     assert not (tmp_path / "none").exists()
     assert "stage3_gather_16bit_weights_on_model_save is false" in caplog.text
     off.destroy()
+
+
+@pytest.mark.parametrize("stage, offload", [(0, "none"), (2, "cpu")])
+def test_save_16bit_model_below_stage_3_saves_without_the_gather_flag(tmp_path, stage, offload):
+    # Below stage 3 every rank holds the whole parameters: DeepSpeed saves them with no flag to set.
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    config = base_config(offload_optimizer=offload, precision="bf16", stage=stage)
+    del config["zero_optimization"]["stage3_param_persistence_threshold"]
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    assert not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+    train_engine(engine, make_batches(CFG, 2, 4), 2)
+    assert engine.save_16bit_model(tmp_path / "export")
+    state = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+    assert set(state) == set(GPT(CFG).state_dict())
+    for name, p in model.named_parameters():
+        assert p.numel() > 0 and state[name].dtype == torch.bfloat16 and torch.equal(state[name], p.detach())
+    engine.destroy()
 
 
 CONVERT_SCRIPT = """
@@ -215,14 +222,14 @@ def test_zero_to_fp32_holds_the_model_once(tmp_path, safe):
     assert run.returncode == 0, run.stderr
     growth = int(run.stdout.strip().splitlines()[-1])
     assert model_bytes > 50_000_000
-    writer_buffers = 2 * nvmeio.fast_io.DEFAULT_BUFFER_SIZE + (8 << 20)  # + Python's own allocations
+    writer_buffers = 2 * nvmeio._fast_io.DEFAULT_BUFFER_SIZE + (8 << 20)  # + Python's own allocations
     largest = 4 * max(s.numel for u in engine.parts.rank_layout.units for s in u.slots)
     held = largest if safe else model_bytes
     assert growth < 1.25 * held + writer_buffers, (growth, held, writer_buffers)
 
 
 def test_zero_to_fp32_safe_serialization_streams_the_same_weights(tmp_path):
-    engine, _ = make_engine(tmp_path, "nvme", "bf16")
+    engine = make_engine(tmp_path / "swap", "nvme", precision="bf16", **SETTINGS)
     train_engine(engine, make_batches(CFG, 2, 4), 2)
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.destroy()
@@ -239,7 +246,8 @@ def test_zero_to_fp32_safe_serialization_streams_the_same_weights(tmp_path):
 
 
 def test_save_16bit_model_as_safetensors_streams_each_unit(tmp_path, monkeypatch):
-    engine, model = make_engine(tmp_path, "nvme", "bf16")
+    engine = make_engine(tmp_path / "swap", "nvme", precision="bf16", **SETTINGS)
+    model = engine.module
     train_engine(engine, make_batches(CFG, 2, 4), 2)
     written = []  # (name, number of units gathered so far): each unit is written as soon as it is gathered
     import nvmeio.safetensors_file as st

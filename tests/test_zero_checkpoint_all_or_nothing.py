@@ -10,33 +10,16 @@ import torch
 
 import zero
 import zero.checkpoint.publish as checkpoint_module
-from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, load_error, train_engine
+from zero.examples import GPTConfig, make_batches
+from helpers import load_error, make_engine, same_weights, train_engine, weights
 
 CFG = GPTConfig()
 
 
-def make_engine(tmp_path, seed=0, offload="none"):
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
-    engine, _, _, _ = zero.initialize(model=model, config=base_config(offload, offload, tmp_path / "swap",
-                                                                      lr=1e-2))
-    return engine, model
-
-
-def weights(model):
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def resave_setup(tmp_path):
     """Tag 't' saved after one step (weights `first`), then one more step (weights `second`)."""
-    engine, model = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", lr=1e-2)
+    model = engine.module
     batches = make_batches(CFG, 2, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
@@ -58,9 +41,9 @@ def test_resave_exchanges_the_directories_and_a_crash_before_cleanup_loses_nothi
     monkeypatch.undo()
     # `t` is the new complete copy already; the old one sits under the partial name.
     assert (ckpt / "latest").read_text() == "t"
-    assert any(e.startswith(".t.partial-") for e in os.listdir(ckpt))
+    assert any(e.startswith(".partial-") for e in os.listdir(ckpt))
     engine.load_checkpoint(ckpt)
-    assert same(weights(model), second)
+    assert same_weights(weights(model), second)
     engine.save_checkpoint(ckpt, tag="u")  # removes the leftover
     assert sorted(os.listdir(ckpt)) == ["latest", "t", "u"]
     engine.destroy()
@@ -87,7 +70,7 @@ def test_resave_without_exchange_cut_between_the_renames_keeps_the_only_copy(tmp
 
     # latest still leads to a complete checkpoint: the copy moved aside.
     path, _ = engine.load_checkpoint(ckpt)
-    assert ".t.old-" in path and same(weights(model), first)
+    assert ".t.old-" in path and same_weights(weights(model), first)
     fp32 = zero.get_fp32_state_dict_from_zero_checkpoint(ckpt)
     assert torch.equal(fp32["wte.weight"], first["wte.weight"])
 
@@ -95,7 +78,7 @@ def test_resave_without_exchange_cut_between_the_renames_keeps_the_only_copy(tmp
     engine.save_checkpoint(ckpt, tag="u")
     assert sorted(os.listdir(ckpt)) == ["latest", "t", "u"]
     engine.load_checkpoint(ckpt, tag="t")
-    assert same(weights(model), first)
+    assert same_weights(weights(model), first)
     engine.destroy()
 
 
@@ -131,11 +114,11 @@ def test_resave_without_exchange_never_trusts_a_half_deleted_copy(tmp_path, monk
     monkeypatch.undo()
     assert not (ckpt / "t").exists()
     path, _ = engine.load_checkpoint(ckpt)  # the complete copy moved aside: weights `second`
-    assert ".t.old-" in path and same(weights(model), second)
+    assert ".t.old-" in path and same_weights(weights(model), second)
     engine.save_checkpoint(ckpt, tag="u")  # puts that copy back as t, removes every leftover
     assert sorted(os.listdir(ckpt)) == ["latest", "t", "u"]
     engine.load_checkpoint(ckpt, tag="t")
-    assert same(weights(model), second)
+    assert same_weights(weights(model), second)
     real_rmtree(ckpt)
     engine.destroy()
 
@@ -146,7 +129,7 @@ def test_resave_without_exchange_completes(tmp_path, monkeypatch):
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "t"]
     engine.load_checkpoint(tmp_path / "ckpt")
-    assert same(weights(model), second)
+    assert same_weights(weights(model), second)
     engine.destroy()
 
 
@@ -154,7 +137,8 @@ def test_resave_without_exchange_completes(tmp_path, monkeypatch):
                                      "zero_meta.json"])
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_a_load_missing_a_file_changes_nothing(tmp_path, missing, offload):
-    engine, model = make_engine(tmp_path, offload=offload)
+    engine = make_engine(tmp_path / "swap", offload, lr=1e-2)
+    model = engine.module
     batches = make_batches(CFG, 4, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
@@ -164,12 +148,11 @@ def test_a_load_missing_a_file_changes_nothing(tmp_path, missing, offload):
     os.unlink(tmp_path / "ckpt" / "t" / missing)
     with pytest.raises(FileNotFoundError, match=os.path.basename(missing)):
         engine.load_checkpoint(tmp_path / "ckpt")
-    assert same(weights(model), before)
+    assert same_weights(weights(model), before)
     assert (engine.global_steps, engine.global_samples, engine.optimizer.adam_step) == (steps, samples, adam_step)
 
     # The engine goes on exactly as one that never tried the load.
-    torch.manual_seed(0)
-    twin, _ = make_engine(tmp_path / "twin", offload=offload)
+    twin = make_engine(tmp_path / "twin" / "swap", offload, lr=1e-2)
     train_engine(twin, batches[:2], 2)
     assert train_engine(engine, batches[2:], 2) == train_engine(twin, batches[2:], 2)
     twin.destroy()
@@ -178,7 +161,8 @@ def test_a_load_missing_a_file_changes_nothing(tmp_path, missing, offload):
 
 @pytest.mark.parametrize("world_change", [False, True])
 def test_a_load_with_a_truncated_shard_changes_nothing(tmp_path, world_change):
-    engine, model = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", lr=1e-2)
+    model = engine.module
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     if world_change:  # another sub_group_size: the resharding reader's path
@@ -193,12 +177,13 @@ def test_a_load_with_a_truncated_shard_changes_nothing(tmp_path, world_change):
     before, steps = weights(model), engine.global_steps
     with pytest.raises(ValueError, match="subgroup00001.safetensors"):
         engine.load_checkpoint(tmp_path / "ckpt")
-    assert same(weights(model), before) and engine.global_steps == steps
+    assert same_weights(weights(model), before) and engine.global_steps == steps
     engine.destroy()
 
 
 def test_a_load_that_fails_while_writing_the_state_says_to_load_again(tmp_path, monkeypatch):
-    engine, model = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", lr=1e-2)
+    model = engine.module
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     expected = weights(model)
@@ -220,7 +205,7 @@ def test_a_load_that_fails_while_writing_the_state_says_to_load_again(tmp_path, 
             use()
     assert not (tmp_path / "ckpt" / "mixed").exists()
     engine.load_checkpoint(tmp_path / "ckpt")
-    assert same(weights(model), expected)
+    assert same_weights(weights(model), expected)
     train_engine(engine, make_batches(CFG, 1, 4), 1)
     engine.destroy()
 
@@ -228,11 +213,7 @@ def test_a_load_that_fails_while_writing_the_state_says_to_load_again(tmp_path, 
 def scenario_one_rank_missing_a_file(rank, world_size, scratch):
     import torch.distributed as dist
 
-    import zero
-
-    torch.manual_seed(0)
-    config = base_config("none", "none", None, lr=1e-2, world_size=world_size, micro=4 * world_size)
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    engine = make_engine(None, "none", lr=1e-2, world_size=world_size, micro=4 * world_size)
     batches = make_batches(CFG, 2, 4 * world_size)
     train_engine(engine, batches[:1], 1, rank=rank, shards=world_size)
     engine.save_checkpoint(f"{scratch}/ckpt", tag="t")

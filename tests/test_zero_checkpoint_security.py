@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zero
-from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, run_process, train_engine
+from zero.examples import GPTConfig, make_batches
+from helpers import base_config, make_engine, run_process, same_weights, train_engine, weights
 
 CFG = GPTConfig()
 
@@ -26,29 +26,11 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def make_engine(tmp_path, seed=0, offload="none", **extra):
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    (tmp_path / "swap").mkdir(exist_ok=True)
-    config = base_config(offload, offload, tmp_path / "swap", lr=1e-2)
-    config.update(extra)
-    engine, _, _, _ = zero.initialize(model=model, config=config)
-    return engine, model
-
-
-def weights(model):
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.fixture
 def saved(tmp_path):
     """An engine trained one step and saved as tag 'good', then trained one more step."""
-    engine, model = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", lr=1e-2)
+    model = engine.module
     batches = make_batches(CFG, 2, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="good")
@@ -73,7 +55,7 @@ def test_a_pickle_that_runs_code_is_refused_and_runs_nothing(saved, tmp_path):
     assert f"refused to load {engine_pt}" in message and "system" in message
     assert "nothing in it was run" in message and "add_safe_globals" in message
     assert not marker.exists()
-    assert same(weights(model), before) and engine.global_steps == steps  # nothing loaded
+    assert same_weights(weights(model), before) and engine.global_steps == steps  # nothing loaded
 
 
 def test_zero_to_fp32_refuses_a_pickle_that_runs_code(saved, tmp_path):
@@ -99,11 +81,11 @@ def test_a_sub_group_shard_replaced_by_a_pickle_is_refused(saved, tmp_path):
         engine.load_checkpoint(ckpt)
     with pytest.raises(ValueError, match="subgroup00000.safetensors"):
         zero.get_fp32_state_dict_from_zero_checkpoint(ckpt)
-    assert not marker.exists() and same(weights(model), before)
+    assert not marker.exists() and same_weights(weights(model), before)
 
 
 def test_client_state_of_plain_types_round_trips_and_other_types_warn_at_save(tmp_path, caplog):
-    engine, _ = make_engine(tmp_path)
+    engine = make_engine(tmp_path / "swap", "none", lr=1e-2)
     engine.save_checkpoint(tmp_path / "ckpt", tag="plain", client_state={"epoch": 3, "lr": [0.1, 0.2],
                                                                           "name": "run", "t": torch.ones(2)})
     _, client = engine.load_checkpoint(tmp_path / "ckpt")
@@ -126,7 +108,7 @@ def test_a_tag_argument_that_leaves_the_directory_is_refused_naming_it(saved, ta
         engine.save_checkpoint(ckpt, tag=tag)
     with pytest.raises(zero.CheckpointTagError, match=f"checkpoint tag {tag!r}"):
         zero.get_fp32_state_dict_from_zero_checkpoint(ckpt, tag=tag)
-    assert same(weights(model), before)
+    assert same_weights(weights(model), before)
 
 
 def test_latest_naming_a_checkpoint_outside_is_refused(saved, tmp_path):
@@ -141,7 +123,7 @@ def test_latest_naming_a_checkpoint_outside_is_refused(saved, tmp_path):
         assert f"the tag in {ckpt / 'latest'} {text!r}" in str(info.value)
         with pytest.raises(zero.CheckpointTagError):
             zero.get_fp32_state_dict_from_zero_checkpoint(ckpt)
-    assert same(weights(model), before)
+    assert same_weights(weights(model), before)
     (ckpt / "latest").write_text("good\n")  # a hand-written latest with a newline still works
     assert engine.load_checkpoint(ckpt)[0] == str(ckpt / "good")
 
@@ -180,8 +162,7 @@ def _modes(root):
 def test_checkpoint_files_are_0600_and_directories_0700(tmp_path):
     old = os.umask(0o022)
     try:
-        engine, _ = make_engine(tmp_path, zero_optimization={**base_config()["zero_optimization"],
-                                                             "stage3_gather_16bit_weights_on_model_save": True})
+        engine = make_engine(tmp_path / "swap", "none", lr=1e-2, stage3_gather_16bit_weights_on_model_save=True)
         engine.save_checkpoint(tmp_path / "ckpt")
         engine.save_16bit_model(tmp_path / "export")
         engine.destroy()
@@ -200,7 +181,7 @@ def test_checkpoint_files_are_0600_and_directories_0700(tmp_path):
 
 
 def test_checkpoint_file_mode_in_the_config(tmp_path):
-    engine, _ = make_engine(tmp_path, checkpoint={"file_mode": "0640"})
+    engine = make_engine(tmp_path / "swap", "none", lr=1e-2, overrides={"checkpoint": {"file_mode": "0640"}})
     engine.save_checkpoint(tmp_path / "ckpt")
     engine.destroy()
     modes = _modes(tmp_path / "ckpt")

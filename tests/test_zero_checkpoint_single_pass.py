@@ -1,4 +1,4 @@
-"""A load with swap checksums on reads each shard byte once (checkpoint/load.py [Note: verified
+"""A load with swap checksums on reads each shard byte once (zero/checkpoint/load.py [Note: verified
 while loading]): hashed as it streams into a staging swap file, published only when every
 shard matched; a damaged shard found on the way leaves weights, optimizer states and counters
 as they were, and no staging file behind."""
@@ -9,29 +9,19 @@ import torch
 
 import zero
 import zero.checkpoint.load as load_module
-from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, load_error, train_engine
+from zero.examples import GPTConfig, make_batches
+from helpers import load_error, make_engine, same_weights, train_engine, weights
 
 CFG = GPTConfig()
 ONE_SUB_GROUP = 10 ** 9  # the whole partition: its staging buffer holds the master at publish
 
 
-def make_engine(tmp_path, link: bool, sub_group_size: int, seed=0):
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    (tmp_path / "swap").mkdir(parents=True, exist_ok=True)
-    engine, _, _, _ = zero.initialize(model=model, config=base_config(
-        "nvme", "nvme", tmp_path / "swap", lr=1e-2, sub_group_size=sub_group_size))
-    if not link:  # as where the checkpoint lies on another file system: every byte is copied
-        store = engine.parts.optimizer_store
-        store._link_state = lambda *args, **kwargs: False
-        store.link_on_load = False
-    return engine, model
-
-
-def weights(model):
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
+def copy_on_load(engine):
+    """Loads into ``engine`` copy every byte, as where the checkpoint lies on another file system
+    (they link each shard in as a swap file otherwise)."""
+    store = engine.parts.optimizer_store
+    store._link_state = lambda *args, **kwargs: False
+    store.link_on_load = False
 
 
 def states(engine):
@@ -63,7 +53,10 @@ class CountingIO(load_module.CheckpointIO):
 
 @pytest.mark.parametrize("link", [True, False], ids=["linked", "copied"])
 def test_a_load_with_checksums_reads_each_shard_byte_once(tmp_path, monkeypatch, link):
-    engine, model = make_engine(tmp_path, link, ONE_SUB_GROUP)
+    engine = make_engine(tmp_path / "swap", lr=1e-2, sub_group_size=ONE_SUB_GROUP)
+    if not link:
+        copy_on_load(engine)
+    model = engine.module
     batches = make_batches(CFG, 3, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
@@ -85,7 +78,7 @@ def test_a_load_with_checksums_reads_each_shard_byte_once(tmp_path, monkeypatch,
     assert data_bytes <= cio.stats.bytes_read <= data_bytes + other_bytes + 64 * 1024 * len(shards)
     swap_file = swapper.swap_dir.file("subgroup0.swp")
     assert os.path.samefile(swap_file, shards[0]) == link
-    assert all(torch.equal(saved[n], v) for n, v in weights(model).items())
+    assert same_weights(weights(model), saved)
     assert engine.global_steps == 1 and not leftovers(engine)
     train_engine(engine, batches[2:], 1)  # trains on from the loaded state
     engine.destroy()
@@ -100,7 +93,10 @@ def test_a_damaged_shard_found_while_loading_changes_nothing(tmp_path, monkeypat
         raise AssertionError("a shard was verified by a read of its own")
 
     monkeypatch.setattr(load_module.CheckpointIO, "verify_shard", second_read)
-    engine, model = make_engine(tmp_path, link, sub_group_size)
+    engine = make_engine(tmp_path / "swap", lr=1e-2, sub_group_size=sub_group_size)
+    if not link:
+        copy_on_load(engine)
+    model = engine.module
     batches = make_batches(CFG, 3, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
@@ -117,7 +113,7 @@ def test_a_damaged_shard_found_while_loading_changes_nothing(tmp_path, monkeypat
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(zero.CheckpointCorruptionError, match=rf"{damaged.name} is damaged: .*'{tensor}'"):
         engine.load_checkpoint(tmp_path / "ckpt", tag="t")
-    assert all(torch.equal(before_weights[n], v) for n, v in weights(model).items())
+    assert same_weights(weights(model), before_weights)
     assert same_states(states(engine), before_states)
     assert engine.global_steps == before_steps and not leftovers(engine)
     pool = engine.parts.optimizer_store.swapper.pool
@@ -129,11 +125,8 @@ def test_a_damaged_shard_found_while_loading_changes_nothing(tmp_path, monkeypat
 def scenario_one_rank_damaged(rank, world_size, scratch):
     import torch.distributed as dist
 
-    torch.manual_seed(0)
-    os.makedirs(f"{scratch}/swap", exist_ok=True)
-    config = base_config("nvme", "nvme", f"{scratch}/swap", lr=1e-2, world_size=world_size, micro=4 * world_size,
+    engine = make_engine(f"{scratch}/swap", lr=1e-2, world_size=world_size, micro=4 * world_size,
                          sub_group_size=ONE_SUB_GROUP)
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
     batches = make_batches(CFG, 2, 4 * world_size)
     train_engine(engine, batches[:1], 1, rank=rank, shards=world_size)
     engine.save_checkpoint(f"{scratch}/ckpt", tag="t")
@@ -149,7 +142,7 @@ def scenario_one_rank_damaged(rank, world_size, scratch):
             f.write(bytes([byte[0] ^ 1]))
     dist.barrier()
     error = load_error(engine, f"{scratch}/ckpt")
-    unchanged = (all(torch.equal(before_weights[n], v) for n, v in weights(engine.module).items())
+    unchanged = (same_weights(weights(engine.module), before_weights)
                  and same_states(states(engine), before_states))
     out = {"error": error, "unchanged": unchanged, "steps": engine.global_steps, "leftovers": leftovers(engine)}
     engine.destroy()

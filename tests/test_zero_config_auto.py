@@ -64,9 +64,9 @@ def test_reading_an_unresolved_auto_raises_naming_key_and_fix():
     assert "zero_optimization.reduce_bucket_size" in message
     assert "hidden_size=" in message and "resolve_auto" in message
     with pytest.raises(UnresolvedAutoError, match=r"optimizer\.params\.lr: still \"auto\"; pass lr="):
-        config.optimizer.params.lr  # noqa: B018
+        config.optimizer.params.lr  # noqa: B018 - the read is the test
     with pytest.raises(UnresolvedAutoError, match=r"fp16\.enabled"):
-        config.precision  # noqa: B018
+        config.precision  # noqa: B018 - the read is the test
     assert issubclass(UnresolvedAutoError, ConfigError)
     # keys without "auto" read normally
     assert config.zero_optimization.stage == 3 and config.optimizer.type == "AdamW"

@@ -109,7 +109,7 @@ def test_boolean_zero_optimization_is_the_old_stage_form_and_refused(value, stag
         load_config({"zero_optimization": value})
     assert info.value.problems[0].path == "zero_optimization"
     assert (f'"zero_optimization": {str(value).lower()} is DeepSpeed\'s old form of ZeRO stage {stage}; '
-            "this engine implements ZeRO stage 3") in str(info.value)
+            f'write "zero_optimization": {{"stage": {stage}}}') in str(info.value)
 
 
 def test_unprefixed_stage3_names_and_bfloat16_are_silent_aliases():

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from zero.config import ConfigError, load_config
+from zero.config import ConfigError, IgnoredSettingWarning, load_config
 from zero.config import offload
 
 STAGE3 = {"zero_optimization": {"stage": 3}}
@@ -67,7 +67,7 @@ def test_all_problems_are_reported_in_one_error():
 
 def test_consistency_problems_of_different_sections_come_together(tmp_path):
     _, problems = problems_of({
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+        "zero_optimization": {"stage": 4, "offload_optimizer": {"device": "nvme"}},
         "optimizer": {"type": "Lamb"}})
     assert set(problems) == {"zero_optimization.stage", "zero_optimization.offload_optimizer.nvme_path",
                              "optimizer.type"}
@@ -86,18 +86,41 @@ def test_unknown_key_without_a_close_match_lists_the_known_keys():
                                     "immediate_grad_update)")
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_stage_below_3_is_refused_with_the_fix(stage):
+@pytest.mark.parametrize("stage", [4, 5])
+def test_a_stage_beyond_3_is_refused(stage):
     error, problems = problems_of({"zero_optimization": {"stage": stage}})
-    assert problems["zero_optimization.stage"] == (
-        f"this engine implements ZeRO stage 3; set zero_optimization.stage to 3 (got {stage})")
+    assert problems["zero_optimization.stage"] == f"ZeRO stages are 0, 1, 2 and 3 (got {stage})"
 
 
-def test_missing_zero_section_is_refused_with_the_fix():
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_stage_loads(stage):
+    assert load_config({"zero_optimization": {"stage": stage}}).zero_optimization.stage == stage
+
+
+def test_a_config_without_zero_section_is_stage_0_as_in_deepspeed():
+    assert load_config({"train_batch_size": 8}).zero_optimization.stage == 0
     _, problems = problems_of({"train_batch_size": 8, "fp16": {"enabled": "maybe"}})
-    assert set(problems) == {"zero_optimization", "fp16.enabled"}
-    assert "this engine implements ZeRO stage 3" in problems["zero_optimization"]
-    assert '"zero_optimization": {"stage": 3}' in problems["zero_optimization"]
+    assert set(problems) == {"fp16.enabled"}
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_optimizer_needs_stage_1_or_more(device, tmp_path):
+    _, problems = problems_of({"zero_optimization": {"stage": 0, "offload_optimizer": {
+        "device": device, "nvme_path": str(tmp_path)}}})
+    assert problems["zero_optimization.offload_optimizer"] == (
+        f"offload_optimizer (device '{device}') needs ZeRO stage 1, 2 or 3 (the optimizer states it moves are "
+        f"partitioned from stage 1 on), but zero_optimization.stage is 0")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage3_keys_warn_below_stage_3(stage):
+    with pytest.warns(IgnoredSettingWarning) as seen:
+        load_config({"zero_optimization": {"stage": stage, "stage3_max_live_parameters": 10,
+                                           "stage3_prefetch_bucket_size": 5}})
+    messages = sorted(str(w.message) for w in seen if issubclass(w.category, IgnoredSettingWarning))
+    assert messages == [
+        "zero_optimization.stage3_max_live_parameters = 10 has no effect below ZeRO stage 3",
+        "zero_optimization.stage3_prefetch_bucket_size = 5 has no effect below ZeRO stage 3"]
 
 
 def test_offload_param_needs_stage_3():
@@ -272,12 +295,11 @@ def test_missing_file_is_file_not_found(tmp_path):
 
 def test_wrong_stage_is_reported_with_the_other_problems_of_its_section():
     _, problems = problems_of({"zero_optimization": {
-        "stage": 1, "offload_param": {"device": "cpu", "buffer_cout": 1}, "overlap_comm": "x"}})
-    assert set(problems) == {"zero_optimization.stage", "zero_optimization.offload_param",
-                             "zero_optimization.offload_param.buffer_cout",
+        "stage": 7, "offload_param": {"device": "cpu", "buffer_cout": 1}, "overlap_comm": "x"}})
+    assert set(problems) == {"zero_optimization.stage", "zero_optimization.offload_param.buffer_cout",
                              "zero_optimization.overlap_comm"}
     assert "did you mean 'buffer_count'?" in problems["zero_optimization.offload_param.buffer_cout"]
-    assert "needs ZeRO stage 3, but zero_optimization.stage is 1" in problems["zero_optimization.offload_param"]
+    assert problems["zero_optimization.stage"] == "ZeRO stages are 0, 1, 2 and 3 (got 7)"
 
 
 def test_aio_given_twice_with_different_values_is_refused():

@@ -15,8 +15,7 @@ def _messages(zero_extra, top=None):
 
 
 @pytest.mark.parametrize("key, value", [
-    ("reduce_bucket_size", 12345), ("allgather_bucket_size", 12345), ("overlap_comm", False),
-    ("contiguous_gradients", False), ("round_robin_gradients", True), ("reduce_scatter", False),
+    ("allgather_bucket_size", 12345), ("contiguous_gradients", False), ("round_robin_gradients", True), ("reduce_scatter", False),
     ("allgather_partitions", False), ("ignore_unused_parameters", False), ("load_from_fp32_weights", False)])
 def test_a_zero_key_without_effect_warns_naming_it(key, value):
     shown = "True" if value is True else "False" if value is False else str(value)
@@ -33,6 +32,7 @@ def test_offload_and_top_level_keys_without_effect_warn():
 
 
 def test_defaults_auto_and_the_bounds_nvmeio_honours_are_silent():
+    assert _messages({"reduce_bucket_size": 12345, "overlap_comm": False}) == []
     assert _messages({"reduce_bucket_size": "auto", "overlap_comm": True, "contiguous_gradients": True,
                       "stage3_max_live_parameters": 10**6, "stage3_max_reuse_distance": 10**6,
                       "stage3_prefetch_bucket_size": 10**6}) == []

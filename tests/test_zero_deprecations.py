@@ -2,7 +2,6 @@
 FutureWarning or DeprecationWarning from our own calls: torch 2.13 deprecates
 all_gather_into_tensor / reduce_scatter_tensor, and every user's log would carry them."""
 import os
-import sys
 import traceback
 import warnings
 

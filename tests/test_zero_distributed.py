@@ -22,7 +22,7 @@ CASES = {
     "cpu-cpu-4": dict(offload_param="cpu", offload_optimizer="cpu", accumulation=4, clip=1.0),
     "nvme-nvme-1": dict(offload_param="nvme", offload_optimizer="nvme", accumulation=1, clip=1.0),
     "nvme-cpu-4": dict(offload_param="nvme", offload_optimizer="cpu", accumulation=4, clip=0.0),
-    # No clipping: each rank steps its sub-groups during backward (zero/optimizer.py).
+    # No clipping: each rank steps its sub-groups during backward (zero/engine/optimizer.py).
     "cpu-nvme-4": dict(offload_param="cpu", offload_optimizer="nvme", accumulation=4, clip=0.0),
     "init-cpu-1": dict(offload_param="cpu", offload_optimizer="none", accumulation=1, clip=1.0, use_init=True),
     "predivide-none-1": dict(offload_param="none", offload_optimizer="none", accumulation=1, clip=1.0,

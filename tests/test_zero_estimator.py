@@ -66,3 +66,52 @@ def test_fp32_parameters_on_nvme_take_no_bytes_beside_an_nvme_master(opt):
     P, L = 1_000_000_000, 10_000_000
     e = estimate_zero3(P, L, "nvme", opt, bytes_per_param=4, additional_buffer_factor=1.0)
     assert e.nvme_bytes == pytest.approx(16 * P if opt == "nvme" else 4 * P)
+
+
+# -- stage 2: DeepSpeed's documented formula and table -------------------------------------------
+
+def test_zero2_cold_prints_deepspeeds_documented_table(capsys):
+    # DeepSpeed's "Memory Requirements" page: estimate_zero2_model_states_mem_needs_all_cold(
+    # total_params=2851e6, num_gpus_per_node=8, num_nodes=1) prints these lines.
+    rows = zero.estimate_zero2_model_states_mem_needs_all_cold(total_params=2851e6, num_gpus_per_node=8,
+                                                               num_nodes=1)
+    assert capsys.readouterr().out.splitlines() == [
+        "Estimated memory needed for params, optim states and gradients for a:",
+        "HW: Setup with 1 node, 8 GPUs per node.",
+        "SW: Model with 2851M total params.",
+        "  per CPU  |  per GPU |   Options",
+        "  127.45GB |   5.31GB | offload_optimizer=cpu",
+        "  127.45GB |  15.93GB | offload_optimizer=none",
+    ]
+    assert [(r.offload_optimizer, r.cpu_bytes, r.gpu_bytes) for r in rows] == [
+        ("cpu", 136_848_000_000, 5_702_000_000),  # 2851e6·max(4·8, 16)·1.5 | 2·2851e6
+        ("none", 136_848_000_000, 17_106_000_000),  # 2851e6·4·8·1.5 | 4·2851e6 + 16·2851e6/8
+    ]
+
+
+@pytest.mark.parametrize("gpus,nodes", [(1, 1), (4, 1), (2, 3)])
+def test_zero2_formula_terms(gpus, nodes):
+    P, f = 1_000_000_007, 1.5
+    total_gpus = gpus * nodes
+    assert zero.estimate_zero2_model_states_mem_needs(P, gpus, nodes, cpu_offload=True) == (
+        int(P * max(4 * gpus, 16) * f), 2 * P)  # per CPU: the GPUs of one node
+    assert zero.estimate_zero2_model_states_mem_needs(P, gpus, nodes, cpu_offload=False) == (
+        int(P * 4 * gpus * f), 4 * P + int(16 * P / total_gpus))
+    assert zero.estimate_zero2_model_states_mem_needs(P, gpus, nodes, False, additional_buffer_factor=1.0)[0] == \
+        P * 4 * gpus
+
+
+def test_zero2_live_reads_the_model_counting_a_tied_parameter_once(capsys):
+    total, _ = expected_sizes()
+    live = zero.estimate_zero2_model_states_mem_needs_all_live(GPT(CFG), num_gpus_per_node=2)
+    out = capsys.readouterr().out
+    assert live == zero.estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=2)
+    assert capsys.readouterr().out == out
+    assert "HW: Setup with 1 node, 2 GPUs per node." in out
+
+
+def test_the_estimators_are_exported_next_to_each_other():
+    for name in ("estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_live",
+                 "estimate_zero2_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live",
+                 "estimate_zero3_model_states_mem_needs_all_cold", "estimate_rank_bytes"):
+        assert name in zero.__all__ and callable(getattr(zero, name))

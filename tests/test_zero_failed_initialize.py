@@ -19,9 +19,9 @@ import torch.nn as nn
 
 import zero
 from nvmeio import faults, resources
-from nvmeio.errors import AioError
+from nvmeio import AioError
 from swapper import InsufficientSwapSpaceError
-from swapper.swap_dir import SwapDirectory
+from swapper._swap_dir import SwapDirectory
 from zero.config import ConfigError, IgnoredSettingWarning
 from zero.examples import GPT, GPTConfig, make_batches
 from zero.partitioning import init_context
@@ -81,7 +81,7 @@ def started_once(tmp_path_factory):
 def free_bytes(monkeypatch):
     """Sets what the swap directories see as free under nvme_path (the statvfs query they use)."""
     def set_free(n):
-        monkeypatch.setattr("swapper.swap_dir.disk_free_bytes", lambda path: n)
+        monkeypatch.setattr("swapper._swap_dir.disk_free_bytes", lambda path: n)
     return set_free
 
 

@@ -8,39 +8,28 @@ import os
 import re
 
 import pytest
-import torch
 
 import zero
 from nvmeio import faults
-from zero.examples import GPT, GPTConfig, make_batches
-from helpers import (base_config, parameter_read_dir, run_ranks, scenario_io_fails_on_one_rank,
-                     scenario_step_fails_on_one_rank, train_engine)
+from zero.examples import GPTConfig, make_batches
+from helpers import (make_engine, parameter_read_dir, run_ranks, same_weights, scenario_io_fails_on_one_rank,
+                     scenario_step_fails_on_one_rank, train_engine, weights)
 
 CFG = GPTConfig()
 BATCHES = make_batches(CFG, 4, 4)
 
 
-def make_engine(nvme, step_in_backward=False, precision="fp32"):
-    """Steps after backward unless ``step_in_backward`` (then a failure hits backward instead).
-    Parameters have swap files of their own with bf16 only (fp32 shards live in the optimizer's
-    master, param_store.py [Note]): the tests of parameter writes use bf16."""
-    nvme.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = base_config("nvme", "nvme", nvme, lr=1e-2, precision=precision)
-    config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
-    return engine
-
-
-def weights(engine):
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+# Engines step after backward unless a test asks for STEP_IN_BACKWARD (then a failure hits backward
+# instead). Parameters have swap files of their own with bf16 only (fp32 shards live in the
+# optimizer's master, zero/stores/param_store.py [Note]): the tests of parameter writes use bf16.
+STEP_AFTER_BACKWARD = {"zero_optimization": {"offload_optimizer": {"step_in_backward": False}}}
+STEP_IN_BACKWARD = {"zero_optimization": {"offload_optimizer": {"step_in_backward": True}}}
 
 
 def train_reference(nvme, precision):
-    engine = make_engine(nvme, precision=precision)
+    engine = make_engine(nvme, lr=1e-2, precision=precision, overrides=STEP_AFTER_BACKWARD)
     losses = train_engine(engine, BATCHES, 4)
-    final = weights(engine)
+    final = weights(engine.module)
     engine.destroy()
     return losses, final
 
@@ -66,7 +55,7 @@ def swap_dir(engine, which):
 @pytest.mark.parametrize("which", ["optimizer", "params"])
 def test_a_step_whose_writes_fail_is_refused_until_finished_then_matches(tmp_path, request, which):
     reference = request.getfixturevalue("bf16_reference" if which == "params" else "reference")
-    engine = make_engine(tmp_path, precision=precision_for(which))
+    engine = make_engine(tmp_path, lr=1e-2, precision=precision_for(which), overrides=STEP_AFTER_BACKWARD)
     losses = train_engine(engine, BATCHES[:1], 1)
     loss = engine(*BATCHES[1])
     losses.append(loss.item())
@@ -89,14 +78,14 @@ def test_a_step_whose_writes_fail_is_refused_until_finished_then_matches(tmp_pat
     losses += train_engine(engine, BATCHES[2:], 2)
     expected_losses, expected_weights = reference
     assert losses == expected_losses
-    assert all(torch.equal(v, expected_weights[k]) for k, v in weights(engine).items())
+    assert same_weights(weights(engine.module), expected_weights)
     engine.destroy()
 
 
 @pytest.mark.parametrize("which", ["optimizer", "params"])
 def test_failed_reads_leave_the_state_as_it_was(tmp_path, request, which):
     reference = request.getfixturevalue("bf16_reference" if which == "params" else "reference")
-    engine = make_engine(tmp_path, precision=precision_for(which))
+    engine = make_engine(tmp_path, lr=1e-2, precision=precision_for(which), overrides=STEP_AFTER_BACKWARD)
     losses = train_engine(engine, BATCHES[:1], 1)
     with faults.inject(fail_nth=1, fail_count=0, errno="EIO", path_contains=swap_dir(engine, which), op="read"):
         with pytest.raises(OSError) as info:
@@ -109,12 +98,12 @@ def test_failed_reads_leave_the_state_as_it_was(tmp_path, request, which):
         losses += train_engine(engine, BATCHES[1:2], 1)
     losses += train_engine(engine, BATCHES[2:], 2)
     assert losses == reference[0]
-    assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
+    assert same_weights(weights(engine.module), reference[1])
     engine.destroy()
 
 
 def test_after_a_failed_step_the_last_checkpoint_can_be_loaded(tmp_path, reference):
-    engine = make_engine(tmp_path / "swap")
+    engine = make_engine(tmp_path / "swap", lr=1e-2, overrides=STEP_AFTER_BACKWARD)
     train_engine(engine, BATCHES[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     loss = engine(*BATCHES[1])
@@ -126,20 +115,17 @@ def test_after_a_failed_step_the_last_checkpoint_can_be_loaded(tmp_path, referen
     engine.load_checkpoint(tmp_path / "ckpt")
     assert not engine.optimizer.step_in_progress and engine.global_steps == 1
     assert train_engine(engine, BATCHES[1:], 3) == reference[0][1:]
-    assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
+    assert same_weights(weights(engine.module), reference[1])
     engine.destroy()
 
 
 # -- a backward that fails: its window's gradients are dropped, a reload resumes exactly -----------------
 # Clipping keeps the step out of backward, and a hold budget of 0 sends every completed gradient
-# to NVMe (grad_stash.py), so that the faults below land on gradient writes.
+# to NVMe (zero/runtime/grad_stash.py), so that the faults below land on gradient writes.
 
 def clipped_engine(nvme, accumulation):
-    nvme.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = base_config("nvme", "nvme", nvme, lr=1e-2, clip=0.5, accumulation=accumulation,
-                         micro=4 // accumulation, stage3_max_reuse_distance=0)  # backward reads parameters
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
+    engine = make_engine(nvme, lr=1e-2, clip=0.5, accumulation=accumulation, micro=4 // accumulation,
+                         stage3_max_reuse_distance=0)  # backward reads parameters
     engine.parts.reducer.stash.hold_budget = 0
     return engine
 
@@ -153,7 +139,8 @@ def clipped_reference(tmp_path_factory):
     runs = {}
     for accumulation in (1, 2):
         engine = clipped_engine(tmp_path_factory.mktemp(f"clipped{accumulation}"), accumulation)
-        runs[accumulation] = (train_engine(engine, micro_batches(accumulation), 4, accumulation), weights(engine))
+        losses = train_engine(engine, micro_batches(accumulation), 4, accumulation)
+        runs[accumulation] = (losses, weights(engine.module))
         engine.destroy()
     return runs
 
@@ -194,7 +181,7 @@ def test_a_backward_that_fails_drops_its_window_and_a_reload_matches(tmp_path, c
     losses = train_engine(engine, batches[accumulation:], 3, accumulation)
     expected_losses, expected_weights = clipped_reference[accumulation]
     assert losses == expected_losses[accumulation:]
-    assert all(torch.equal(v, expected_weights[k]) for k, v in weights(engine).items())
+    assert same_weights(weights(engine.module), expected_weights)
     engine.destroy()
 
 
@@ -255,7 +242,7 @@ def test_io_failing_on_one_of_two_ranks_in_forward_or_backward_fails_on_both_and
 def test_a_write_failing_while_backward_steps_refuses_use_until_a_checkpoint_is_loaded(tmp_path, request,
                                                                                       which, nth):
     reference = request.getfixturevalue("bf16_reference" if which == "params" else "reference")
-    engine = make_engine(tmp_path / "swap", step_in_backward=True, precision=precision_for(which))
+    engine = make_engine(tmp_path / "swap", lr=1e-2, precision=precision_for(which), overrides=STEP_IN_BACKWARD)
     train_engine(engine, BATCHES[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     loss = engine(*BATCHES[1])
@@ -272,12 +259,12 @@ def test_a_write_failing_while_backward_steps_refuses_use_until_a_checkpoint_is_
     assert not (tmp_path / "bad").exists()
     engine.load_checkpoint(tmp_path / "ckpt")
     assert train_engine(engine, BATCHES[1:], 3) == reference[0][1:]
-    assert all(torch.equal(v, reference[1][k]) for k, v in weights(engine).items())
+    assert same_weights(weights(engine.module), reference[1])
     engine.destroy()
 
 
 def test_a_read_failing_before_backward_stepped_anything_says_the_state_is_untouched(tmp_path, reference):
-    engine = make_engine(tmp_path / "swap", step_in_backward=True)
+    engine = make_engine(tmp_path / "swap", lr=1e-2, overrides=STEP_IN_BACKWARD)
     train_engine(engine, BATCHES[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     loss = engine(*BATCHES[1])

@@ -10,7 +10,7 @@ import torch
 import zero
 
 transformers = pytest.importorskip("transformers", reason='Hugging Face tests need transformers (pip install "nvmeio[hf]")')
-from zero.hf import HfDeepSpeedConfig, check_transformers_version  # noqa: E402
+from zero.hf import HfDeepSpeedConfig, check_transformers_version
 
 VOCAB = 96
 
@@ -77,7 +77,7 @@ def test_hf_deepspeed_config_kept_alive(tmp_path, saved):
     kind, path = saved
     plain = cls_of(kind).from_pretrained(path)
     config = inference_config(tmp_path)
-    dschf = HfDeepSpeedConfig(config)  # noqa: F841 (kept alive, as with DeepSpeed)
+    dschf = HfDeepSpeedConfig(config)  # kept alive, as with DeepSpeed
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     assert all(p.numel() == 0 for p in model.parameters())
     engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -86,6 +86,22 @@ def test_hf_deepspeed_config_kept_alive(tmp_path, saved):
     del dschf
     again = cls_of(kind).from_pretrained(path)
     assert all(p.numel() > 0 for p in again.parameters())
+
+
+def test_hf_deepspeed_config_below_stage_3_leaves_from_pretrained_alone(tmp_path):
+    # HF's guide's stage-2 config: transformers' zero3 branches are not taken, models load whole.
+    import os
+
+    small("gpt2").save_pretrained(tmp_path)
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).state_dict()
+    dschf = HfDeepSpeedConfig(os.path.join(os.path.dirname(__file__), "data", "ds_config_zero2_auto.json"))
+    assert dschf.is_zero3() is False
+    assert not transformers.integrations.is_deepspeed_zero3_enabled()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not any(hasattr(p, "ds_numel") for p in model.parameters())
+    assert model.state_dict().keys() == plain.keys()
+    assert all(torch.equal(value, plain[key]) for key, value in model.state_dict().items())
+    del dschf
 
 
 def test_weights_missing_from_the_checkpoint_are_initialised_by_transformers(tmp_path):
@@ -147,7 +163,7 @@ def test_zero_inference_with_the_docs_config_generates_from_nvme(tmp_path, saved
     kind, path = saved
     plain = cls_of(kind).from_pretrained(path)
     config = t0_inference_config(64, tmp_path)
-    dschf = HfDeepSpeedConfig(config)  # noqa: F841
+    dschf = HfDeepSpeedConfig(config)  # noqa: F841 - kept alive: from_pretrained builds under zero.Init while it lives
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     engine, optimizer, _, scheduler = zero.initialize(model=model, config=config)
     assert optimizer is None and scheduler is None

@@ -14,7 +14,7 @@ import torch
 
 import zero
 from swapper import PartitionedParamSwapper
-from swapper.param_swapper import PartitionState
+from swapper._param_swapper import PartitionState
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config, train_engine
 

@@ -55,7 +55,7 @@ def test_building_holds_one_module_not_the_model(tmp_path):
     module_bytes = (width * width + width) * 4
     assert r["empty"] and r["model"] == layers * module_bytes
     assert r["on_disk"] == r["model"]  # every slice is in its swap file
-    # One module being built, the pool, the heap not yet trimmed (32 MiB, heap.py), 24 MiB of slack.
+    # One module being built, the pool, the heap not yet trimmed (32 MiB, zero/stores/malloc_trim.py), 24 MiB of slack.
     bound = module_bytes + r["pool"] + (32 << 20) + (24 << 20)
     assert r["growth"] < bound < 0.3 * r["model"], (r, bound)
 

@@ -1,4 +1,4 @@
-"""Training lends pool buffers to the parameters of Linears (hooks.py, [Note: lending in training]).
+"""Training lends pool buffers to the parameters of Linears (zero/runtime/hooks.py, [Note: lending in training]).
 
 With parameters on NVMe, a unit read into a pool buffer is computed on in place
 when its one user is an nn.Linear running ZeroLinear. Anything that could keep a
@@ -143,7 +143,7 @@ def test_a_checkpointed_forward_copies_the_weights_it_recomputes_with(tmp_path):
 
 def test_kept_units_give_their_pool_room_to_forward_s_read_ahead(tmp_path):
     """Every unit is reused in backward, so kept lent units filled the small pool and the forward
-    read one unit at a time (prefetch.py, [Note: kept units give way to read-ahead]). Now forward's
+    read one unit at a time (zero/runtime/prefetch.py, [Note: kept units give way to read-ahead]). Now forward's
     fetches find their units read ahead, and backward still reads no parameter again: a unit given
     way is kept as a copy."""
     torch.manual_seed(0)

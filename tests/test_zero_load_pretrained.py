@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import zero
 from zero.examples import GPT, GPTConfig
-from helpers import PEAK_RSS_CODE, run_child
+from helpers import PEAK_RSS_CODE, run_child, weights
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="writing test checkpoints needs safetensors "
                                                                      '(pip install "nvmeio[test]")')
@@ -58,11 +58,6 @@ def untied_state(model: GPT) -> dict:
     return state
 
 
-def gathered(model: nn.Module) -> dict:
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.fixture
 def reference():
     torch.manual_seed(11)
@@ -87,7 +82,7 @@ def test_meta_model_gets_the_checkpoint_values(tmp_path, reference, layout):
     result = zero.load_pretrained(model, ckpt)
     assert result.missing_keys == [] and result.unexpected_keys == [] and result.loaded == len(state)
     assert not model.pos.is_meta and model.head.weight is model.wte.weight
-    values = gathered(model)
+    values = weights(model)
     for name, p in reference.named_parameters():
         assert torch.equal(values[name], p), name
     engine, _, _, _ = zero.initialize(model=model, config=config)
@@ -118,13 +113,13 @@ def test_16bit_checkpoint_into_fp32_and_into_16bit(tmp_path, reference, dtype):
     with zero.Init(), torch.device("meta"):
         fp32 = GPT(CFG)
     zero.load_pretrained(fp32, tmp_path)
-    values = gathered(fp32)
+    values = weights(fp32)
     assert all(v.dtype == torch.float32 for v in values.values())
     assert torch.equal(values["blocks.0.fc.weight"], state["blocks.0.fc.weight"].float())
     with zero.Init(dtype=dtype), torch.device("meta"):
         half = GPT(CFG)
     zero.load_pretrained(half, tmp_path)
-    values = gathered(half)
+    values = weights(half)
     assert all(v.dtype == dtype for v in values.values())
     assert torch.equal(values["blocks.1.attn.qkv.bias"], state["blocks.1.attn.qkv.bias"])
 
@@ -134,7 +129,7 @@ def test_saved_by_our_streaming_writer_reloads_bit_identical(tmp_path):
     torch.manual_seed(5)
     with zero.Init(config_dict_or_path=config):
         model = GPT(CFG)
-    original = gathered(model)
+    original = weights(model)
     path = zero.save_pretrained(model, tmp_path / "saved")
     reader = pytest.importorskip("safetensors").safe_open(path, "pt")  # the reference reader agrees
     assert set(reader.keys()) == set(original) - {"head.weight"}
@@ -142,7 +137,7 @@ def test_saved_by_our_streaming_writer_reloads_bit_identical(tmp_path):
     with zero.Init(config_dict_or_path=config), torch.device("meta"):
         again = GPT(CFG)
     zero.load_pretrained(again, tmp_path / "saved")
-    reloaded = gathered(again)
+    reloaded = weights(again)
     assert all(torch.equal(reloaded[n], v) for n, v in original.items())
     engine, _, _, _ = zero.initialize(model=again, config=config)  # out of an engine, in bf16, sharded
     index = zero.save_pretrained(engine, tmp_path / "bf16", dtype=torch.bfloat16, max_shard_size=10_000)

@@ -61,3 +61,70 @@ def test_live_parameters_bound_is_named_when_gathered_parameters_do_not_fit(monk
     config["zero_optimization"]["stage3_max_live_parameters"] = numel // 8
     engine, _, _, _ = zero.initialize(model=GPT(big), config=config)  # fits once the bound is lowered
     engine.destroy()
+
+
+def _stage(config, stage):
+    """``config`` at a lower ZeRO stage: no offload_param and no stage3_ key (they need stage 3)."""
+    zc = config["zero_optimization"]
+    config["zero_optimization"] = {"stage": stage, "sub_group_size": zc["sub_group_size"],
+                                   "offload_optimizer": zc["offload_optimizer"]}
+    return config
+
+
+def test_stage_2_counts_its_offloaded_optimizer_and_names_nvme_not_a_stage_3_key(monkeypatch, tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    numel = sum(p.numel() for p in model.parameters())
+    _machine(monkeypatch, available=numel * 4)
+    with pytest.raises(ConfigError) as info:
+        zero.initialize(model=model, config=_stage(base_config("none", "cpu", tmp_path), 2))
+    problem = info.value.problems[0]
+    assert problem.path == "zero_optimization.offload_optimizer.device"
+    assert f"cpu): {format_bytes(4 * numel * 4)}" in problem.message
+    assert problem.message.endswith("set zero_optimization.offload_optimizer.device to 'nvme'")
+    assert "stage3_" not in problem.message
+
+
+def test_stage_2_counts_the_whole_models_parameters_on_a_cpu_machine_and_names_stage_3(monkeypatch, tmp_path):
+    torch.manual_seed(0)
+    big = GPTConfig(layers=8, d_model=128)
+    model = GPT(big)
+    numel = sum(p.numel() for p in model.parameters())
+    config = _stage(base_config("none", "nvme", tmp_path, precision="bf16"), 2)
+    # The optimizer's swap buffers fit; the bf16 parameters, whole on the compute device (the CPU), do not.
+    _machine(monkeypatch, available=numel * 2)
+    with pytest.raises(ConfigError) as info:
+        zero.initialize(model=model, config=config)
+    problem = info.value.problems[0]
+    assert problem.path == "zero_optimization.stage"
+    assert (f"the largest part is the parameters, whole (one rank: its partition is the whole model) on the "
+            f"compute device (zero_optimization.stage 2): set zero_optimization.stage to 3 with "
+            f"zero_optimization.offload_param.device 'nvme' and stage3_max_live_parameters below the model's "
+            f"{numel} parameters") in problem.message
+    assert f"whole model) on the compute device (zero_optimization.stage 2): {format_bytes(numel * 2)}" \
+        in problem.message
+    # What the message says fits on the same machine.
+    config = base_config("nvme", "nvme", tmp_path, precision="bf16", stage3_max_live_parameters=numel // 8)
+    engine, _, _, _ = zero.initialize(model=GPT(big), config=config)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage,path,fix", [
+    (0, "zero_optimization.stage", "set zero_optimization.stage to 1 or 2 with "
+                                   "zero_optimization.offload_optimizer.device 'nvme'"),
+    (1, "zero_optimization.offload_optimizer.device", "set zero_optimization.offload_optimizer.device to 'nvme'"),
+])
+def test_below_stage_3_without_offload_the_states_on_the_cpu_are_host_memory(monkeypatch, tmp_path, stage, path,
+                                                                               fix):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    numel = sum(p.numel() for p in model.parameters())
+    _machine(monkeypatch, available=numel * 4 * 2)  # fp32: the parameters are the master, 16 bytes a parameter
+    with pytest.raises(ConfigError) as info:
+        zero.initialize(model=model, config=_stage(base_config("none", "none", tmp_path), stage))
+    problem = info.value.problems[0]
+    assert problem.path == path
+    assert problem.message.startswith(f"the engine needs {format_bytes(16 * numel)} of host memory on this rank")
+    assert (f"(fp32 master weights, optimizer states and gradients on the compute device (offload_optimizer.device "
+            f"none): {format_bytes(16 * numel)}); ") in problem.message  # the only part: the parameters view it
+    assert fix in problem.message

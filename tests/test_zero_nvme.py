@@ -2,7 +2,7 @@
 
 One swap file per optimizer sub-group holds its master, exp_avg and
 exp_avg_sq (each region 4096-aligned). Training in fp32, the parameter shards
-are read from the master region (no parameter swap files: param_store.py
+are read from the master region (no parameter swap files: zero/stores/param_store.py
 [Note]), which holds the fp32 values bit for bit (DeepSpeed 0.19.8 stores fp32
 parameters offloaded to NVMe as bf16). In bf16 each parameter unit has a file
 of ``shard_numel × 2`` bytes. And a process training a model with everything
@@ -19,7 +19,7 @@ import zero
 from zero.stores.param_store import unit_id
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config, run_process, train_engine
-from swapper.param_swapper import swap_file_name
+from swapper._param_swapper import swap_file_name
 
 CFG = GPTConfig()
 
@@ -125,7 +125,7 @@ def test_process_memory_stays_below_the_model_states(tmp_path):
 def test_optimizer_states_are_read_during_the_last_backward(tmp_path):
     """With the step after backward (step_in_backward false), the first sub-group is read as soon
     as the backward of the last micro-batch has written the gradients, not in step()."""
-    from swapper.sub_group import SubGroupState
+    from swapper._sub_group import SubGroupState
 
     config = base_config("none", "nvme", tmp_path, accumulation=2, sub_group_size=3000)
     config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = False

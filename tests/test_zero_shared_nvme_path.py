@@ -2,7 +2,6 @@
 is never deleted, the error says how to give each job its own job id, and the job id set in the
 config or the environment puts the swap files under it.
 """
-import os
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 loss scale): bit-identical to plain PyTorch AdamW(fused=True) and to the step after backward,
 with gradient accumulation too; no gradient ever goes to NVMe (partial sums of a window are
 held in memory within the stash's budget, written only past it); the setting is honoured, and
-an explicit ``true`` that cannot apply warns once, naming why (see zero/optimizer.py
+an explicit ``true`` that cannot apply warns once, naming why (see zero/engine/optimizer.py
 [Note: sub-groups stepped during backward])."""
 import copy
 import warnings
@@ -30,7 +30,7 @@ def train(tmp_path, offload_param, accumulation, step_in_backward, precision="fp
                          sub_group_size=3000, precision=precision, clip=clip)
     if step_in_backward is not None:
         config["zero_optimization"]["offload_optimizer"]["step_in_backward"] = step_in_backward
-    if pipeline:  # five sub-groups in memory: three read ahead (optimizer_store.py BACKWARD_READ_AHEAD)
+    if pipeline:  # five sub-groups in memory: three read ahead (zero/stores/optimizer_store.py BACKWARD_READ_AHEAD)
         config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
     engine, _, _, _ = zero.initialize(model=model, config=config)
     if not hold:
@@ -84,9 +84,10 @@ def test_clipping_keeps_the_step_after_backward_and_an_explicit_true_warns_why(t
 
 
 def test_the_default_warns_nothing(tmp_path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", IgnoredSettingWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         train(tmp_path, "nvme", 1, None, clip=0.05)
+    assert [str(w.message) for w in caught if issubclass(w.category, IgnoredSettingWarning)] == []
 
 
 def test_backward_reads_each_master_once(tmp_path):

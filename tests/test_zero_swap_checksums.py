@@ -7,24 +7,13 @@ import re
 
 import numpy as np
 import pytest
-import torch
 
 import zero
 from swapper import SwapCorruptionError
-from zero.examples import GPT, GPTConfig, make_batches
-from helpers import base_config, train_engine
+from zero.examples import GPTConfig, make_batches
+from helpers import base_config, make_engine, same_weights, train_engine, weights
 
 CFG = GPTConfig()
-
-
-def make_engine(nvme, checksum=None, precision="fp32"):
-    torch.manual_seed(0)
-    config = base_config("nvme", "nvme", nvme, lr=1e-2, precision=precision)
-    if checksum is not None:
-        for key in ("offload_param", "offload_optimizer"):
-            config["zero_optimization"][key]["checksum"] = checksum
-    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
-    return engine
 
 
 def damage(path, how, offset=0):
@@ -47,14 +36,13 @@ def exp_avg_offset(engine, sub_group):
 
 
 # params: a bf16 parameter's own swap file. master: the fp32 master region of an optimizer swap
-# file, which the forward reads the parameter shards from (param_store.py [Note]). optimizer: the
+# file, which the forward reads the parameter shards from (zero/stores/param_store.py [Note]). optimizer: the
 # Adam states of that file, which only the optimizer's swap-in reads.
 @pytest.mark.parametrize("how", ["zeros", "random", "nans"])
 @pytest.mark.parametrize("target", ["params", "master", "optimizer"])
 def test_damaged_swap_files_raise_naming_file_and_unit_and_resume_works(tmp_path, target, how):
     batches = make_batches(CFG, 4, 4)
-    (tmp_path / "swap").mkdir()
-    engine = make_engine(tmp_path / "swap", precision="bf16" if target == "params" else "fp32")
+    engine = make_engine(tmp_path / "swap", lr=1e-2, precision="bf16" if target == "params" else "fp32")
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt")
     expected = train_engine(engine, batches[1:3], 2)  # what the resumed run must reproduce
@@ -89,10 +77,8 @@ def test_damaged_swap_files_raise_naming_file_and_unit_and_resume_works(tmp_path
 def test_checksum_none_turns_them_off_and_the_default_is_on(tmp_path):
     from swapper.checksum import fastest_available
 
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    on = make_engine(tmp_path / "a")
-    off = make_engine(tmp_path / "b", checksum="none")
+    on = make_engine(tmp_path / "a", lr=1e-2)
+    off = make_engine(tmp_path / "b", lr=1e-2, checksum="none")
     assert on.parts.param_store.swapper.checksum is fastest_available()
     assert on.parts.optimizer_store.swapper.checksum is fastest_available()
     assert off.parts.param_store.swapper.checksum is None
@@ -109,8 +95,7 @@ def test_a_damaged_swap_file_saved_into_a_checkpoint_is_refused_by_its_load(tmp_
     """A save links (or copies) the swap file without reading it and the shard carries the
     checksums recorded when the state was written: the load reads every shard first and
     refuses the damaged one, naming file and tensor, before anything changes."""
-    (tmp_path / "swap").mkdir()
-    engine = make_engine(tmp_path / "swap")
+    engine = make_engine(tmp_path / "swap", lr=1e-2)
     batches = make_batches(CFG, 3, 4)
     train_engine(engine, batches[:1], 1)
     engine.save_checkpoint(tmp_path / "ckpt", tag="good")
@@ -121,12 +106,10 @@ def test_a_damaged_swap_file_saved_into_a_checkpoint_is_refused_by_its_load(tmp_
     engine.save_checkpoint(tmp_path / "ckpt", tag="bad")
     shard = tmp_path / "ckpt" / "bad" / "rank00000" / "subgroup00001.safetensors"
     assert os.stat(shard).st_nlink == 2  # linked: no byte was read or moved
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        before = [p.detach().clone() for p in engine.module.parameters()]
+    before = weights(engine.module)
     with pytest.raises(zero.CheckpointCorruptionError, match=f"{shard}.*'exp_avg'"):
         engine.load_checkpoint(tmp_path / "ckpt", tag="bad")
-    with zero.GatheredParameters(list(engine.module.parameters())):
-        assert all(torch.equal(a, p) for a, p in zip(before, engine.module.parameters()))
+    assert same_weights(weights(engine.module), before)
     engine.load_checkpoint(tmp_path / "ckpt", tag="good")
     assert all(math.isfinite(x) for x in train_engine(engine, batches[2:], 1))
     engine.destroy()
@@ -138,13 +121,11 @@ def test_auto_without_a_fast_package_turns_checksums_off_and_says_so(tmp_path, m
 
     monkeypatch.setattr(checksum_module, "fastest_available", lambda: checksum_module.ChecksumAlgorithm.CRC32)
     monkeypatch.setattr(param_store, "_WARNED_NO_FAST_CHECKSUM", False)
-    (tmp_path / "a").mkdir()
-    engine = make_engine(tmp_path / "a")
+    engine = make_engine(tmp_path / "a", lr=1e-2)
     assert engine.parts.param_store.swapper.checksum is None
     assert engine.parts.optimizer_store.swapper.checksum is None
     assert "swap-file checksums are off: neither xxhash nor crc32c is installed" in caplog.text
     engine.destroy()
-    (tmp_path / "b").mkdir()
-    explicit = make_engine(tmp_path / "b", checksum="crc32")
+    explicit = make_engine(tmp_path / "b", lr=1e-2, checksum="crc32")
     assert explicit.parts.param_store.swapper.checksum is checksum_module.ChecksumAlgorithm.CRC32
     explicit.destroy()

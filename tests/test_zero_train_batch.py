@@ -8,17 +8,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import zero
 from zero.examples import GPT, GPTConfig, make_batches, train_reference
-from zero.partitioning.gathered import GatheredParameters
-from helpers import base_config, run_ranks, train_engine
+from helpers import base_config, make_engine, run_ranks, same_weights, train_engine, weights
 
 STEPS = 2
-
-
-def weights(engine):
-    with GatheredParameters(list(engine.module.parameters())):
-        return [p.detach().clone() for p in engine.module.parameters()]
 
 
 def window_means(losses, k):
@@ -27,15 +20,13 @@ def window_means(losses, k):
             for s in range(len(losses) // k)]
 
 
-def make_engine(tmp_path, k, offload="nvme", clip=0.0, precision="fp32", pipeline=False, **extra):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    c = GPTConfig()
-    config = base_config(offload, offload, tmp_path, accumulation=k, clip=clip, precision=precision, **extra)
-    if pipeline:  # sub-groups read ahead while the window's last backward steps them
-        config["zero_optimization"]["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
-    engine, _, _, _ = zero.initialize(model=GPT(c), config=config)
-    return engine, make_batches(c, STEPS * k, 4)
+def window_batches(k):
+    """The micro-batches of STEPS windows of ``k``."""
+    return make_batches(GPTConfig(), STEPS * k, 4)
+
+
+# The pipelined NVMe optimizer: sub-groups read ahead while the window's last backward steps them.
+PIPELINED = {"zero_optimization": {"offload_optimizer": {"pipeline_read": True, "pipeline_write": True}}}
 
 
 def io_bytes(engine):
@@ -45,24 +36,24 @@ def io_bytes(engine):
 
 
 def run_loop(tmp_path, k, **kw):
-    engine, batches = make_engine(tmp_path / "loop", k, **kw)
-    losses = train_engine(engine, batches, STEPS, k)
-    out = window_means(losses, k), weights(engine)
+    engine = make_engine(tmp_path / "loop", accumulation=k, **kw)
+    losses = train_engine(engine, window_batches(k), STEPS, k)
+    out = window_means(losses, k), weights(engine.module)
     engine.destroy()
     return out
 
 
 def run_window(tmp_path, k, **kw):
-    engine, batches = make_engine(tmp_path / "window", k, **kw)
+    engine, batches = make_engine(tmp_path / "window", accumulation=k, **kw), window_batches(k)
     means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
-    out = means, weights(engine)
+    out = means, weights(engine.module)
     engine.destroy()
     return out
 
 
 def assert_same(a, b):
     assert a[0] == b[0]
-    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    assert same_weights(a[1], b[1])
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
@@ -73,7 +64,7 @@ def test_train_batch_equals_the_micro_batch_loop(tmp_path, k, offload):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_train_batch_equals_the_loop_with_the_pipelined_nvme_optimizer(tmp_path, precision):
-    kw = dict(precision=precision, pipeline=True, sub_group_size=20000)
+    kw = dict(precision=precision, sub_group_size=20000, overrides=PIPELINED)
     assert_same(run_window(tmp_path, 3, **kw), run_loop(tmp_path, 3, **kw))
 
 
@@ -97,7 +88,7 @@ def test_train_batch_with_clipping_equals_the_loop_and_plain_torch(tmp_path):
 def test_bytes_read_and_written_per_window_do_not_grow_with_k(tmp_path, k):
     counted = {}
     for kk in (1, k):
-        engine, batches = make_engine(tmp_path / str(kk), kk)
+        engine, batches = make_engine(tmp_path / str(kk), accumulation=kk), window_batches(kk)
         engine.train_batch(batches[:kk])  # the first window records the trace
         before = io_bytes(engine)
         engine.train_batch(batches[kk:2 * kk])
@@ -116,7 +107,7 @@ def test_the_micro_batch_loop_reads_every_parameter_per_micro_batch(tmp_path):
 
     counted = {}
     for name in ("loop", "window"):
-        engine, batches = make_engine(tmp_path / name, 4)
+        engine, batches = make_engine(tmp_path / name, accumulation=4), window_batches(4)
         run = (lambda b: train_engine(engine, b, 1, 4)) if name == "loop" else engine.train_batch
         run(batches[:4])
         before = param_and_optimizer_reads(engine)
@@ -157,17 +148,14 @@ def test_micro_batches_on_different_paths_get_the_loop_with_one_log_line(tmp_pat
     k = 2
     results = []
     for use_window in (False, True):
-        (tmp_path / str(use_window)).mkdir()
-        torch.manual_seed(0)
-        config = base_config("nvme", "nvme", tmp_path / str(use_window), accumulation=k, micro=2)
-        engine, _, _, _ = zero.initialize(model=Branchy(), config=config)
+        engine = make_engine(tmp_path / str(use_window), accumulation=k, micro=2, model=Branchy)
         batches = branchy_batches(2 * k)
         if use_window:
             with caplog.at_level(logging.INFO, logger="zero"):
                 means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(2)]
         else:
             means = window_means(train_engine(engine, batches, 2, k), k)
-        results.append((means, weights(engine)))
+        results.append((means, weights(engine.module)))
         engine.destroy()
     assert_same(results[1], results[0])
     said = [r.getMessage() for r in caplog.records if "train_batch runs the micro-batch loop" in r.getMessage()]
@@ -175,7 +163,7 @@ def test_micro_batches_on_different_paths_get_the_loop_with_one_log_line(tmp_pat
 
 
 def test_wrong_number_of_micro_batches_is_refused(tmp_path):
-    engine, batches = make_engine(tmp_path, 3)
+    engine, batches = make_engine(tmp_path, accumulation=3), window_batches(3)
     with pytest.raises(ValueError, match=r"train_batch got 2 micro-batches; the config's "
                                          r"gradient_accumulation_steps is 3"):
         engine.train_batch(batches[:2])
@@ -185,7 +173,7 @@ def test_wrong_number_of_micro_batches_is_refused(tmp_path):
 
 
 def test_an_iterator_gives_the_next_window(tmp_path):
-    engine, batches = make_engine(tmp_path, 3)
+    engine, batches = make_engine(tmp_path, accumulation=3), window_batches(3)
     it = iter(batches)
     means = [engine.train_batch(it).item() for _ in range(STEPS)]
     assert next(it, None) is None and engine.global_steps == STEPS
@@ -194,7 +182,7 @@ def test_an_iterator_gives_the_next_window(tmp_path):
 
 
 def test_train_batch_in_the_middle_of_a_window_is_refused(tmp_path):
-    engine, batches = make_engine(tmp_path, 3)
+    engine, batches = make_engine(tmp_path, accumulation=3), window_batches(3)
     loss = engine(*batches[0])
     engine.backward(loss)
     engine.step()
@@ -205,9 +193,7 @@ def test_train_batch_in_the_middle_of_a_window_is_refused(tmp_path):
 
 
 def test_a_model_that_returns_no_loss_is_refused(tmp_path):
-    torch.manual_seed(0)
-    config = base_config("none", "none", tmp_path, accumulation=2, micro=2)
-    engine, _, _, _ = zero.initialize(model=nn.Linear(4, 4), config=config)
+    engine = make_engine(tmp_path, "none", accumulation=2, micro=2, model=lambda: nn.Linear(4, 4))
     with pytest.raises(TypeError, match=r"train_batch needs the model to return its loss \(a one-element tensor, "
                                         r"or an output with .loss or \['loss'\]\); it returned Tensor"):
         engine.train_batch([torch.randn(2, 4), torch.randn(2, 4)])
@@ -217,7 +203,7 @@ def test_a_model_that_returns_no_loss_is_refused(tmp_path):
 def test_no_optimizer_is_refused(tmp_path):
     config = base_config("none", "none", tmp_path, accumulation=2)
     del config["optimizer"]
-    engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
+    engine = make_engine(config=config)
     with pytest.raises(RuntimeError, match="this engine has no optimizer"):
         engine.train_batch(make_batches(GPTConfig(), 2, 4))
     engine.destroy()
@@ -225,17 +211,14 @@ def test_no_optimizer_is_refused(tmp_path):
 
 def scenario_window(rank, world_size, scratch, use_window):
     k = 3
-    config = base_config("nvme", "nvme", scratch, accumulation=k, world_size=world_size, sub_group_size=3000)
-    torch.manual_seed(0)
-    c = GPTConfig()
-    engine, _, _, _ = zero.initialize(model=GPT(c), config=config)
+    engine = make_engine(scratch, accumulation=k, world_size=world_size, sub_group_size=3000)
     batches = [(x.chunk(world_size)[rank], y.chunk(world_size)[rank])
-               for x, y in make_batches(c, STEPS * k, 4 * world_size)]
+               for x, y in make_batches(GPTConfig(), STEPS * k, 4 * world_size)]
     if use_window:
         means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
     else:
         means = window_means(train_engine(engine, batches, STEPS, k), k)
-    w = [t.tolist() for t in weights(engine)]
+    w = {n: t.tolist() for n, t in weights(engine.module).items()}
     engine.destroy()
     return {"means": means, "weights": w}
 
@@ -282,10 +265,8 @@ def hf_batches(count):
 def test_hugging_face_models_train_batch_equals_the_loop(tmp_path, kind, checkpointing):
     k, results = 3, []
     for use_window in (False, True):
-        folder = tmp_path / str(use_window)
-        folder.mkdir()
-        config = base_config("nvme", "nvme", folder, accumulation=k, micro=2)
-        engine, _, _, _ = zero.initialize(model=hf_model(kind, checkpointing), config=config)
+        engine = make_engine(tmp_path / str(use_window), accumulation=k, micro=2,
+                             model=lambda: hf_model(kind, checkpointing))
         batches = hf_batches(STEPS * k)
         if use_window:
             means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
@@ -297,7 +278,7 @@ def test_hugging_face_models_train_batch_equals_the_loop(tmp_path, kind, checkpo
                 engine.backward(loss)
                 engine.step()
             means = window_means(losses, k)
-        results.append((means, weights(engine)))
+        results.append((means, weights(engine.module)))
         engine.destroy()
     assert_same(results[1], results[0])
 
@@ -316,16 +297,13 @@ def test_a_forward_recomputed_by_torch_checkpoint_equals_the_loop(tmp_path):
     uses that micro-batch's aliases whatever checkpoint function recomputes it."""
     k, results = 3, []
     for use_window in (False, True):
-        (tmp_path / str(use_window)).mkdir()
-        torch.manual_seed(0)
-        config = base_config("nvme", "nvme", tmp_path / str(use_window), accumulation=k)
-        engine, _, _, _ = zero.initialize(model=Checkpointed(GPTConfig()), config=config)
+        engine = make_engine(tmp_path / str(use_window), accumulation=k, model=lambda: Checkpointed(GPTConfig()))
         batches = make_batches(GPTConfig(), STEPS * k, 4)
         if use_window:
             means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
         else:
             means = window_means(train_engine(engine, batches, STEPS, k), k)
-        results.append((means, weights(engine)))
+        results.append((means, weights(engine.module)))
         engine.destroy()
     assert_same(results[1], results[0])
 
@@ -334,7 +312,7 @@ def test_a_window_backward_keeps_at_most_one_unit_of_gradients_per_micro_batch(t
     """The k backwards take turns unit by unit: a unit's gradients of the k micro-batches are
     reduced before the next unit's arrive, so no more than the largest units' wait."""
     k = 4
-    engine, batches = make_engine(tmp_path, k)
+    engine, batches = make_engine(tmp_path, accumulation=k), window_batches(k)
     coordinator = engine.parts.coordinator
     pending, inner = [0], coordinator.window_grad
 
@@ -357,13 +335,9 @@ def test_a_forward_drawing_random_numbers_gets_the_loop_with_one_log_line(tmp_pa
     monkeypatch.setattr("zero.engine.train_batch._TOLD", set())  # said once per process: maybe already
     k, results = 2, []
     for use_window in (False, True):
-        folder = tmp_path / str(use_window)
-        folder.mkdir()
-        torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
-                                                                     n_positions=32))  # dropout 0.1
-        engine, _, _, _ = zero.initialize(model=model.train(), config=base_config("nvme", "nvme", folder,
-                                                                                    accumulation=k, micro=2))
+        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)  # dropout 0.1
+        engine = make_engine(tmp_path / str(use_window), accumulation=k, micro=2,
+                             model=lambda: transformers.GPT2LMHeadModel(config).train())
         batches = hf_batches(STEPS * k)
         torch.manual_seed(1)
         with caplog.at_level(logging.INFO, logger="zero"):
@@ -371,7 +345,7 @@ def test_a_forward_drawing_random_numbers_gets_the_loop_with_one_log_line(tmp_pa
                 means = [engine.train_batch(batches[s * k:(s + 1) * k]).item() for s in range(STEPS)]
             else:
                 means = window_means([train_step(engine, mb) for mb in batches], k)
-        results.append((means, weights(engine), torch.get_rng_state()))
+        results.append((means, weights(engine.module), torch.get_rng_state()))
         engine.destroy()
     assert_same(results[1][:2], results[0][:2])
     assert torch.equal(results[1][2], results[0][2])
@@ -391,7 +365,7 @@ def test_a_window_ended_short_steps_and_the_next_window_starts_whole(tmp_path):
     """set_gradient_accumulation_boundary(True): 2 micro-batches of a window of 3 step (each
     loss divided by 3, as the loop divides it), then train_batch takes the next whole window;
     the losses are plain PyTorch's doing the same."""
-    engine, batches = make_engine(tmp_path, 3, offload="none")
+    engine, batches = make_engine(tmp_path, "none", accumulation=3), window_batches(3)
     losses = [train_step_xy(engine, batches[0])]
     engine.set_gradient_accumulation_boundary(True)
     assert engine.is_gradient_accumulation_boundary()
@@ -414,10 +388,10 @@ def test_a_window_ended_short_steps_and_the_next_window_starts_whole(tmp_path):
 
 
 def test_a_loss_fn_calling_the_engine_equals_the_model_called_on_the_micro_batch(tmp_path):
-    engine, batches = make_engine(tmp_path / "fn", 3)
+    engine, batches = make_engine(tmp_path / "fn", accumulation=3), window_batches(3)
     means = [engine.train_batch(batches[s * 3:(s + 1) * 3], loss_fn=lambda mb: engine(*mb)).item()
              for s in range(STEPS)]
-    out = means, weights(engine)
+    out = means, weights(engine.module)
     engine.destroy()
     assert_same(out, run_window(tmp_path, 3))
 

@@ -1,4 +1,4 @@
-"""ZeRO stage 3 with ZeRO-Infinity offload (none / cpu / nvme), on nvmeio.
+"""ZeRO stages 0-3 with ZeRO-Offload and ZeRO-Infinity (offload none / cpu / nvme), on nvmeio.
 
     engine, optimizer, _, scheduler = zero.initialize(model=model, config="ds_config.json")
     loss = engine(batch); engine.backward(loss); engine.step()
@@ -8,7 +8,10 @@ Also: ``zero.Init`` (build a model partitioned from the start),
 partitions, one at a time), ``engine.save_checkpoint / load_checkpoint /
 save_16bit_model``, ``get_fp32_state_dict_from_zero_checkpoint``,
 ``load_state_dict_from_zero_checkpoint`` (and ``python -m zero.zero_to_fp32``),
-``estimate_zero3_model_states_mem_needs_all_live / _all_cold``.
+``estimate_zero2_model_states_mem_needs(_all_live / _all_cold)`` and
+``estimate_zero3_model_states_mem_needs_all_live / _all_cold`` (DeepSpeed's
+tables), ``estimate_rank_bytes`` (this engine's host, device and NVMe bytes
+per rank at any stage).
 
 Importing ``zero`` loads only the config layer (:mod:`zero.config`, no torch);
 the engine's modules are imported on first use of their names. The public API is
@@ -24,7 +27,7 @@ from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
 _LAZY = {  # public name: the module it comes from
     "initialize": "engine.entry",
     "ZeroEngine": "engine.zero_engine",
-    "EngineStateError": "engine.zero_engine",
+    "EngineStateError": "engine.backward_pass",
     "CheckpointTagError": "checkpoint.format",
     "CheckpointCorruptionError": "checkpoint.format",
     "UnsafeCheckpointError": "checkpoint.format",
@@ -32,8 +35,12 @@ _LAZY = {  # public name: the module it comes from
     "GatheredParameters": "partitioning.gathered",
     "load_pretrained": "checkpoint.pretrained",
     "save_pretrained": "checkpoint.pretrained",
+    "estimate_zero2_model_states_mem_needs": "stores.estimator",
+    "estimate_zero2_model_states_mem_needs_all_live": "stores.estimator",
+    "estimate_zero2_model_states_mem_needs_all_cold": "stores.estimator",
     "estimate_zero3_model_states_mem_needs_all_live": "stores.estimator",
     "estimate_zero3_model_states_mem_needs_all_cold": "stores.estimator",
+    "estimate_rank_bytes": "stores.estimator",
     "get_fp32_state_dict_from_zero_checkpoint": "zero_to_fp32",
     "load_state_dict_from_zero_checkpoint": "zero_to_fp32",
 }

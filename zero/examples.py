@@ -139,3 +139,44 @@ def train_reference(model: nn.Module, batches: Sequence, steps: int, accumulatio
 
 def relative_error(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype: torch.dtype,
+                          lr: float = 1e-3, weight_decay: float = 0.01, clip: float = 0.0,
+                          loss_scale: float = 1.0) -> List[float]:
+    """The mixed-precision recipe in plain PyTorch: forward and backward on a ``dtype`` copy of
+    the model, an fp32 master updated by fused AdamW from the fp32-widened gradients, the
+    compute copy refreshed from it. Clipping and a static loss scale take one coefficient,
+    ``min(clip / (norm / scale + 1e-6), 1) / scale``, as the engine's fp16/bf16 step does."""
+    master = [p.detach().clone().float() for p in model.parameters()]
+    for p in master:
+        p.requires_grad_(True)
+    model.to(dtype)
+    opt = torch.optim.AdamW(master, lr=lr, weight_decay=weight_decay, fused=True)
+    losses: List[float] = []
+    it = iter(batches)
+    for _ in range(steps):
+        x, y = next(it)
+        loss = model(x, y)
+        losses.append(loss.detach().float().item())
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        grads = [p.grad.float() for p in model.parameters()]
+        coef = None
+        if clip > 0:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            coef = torch.clamp(clip / (norm / loss_scale + 1e-6), max=1.0)
+            if loss_scale != 1.0:
+                coef = coef / loss_scale
+        elif loss_scale != 1.0:
+            coef = torch.tensor(1.0 / loss_scale)
+        if coef is not None:
+            torch._foreach_mul_(grads, coef)
+        for m, g in zip(master, grads):
+            m.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), master):
+                p.copy_(m)
+                p.grad = None
+    return losses

@@ -18,8 +18,14 @@ accelerate); ``resolve_for_trainer`` fills a config's ``"auto"`` values from
 versions are refused.
 """
 
+from typing import TYPE_CHECKING
+
 from .integrations.hf_config import HfDeepSpeedConfig
 from .partitioning.hf_hook import check_transformers_version
+
+if TYPE_CHECKING:  # imported on first use by __getattr__ below; named here for tools
+    from .integrations.hf_trainer import ZeroTrainer
+    from .integrations.hf_trainer_config import resolve_for_trainer
 
 __all__ = ["HfDeepSpeedConfig", "ZeroTrainer", "check_transformers_version", "resolve_for_trainer"]
 

@@ -25,7 +25,7 @@ def nvme_engine(nvme: str, step_in_backward: bool = False, precision: str = "fp3
     """Without ``step_in_backward`` the optimizer's I/O happens in step() (what the step cases
     fail); with it, sub-groups are stepped during backward (what the in-backward cases fail).
     Parameters have swap files of their own in bf16 only (fp32 shards are read from the
-    optimizer's master, zero/param_store.py): the cases aimed at parameter files use bf16."""
+    optimizer's master, zero/stores/param_store.py): the cases aimed at parameter files use bf16."""
     import zero
     from tests.helpers import base_config
     from zero.examples import GPT, GPTConfig
@@ -204,7 +204,7 @@ def _damaged_swap_file(which: str, how: str, linked: bool = False):
 def _failed_backward(fault: str, accumulation: int = 1):
     """Backward fails (a gradient write to NVMe, or a parameter read): the window is dropped, the
     engine refuses all use until a checkpoint is loaded, then matches a run without the fault.
-    Clipping keeps the gradients going to NVMe during backward (zero/grad_stash.py)."""
+    Clipping keeps the gradients going to NVMe during backward (zero/runtime/grad_stash.py)."""
     def case(d, row, _reference):
         from tests.helpers import parameter_read_dir, train_engine
         from nvmeio import faults

@@ -4,7 +4,7 @@
 <save_dir>/latest                      the newest complete tag, e.g. "global_step100"
 <save_dir>/.<tag>.old-<random>/        a complete copy of <tag> moved aside while a re-save of
                                        <tag> is published (only where the file system cannot
-                                       exchange two directories; see checkpoint.py)
+                                       exchange two directories; see publish.py)
 <save_dir>/<tag>/zero_meta.json        format, world size, sub_group_size, every unit's parameters
 <save_dir>/<tag>/buffers.pt            the module's buffers (rank 0)
 <save_dir>/<tag>/rank00001/engine.pt   step counters, optimizer settings, loss scaler, LR schedule,
@@ -12,12 +12,12 @@
 <save_dir>/<tag>/rank00001/subgroup00003.safetensors
                                        one sub-group of that rank: fp32 "master" and the optimizer
                                        states ("exp_avg", "exp_avg_sq"), each the sub-group's range
-                                       of the rank's flat space (partition.py); safetensors, data
-                                       on a 4096-byte boundary (checkpoint_io.py)
+                                       of the rank's flat space (stores/layouts.py); safetensors, data
+                                       on a 4096-byte boundary (shard_io.py)
 ```
 
 Rank layouts are a pure function of the units, the world size and
-``sub_group_size`` (partition.py), so ``zero_meta.json`` holds only those and
+``sub_group_size`` (stores/layouts.py), so ``zero_meta.json`` holds only those and
 :class:`ShardReader` can find any element of any parameter: that is what lets
 ``zero_to_fp32`` rebuild full parameters one at a time, and a checkpoint
 saved on N ranks be loaded on M. Only the bytes asked for are ever read
@@ -48,6 +48,7 @@ META = "zero_meta.json"
 BUFFERS = "buffers.pt"
 LATEST = "latest"
 OLD_COPY = ".old-"  # in ".<tag>.old-<random>": a complete copy moved aside during a re-save
+NAME_MAX = 255  # bytes in one file name (Linux's NAME_MAX): a tag is a directory's name
 _LATEST_MAX_BYTES = 4096
 
 
@@ -70,7 +71,8 @@ def check_tag(tag, source: str = "checkpoint tag") -> str:
     path separator, not ``.``/``..`` nor any name starting with ``.`` (the
     partial and moved-aside directories), not ``latest``, no whitespace at
     either end and no control character (a newline would make ``latest``
-    unreadable).
+    unreadable), UTF-8 text (what ``latest`` holds) and at most ``NAME_MAX``
+    (255) bytes, the longest file name.
     """
     if isinstance(tag, bool) or not isinstance(tag, (str, int)):
         raise CheckpointTagError(f"{source} must be a string, got {type(tag).__name__} {tag!r}")
@@ -87,6 +89,11 @@ def check_tag(tag, source: str = "checkpoint tag") -> str:
         why = "holds a control character (a newline?)"
     elif text == LATEST:
         why = f"is {LATEST!r}, the name of the file that points at the newest tag"
+    elif not _is_utf8(text):
+        why = f"is not UTF-8 text ({LATEST!r} holds the tag as UTF-8)"
+    elif len(os.fsencode(text)) > NAME_MAX:
+        why = (f"is {len(os.fsencode(text))} bytes long, over the {NAME_MAX}-byte limit of a "
+               "file name")
     else:
         return text
     shown = repr(text if len(text) <= 200 else text[:200] + "...")
@@ -94,6 +101,12 @@ def check_tag(tag, source: str = "checkpoint tag") -> str:
                              f"checkpoint directory (e.g. 'global_step100')")
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def rank_dir(checkpoint: str, rank: int) -> str:
@@ -147,7 +160,7 @@ def resolve_tag(save_dir: str, tag: Optional[str]) -> Optional[str]:
 
 def checkpoint_path(save_dir: str, tag: str) -> str:
     """The directory of ``tag``; where a re-save was cut between its two renames (see
-    checkpoint.py), the complete copy it moved aside."""
+    publish.py), the complete copy it moved aside."""
     path = os.path.join(save_dir, tag)
     if os.path.isdir(path):
         return path

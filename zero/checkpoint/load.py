@@ -11,7 +11,7 @@ refusing to run until a checkpoint is loaded again.
 A shard that carries checksums is read once: where the store can stage it
 (the optimizer on NVMe, same layout), the check reads it into a staging swap
 file (a hard link of the shard, or a copy written as it is read) and hashes
-the bytes on the way (swapper/staged_state.py); only once every shard of the
+the bytes on the way (swapper/_staged_state.py); only once every shard of the
 checkpoint matched on every rank does the apply step publish the staged
 files (a rename each) and take the masters from the staging buffers. A
 mismatch, or a failure on another rank, discards the staged files: the
@@ -139,7 +139,7 @@ def _load_object(cio: CheckpointIO, path: str, checkpoint: str):
 def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReader, own_shards: bool,
                   keys, load_states: bool, staged: dict) -> None:
     """Every shard file, key and element range the load will read is there, and its bytes
-    match the checksums it carries (see checkpoint_io.py [Note: checksums travel with the
+    match the checksums it carries (see shard_io.py [Note: checksums travel with the
     state])."""
     comm, layout = engine.comm, engine.rank_layout
     paths = []
@@ -196,7 +196,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         state = _load_object(cio, path, checkpoint)
         _check_engine_state(state, path)
         buffers = _load_object(cio, os.path.join(checkpoint, BUFFERS), checkpoint)
-    except Exception as exc:  # every rank must learn that one failed, so that none loads
+    except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
         if comm.any(error is not None, engine.device):

@@ -18,12 +18,17 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
     parameters go to the file as soon as they are gathered, so the model is never
     whole in memory. Otherwise the state_dict is assembled and written with
     ``torch.save``. Either way through nvmeio's FastFileWriter, atomically.
+
+    At stage 3 it saves only with ``stage3_gather_16bit_weights_on_model_save``
+    (else it logs why and returns False); below stage 3 every rank holds the
+    whole parameters, so it saves without that flag, as DeepSpeed does.
     """
     comm = engine.comm
-    if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+    zc = engine.config.zero_optimization
+    if zc.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
         log_rank0(comm.rank, (
-            "did not save the model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false; "
-            "set it to true, or consolidate a checkpoint with zero_to_fp32"), logging.WARNING)
+            "did not save the model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false at "
+            "ZeRO stage 3; set it to true, or consolidate a checkpoint with zero_to_fp32"), logging.WARNING)
         return False
     path = os.path.join(save_dir, save_filename)
     param_names = {n for u in engine.rank_layout.units for s in u.slots for n in s.names}

@@ -4,7 +4,7 @@ then publishes (publish.py); load.py reads it back.
 NVMe-resident state is part of the checkpoint: each sub-group's swap file
 becomes its shard by a hard link, or is copied file to file where no link
 can be made (see [Note: sub-group shards are safetensors in the swap files'
-layout] in checkpoint_io.py, which moves all the bytes of a save or load).
+layout] in shard_io.py, which moves all the bytes of a save or load).
 """
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dic
                                   f"directory")
         os.makedirs(save_dir, mode=dir_mode, exist_ok=True)
         remove_leftovers(save_dir)
-        name = os.path.basename(tempfile.mkdtemp(prefix=f".{tag}{PARTIAL}", dir=save_dir))
+        # A fixed-length name, not ".<tag>.partial-...": any tag a directory can be named (255 bytes) saves.
+        name = os.path.basename(tempfile.mkdtemp(prefix=PARTIAL, dir=save_dir))
         os.chmod(os.path.join(save_dir, name), dir_mode)
     partial = os.path.join(save_dir, comm.broadcast_object(name, 0))
     comm.barrier()

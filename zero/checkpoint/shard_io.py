@@ -1,4 +1,4 @@
-"""How a checkpoint's bytes move (``checkpoint.writer``); checkpoint.py decides what is written.
+"""How a checkpoint's bytes move (``checkpoint.writer``); save.py decides what is written.
 
 Every file goes through nvmeio: with ``type: fast`` (the default) one
 :class:`nvmeio.FastIO` (an aio_handle and ``io_buffer_size`` locked buffers,
@@ -12,7 +12,7 @@ safetensors file laid out exactly as a swap file of the optimizer swapper: a
 uint8) up to a 4096-byte boundary. So a swap file can itself become the shard:
 the header goes into its header page and a hard link puts it in the
 checkpoint; no byte moves, and the swapper writes its next swap-out to a new
-file, leaving the checkpoint's untouched (swapper.sub_group [Note: the header
+file, leaving the checkpoint's untouched (swapper/_sub_group.py [Note: the header
 page]); a load on the same layout links the shard back as the swap file and
 reads only the masters (for the parameters). The gradient written during
 backward has a file of its own, so nothing writes a linked file again. Where
@@ -47,10 +47,8 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from nvmeio import FastIO, FastFileReader, SafetensorsReader, SafetensorsWriter
-from nvmeio.fast_buffers import FastIOStats
+from nvmeio import FastFileReader, FastIO, FastIOStats, PlainFileWriter, SafetensorsReader, SafetensorsWriter
 from nvmeio.safetensors_file import encode_header
-from nvmeio.plain_writer import PlainFileWriter
 from swapper.checksum import ChecksumAlgorithm, digest_chunks
 
 from .format import CheckpointCorruptionError

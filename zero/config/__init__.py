@@ -1,4 +1,4 @@
-"""DeepSpeed JSON configs for nvmeio's ZeRO stage 3 engine (pydantic, no torch).
+"""DeepSpeed JSON configs for nvmeio's ZeRO engine (stages 0-3) (pydantic, no torch).
 
     from zero.config import load_config, resolve_auto
     config = load_config("ds_config.json", world_size=8, hidden_size=4096)

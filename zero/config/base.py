@@ -139,6 +139,11 @@ class StrictModel(BaseModel):
         """Whether a key still holds ``"auto"``."""
         return self.__dict__.get(name) == AUTO and name in type(self)._auto_fields
 
+    def inert_now(self) -> Mapping[str, str]:
+        """Keys set here that have no effect given the section's other values, each with why
+        (warned as the ``_inert`` keys are); none by default."""
+        return {}
+
     # -- reading old spellings -------------------------------------------
 
     @model_validator(mode="wrap")

@@ -1,4 +1,4 @@
-"""The whole DeepSpeed JSON for ZeRO stage 3: :class:`DeepSpeedConfig`.
+"""The whole DeepSpeed JSON for the ZeRO engine (stages 0-3): :class:`DeepSpeedConfig`.
 
 The top-level model holds the sections and the checks that span them (batch
 sizes, fp16 with bf16, aio given twice). Once the config is valid it sets the
@@ -30,7 +30,7 @@ from .zero_section import ZeroConfig
 
 
 class DeepSpeedConfig(StrictModel):
-    """A DeepSpeed config for ZeRO stage 3, validated.
+    """A DeepSpeed config, validated (no ``zero_optimization`` section: stage 0, as in DeepSpeed).
 
     Build it with :func:`zero.config.load_config`. Sections are attributes
     (``config.zero_optimization.offload_param.device``); after loading, the
@@ -94,14 +94,6 @@ class DeepSpeedConfig(StrictModel):
         return [join(path, name) for path, section in sections(self)
                 for name in sorted(type(section)._auto_fields) if section.is_auto(name)]
 
-    @classmethod
-    def _check_given(cls, data: dict) -> list:
-        if "zero_optimization" in data:
-            return []
-        return [(("zero_optimization",), (
-            'section is missing: this engine implements ZeRO stage 3; add '
-            '"zero_optimization": {"stage": 3}'), None)]
-
     @model_validator(mode="after")
     def _check_across_sections(self, info: ValidationInfo) -> "DeepSpeedConfig":
         context = info.context or {}
@@ -154,6 +146,8 @@ def _emit_notes(config: DeepSpeedConfig, sink: list | None) -> None:
             if value != default and value != "auto":  # "auto": the user chose nothing
                 found.append((f"{join(path, name)} = {short(value)} is accepted for DeepSpeed "
                               f"compatibility but has no effect in nvmeio", IgnoredSettingWarning))
+        for name, why in section.inert_now().items():
+            found.append((f"{join(path, name)} = {short(section.raw(name))} {why}", IgnoredSettingWarning))
     for message, category in found:
         if sink is None:
             warnings.warn(message, category, stacklevel=2)

@@ -16,7 +16,7 @@ ConfigSource = Union[str, "os.PathLike[str]", Mapping[str, Any], DeepSpeedConfig
 
 def load_config(config: ConfigSource, world_size: int = 1,
                 hidden_size: Optional[int] = None) -> DeepSpeedConfig:
-    """Read and validate a DeepSpeed config for ZeRO stage 3.
+    """Read and validate a DeepSpeed config.
 
     ``config`` is a path to a JSON file, a dict (not modified), or a
     DeepSpeedConfig (validated again for this ``world_size``). ``world_size``

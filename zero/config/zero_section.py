@@ -1,7 +1,9 @@
 """``zero_optimization``: partitioning, buckets, prefetch and offload.
 
-nvmeio implements ZeRO stage 3 only; any other stage is an error here, with
-the fix in the message. Keys are named as users write them (the ``stage3_``
+Stages 0, 1, 2 and 3 run on one engine (engine/build.py, [Note: the ZeRO
+ladder]); ``offload_param`` needs stage 3 and ``offload_optimizer`` stage 1 or
+more, as in DeepSpeed. The ``stage3_`` keys have no effect below stage 3 (a
+warning names each one set). Keys are named as users write them (the ``stage3_``
 prefixed forms); DeepSpeed's unprefixed spellings are accepted as aliases.
 Keys of DeepSpeed features nvmeio does not have (ZeRO++, MiCS, ...) and
 tuning knobs of DeepSpeed's machinery that nvmeio does not share (gradient
@@ -22,7 +24,7 @@ from .base import StrictModel, problem_error, raise_problems
 from .offload import OffloadOptimizerConfig, OffloadParamConfig
 from .values import DirName, ElementCount, Flag, Int, Real, fail, flag, whole_number
 
-SUPPORTED_STAGE = 3
+STAGES = (0, 1, 2, 3)
 
 
 class LocoParams(StrictModel):
@@ -55,8 +57,9 @@ class ZeroConfig(StrictModel):
         "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
         # DeepSpeed's bucketing and scheduling knobs: nvmeio reduce-scatters and gathers one
-        # unit at a time, always overlapped, with contiguous gradients.
-        "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+        # unit at a time, with contiguous gradients (overlap_comm and reduce_bucket_size take effect:
+        # runtime/grad_reducer.py, [Note: reductions in flight (overlap_comm)]).
+        "allgather_bucket_size", "contiguous_gradients",
         "reduce_scatter", "allgather_partitions", "round_robin_gradients", "ignore_unused_parameters",
         "load_from_fp32_weights", "override_module_apply", "log_trace_cache_warnings",
     })
@@ -120,8 +123,7 @@ class ZeroConfig(StrictModel):
         if isinstance(data, bool):  # DeepSpeed's oldest form: true is stage 1, false stage 0
             fail("old_form", (
                 f'"zero_optimization": {str(data).lower()} is DeepSpeed\'s old form of ZeRO stage '
-                f'{int(data)}; this engine implements ZeRO stage 3; write '
-                f'"zero_optimization": {{"stage": 3}}'))
+                f'{int(data)}; write "zero_optimization": {{"stage": {int(data)}}}'))
         return data
 
     @classmethod
@@ -174,14 +176,27 @@ class ZeroConfig(StrictModel):
         except PydanticCustomError:
             return []  # reported by the field's own validation
         problems: list = []
-        if stage != SUPPORTED_STAGE:
+        if stage not in STAGES:
             problems.append((("stage",), (
-                f"this engine implements ZeRO stage 3; set zero_optimization.stage to 3 "
-                f"(got {stage})"), stage))
+                f"ZeRO stages are 0, 1, 2 and 3 (got {stage})"), stage))
         param = data.get("offload_param")
         device = str(param.get("device") or "none").lower() if isinstance(param, Mapping) else "none"
         if device != "none" and stage < 3:
             problems.append((("offload_param",), (
                 f"offload_param (device '{device}') needs ZeRO stage 3, but "
                 f"zero_optimization.stage is {stage}"), device))
+        opt = data.get("offload_optimizer")
+        device = str(opt.get("device") or "none").lower() if isinstance(opt, Mapping) else "none"
+        if device != "none" and stage == 0:
+            problems.append((("offload_optimizer",), (
+                f"offload_optimizer (device '{device}') needs ZeRO stage 1, 2 or 3 (the optimizer states "
+                f"it moves are partitioned from stage 1 on), but zero_optimization.stage is 0"), device))
         return problems
+
+    def inert_now(self) -> Mapping[str, str]:
+        """Keys set here that have no effect with this section's values: the ``stage3_`` keys
+        below stage 3 (parameters are whole on every rank there)."""
+        if self.stage >= 3:
+            return {}
+        return {name: "has no effect below ZeRO stage 3" for name in self.model_fields_set
+                if name.startswith("stage3_")}

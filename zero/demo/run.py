@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 import zero
+from nvmeio import env
 from zero.examples import GPT, GPTConfig, relative_error, train_reference
 from zero.demo.stdlib_corpus import ByteBatches, stdlib_source_bytes
 
@@ -61,7 +62,7 @@ def ds_config(offload: str, nvme_dir: str, batch: int = BATCH, sub_group_size: i
         offload_param.update(nvme_path=nvme_dir, buffer_count=5, buffer_size=buffer_size, max_in_cpu=0)
         # pipeline_read/write off: on 2 cores the pipelined I/O threads compete with the Adam math and the
         # step is slower (bench/scale.py). (The drift they once showed was a lost gradient, fixed in
-        # swapper/optimizer_swapper.py and pinned by tests/test_zero_grad_stash.py.)
+        # swapper/_optimizer_swapper.py and pinned by tests/test_zero_grad_stash.py.)
         offload_optimizer.update(nvme_path=nvme_dir, pipeline_read=False, pipeline_write=False)
     return {
         "train_batch_size": batch,
@@ -87,7 +88,7 @@ def ds_config(offload: str, nvme_dir: str, batch: int = BATCH, sub_group_size: i
 
 
 def default_swap_root() -> str:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "nvmeio")
 
 

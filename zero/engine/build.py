@@ -2,10 +2,26 @@
 
 Order matters and is the whole point of this file: plan the units; build the
 optimizer store (fp32 master, states, gradient partition) and the parameter
-store (which may alias the master, see param_store.py); fill both from the
+store (which may alias the master, see stores/param_store.py); fill both from the
 model's values one unit at a time, releasing each unit's full parameters as
 soon as its shard is stored, so the model is never held twice; then the
 gradient reducer, the optimizer and the hooks.
+
+[Note: the ZeRO ladder]
+Stages 0, 1 and 2 are stage 3 with every unit persistent: each rank keeps every
+parameter whole (gathered once after each step or load, never released, so a
+forward and backward run at plain PyTorch speed with no gather), while the fp32
+master and optimizer states stay partitioned over the ranks (host or NVMe with
+``offload_optimizer``: ZeRO-Offload) and each unit's gradients are reduced into
+their owners' partitions as backward completes the unit, never a whole-model
+gradient per rank. That is DeepSpeed's stage 2 for stages 1 and 2 alike (stage
+1's whole gradients before a reduce-scatter would only cost memory: the values
+are the same), and for stage 0 too: a data-parallel step reduce-scatters the
+gradients and all-gathers the updated parameters, the same bytes on the wire as
+DDP's all-reduce, and every rank's parameters equal DDP's. What differs from
+DeepSpeed's stage 0 is memory: the optimizer states are partitioned, not
+replicated. One layout for every stage also makes checkpoints move between
+stages and rank counts as they are (checkpoint/load.py reshards).
 
 [Note: a failed build gives back what it took]
 Each step that takes something (a job id, a store with its swap directory,
@@ -32,16 +48,15 @@ from typing import Dict, List, Optional, Set
 import torch
 import torch.nn as nn
 
-from nvmeio import AioSettings
-from nvmeio.env import env_str
-from nvmeio.handle_choice import require_gds
+from nvmeio import AioSettings, require_gds
+from nvmeio import env
 
-from ..runtime.comm import Comm
+from ..runtime.comm import Comm, compute_device
 from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
 from ..runtime.hooks import Coordinator
 from ..stores import memory_check
-from ..runtime.grad_stash import GradStash
+from ..runtime.grad_stash import NO_STASH, GradStash
 from ..runtime.grad_reducer import GradReducer
 from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
@@ -50,7 +65,7 @@ from ..partitioning.active_context import meta_parameter_names
 from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
 from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
-from .optimizer import AdamKind, ZeroOptimizer, step_in_backward_blocker
+from .optimizer import AdamKind, ZeroOptimizer, stash_norm_ranges, step_in_backward_blocker
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
 from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
 from ..stores.layouts import RankLayout, build_rank_layout
@@ -105,9 +120,14 @@ def _cast_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -
 
 
 def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
-    """This rank's fp32 shard of a unit, from the full parameter values."""
+    """This rank's fp32 shard of a unit, from the full parameter values: rank 0's, as DDP and
+    DeepSpeed start every rank from (a model built outside zero.Init holds each rank's own
+    initial values, which would otherwise train as a silent mix)."""
     flat = torch.cat([full_param_value(p, comm).detach().reshape(-1).to(torch.float32) for p in params]) \
         if params else torch.empty(0)
+    if comm.distributed and params and not all(is_init_partitioned(p) for p in params):
+        dev = compute_device(comm.local_rank)  # NCCL broadcasts device tensors, gloo host tensors
+        flat = comm.broadcast(flat.to(dev), src=0)
     start = layout.shard_start(comm.rank)
     shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=flat.device)
     piece = flat[start:start + layout.shard_numel]
@@ -121,7 +141,7 @@ JOB_ID_ENV = "NVMEIO_JOB_ID"
 def _job_id(zc) -> str:
     """``zero_optimization.nvme_job_id``, else $NVMEIO_JOB_ID, else "zero_stage_3"; an engine made
     while another of the same process holds that id gets ".1", ".2", ..."""
-    base = zc.nvme_job_id or env_str(JOB_ID_ENV) or "zero_stage_3"
+    base = zc.nvme_job_id or env.get(JOB_ID_ENV)
     n = 0
     while (job_id := base if n == 0 else f"{base}.{n}") in _JOBS_IN_USE:
         n += 1
@@ -223,7 +243,8 @@ def _plan(module, config, comm, device, dtype, spec):
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
     parts = memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
-                                           adam_states, spec is not None, _steps_in_backward(config, spec))
+                                           adam_states, spec is not None, _steps_in_backward(config, spec),
+                                           compute_device=device)
     memory = memory_check.probe()
     memory_check.check_host_memory(parts, memory)
     return module_units, rank_layout, units, (memory_check.headroom_bytes(parts, memory),
@@ -282,8 +303,7 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
 def _link_units(units, param_store, opt_store, release) -> None:
     release.callback(_unlink_units, units)
     for u in units:
-        u.store = param_store
-        u.optimizer_store = opt_store
+        u.attach(param_store, opt_store)
         for p in u.params:
             p._zero_unit = u
 
@@ -304,15 +324,16 @@ def _fill_stores(units, param_store, opt_store, comm, dtype, release) -> None:
             forget_init_shard(p)
         u.release(force=True)
     param_store.flush()
-    return_freed_heap()  # the model's full values, freed unit by unit (malloc_trim.py)
+    return_freed_heap()  # the model's full values, freed unit by unit (stores/malloc_trim.py)
 
 
 def _choose_persistent(units, zc) -> None:
-    """Units gathered for good: free ones, and small ones within the persistence thresholds."""
+    """Units gathered for good: free ones, every one below stage 3 (see the [Note: the ZeRO
+    ladder]), and in stage 3 small ones within the persistence thresholds."""
     threshold, budget = zc.stage3_param_persistence_threshold, zc.stage3_model_persistence_threshold
     for u in units:
         u.free = u.free_gather()
-        if u.free:
+        if u.free or zc.stage < 3:
             u.persistent = True
         elif u.layout.numel <= threshold and u.layout.numel <= budget:
             u.persistent = True
@@ -325,30 +346,35 @@ def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, co
     if spec is None:
         return None, None
     comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
-    stash = None
+    group_ranges = _group_ranges(spec, units, rank_layout)
+    scaler = make_loss_scaler(config)
+    stash = NO_STASH
     if opt_store.stash_gradients:
-        stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count})
-        stash.hold_budget = headroom
+        stash = GradStash(rank_layout, opt_store.swapper, {u.index for u in units if u.grad_count},
+                          hold_budget=headroom, norm_ranges=stash_norm_ranges(rank_layout, group_ranges),
+                          want_norms=config.gradient_clipping > 0 or scaler.dynamic,
+                          defer_errors=comm.world_size > 1)  # see BackwardPass.raise_if_failed_anywhere
+    zc = config.zero_optimization
     reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
-                          predivide=config.gradient_predivide_factor, stash=stash)
+                          predivide=config.gradient_predivide_factor, stash=stash, overlap=zc.overlap_comm,
+                          bucket_numel=zc.reduce_bucket_size)
     optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
                               hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
-                              group_ranges=_group_ranges(spec, units, rank_layout),
-                              clip=config.gradient_clipping, scaler=make_loss_scaler(config), adam=spec.adam,
+                              group_ranges=group_ranges,
+                              clip=config.gradient_clipping, scaler=scaler, adam=spec.adam,
                               torch_optimizer_type=spec.torch_type, torch_defaults=spec.torch_defaults)
     return reducer, optimizer
 
 
 def _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release) -> Coordinator:
     coordinator = Coordinator(module, units, module_units, reducer, param_store,
-                              zc.stage3_prefetch_bucket_size, timers, zc.memory_efficient_linear,
+                              zc.stage3_prefetch_bucket_size if zc.stage == 3 else 0, timers,
+                              zc.memory_efficient_linear and zc.stage == 3, whole=zc.stage < 3,
                               max_live_numel=zc.stage3_max_live_parameters,
                               max_reuse_distance=zc.stage3_max_reuse_distance)
     release.callback(coordinator.remove)  # before install(): undoes a part-done one too
     coordinator.install()
-    for u in units:
-        if u.free:
-            u.gather()
+    coordinator.gather_persistent()
     return coordinator
 
 
@@ -365,7 +391,7 @@ def _make_activation_store(config, aio, job_id, comm, device, default_budget, re
         log_rank0(comm.rank, "[zero] activation_checkpointing.cpu_checkpointing: saved activations stay in host "
                              "memory, all of them (no zero_optimization offload has device nvme to spill to)")
         return SavedActivations(None) if device.type == "cuda" else None
-    from swapper.activation_swapper import ActivationSwapper
+    from swapper import ActivationSwapper
 
     swapper = _swap_store(lambda: ActivationSwapper(
         offload.nvme_path, aio, job_id=job_id, rank=comm.rank, name="activations",

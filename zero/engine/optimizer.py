@@ -31,12 +31,12 @@ updated (``_PendingStep``; a sub-group's Adam update does no I/O, so it is
 done or not), and the next call of :meth:`ZeroOptimizer.step` finishes it:
 updated sub-groups are only written back again, the others updated with the
 kept gradients. The engine refuses forward, backward and saves meanwhile
-(zero/engine.py), so no partly updated state is trained on or stored; a run
+(zero_engine.py), so no partly updated state is trained on or stored; a run
 that retries reaches the same bits as one that never failed.
 
 [Note: sub-groups stepped during backward]
 With the optimizer on NVMe, a sub-group's gradient is complete long before
-backward ends (units complete in reverse order, grad_stash.py). When the step
+backward ends (units complete in reverse order, runtime/grad_stash.py). When the step
 needs nothing global first (no gradient clipping, no dynamic fp16 loss scale:
 both need the norm of the whole gradient before any update), the backward of
 the micro-batch that ends an accumulation window steps each sub-group the
@@ -50,7 +50,7 @@ same elementwise kernel on the same values, so the bits are those of a step
 after backward. ``engine.step()`` then steps only the sub-groups no gradient
 reached (frozen parameters: zero gradient, as after backward). A failure half
 way through such a backward leaves some sub-groups updated: the engine then
-refuses further use and says to load the last checkpoint (zero/engine.py).
+refuses further use and says to load the last checkpoint (zero_engine.py).
 ``offload_optimizer.step_in_backward: false`` turns it off.
 
 A script's own torch optimizer (``zero_allow_untested_optimizer``) is rebuilt
@@ -119,6 +119,20 @@ def step_in_backward_blocker(clip: float, dynamic_scale: bool, adam: Optional[Ad
     return None
 
 
+def sub_group_ranges(rank_layout: RankLayout, group_ranges: List[List[Range]]) -> Dict[int, List[List[Range]]]:
+    """Per sub-group, per param group: the parameter pieces inside it (a piece never straddles two
+    sub-groups: sub-groups are whole unit shards)."""
+    return {sg.index: [[(a, b) for a, b in ranges if sg.start <= a < sg.stop] for ranges in group_ranges]
+            for sg in rank_layout.sub_groups}
+
+
+def stash_norm_ranges(rank_layout: RankLayout, group_ranges: List[List[Range]]) -> Dict[int, List[Range]]:
+    """Per sub-group, every parameter piece whose gradient norm a step takes (GradStash takes them
+    as the gradients go to NVMe: [Note: the global norm is taken on the way out])."""
+    return {i: [r for ranges in per_group for r in ranges]
+            for i, per_group in sub_group_ranges(rank_layout, group_ranges).items()}
+
+
 class ZeroOptimizer(Optimizer):
     """The optimizer :func:`zero.initialize` returns; ``param_groups`` drive LR schedulers.
 
@@ -146,15 +160,7 @@ class ZeroOptimizer(Optimizer):
         self._pending: Optional[_PendingStep] = None
         self._group_ranges = group_ranges
         self._norm_ranges = sorted(r for ranges in group_ranges for r in ranges)
-        # Per sub-group, per param group: the parameter pieces inside it (a piece never straddles
-        # two sub-groups: sub-groups are whole unit shards).
-        self._sg_ranges: Dict[int, List[List[Range]]] = {
-            sg.index: [[(a, b) for a, b in ranges if sg.start <= a < sg.stop] for ranges in group_ranges]
-            for sg in rank_layout.sub_groups}
-        if reducer.stash is not None:  # gradients on NVMe: norms are taken as they are written
-            reducer.stash.norm_ranges = {i: [r for ranges in per_group for r in ranges]
-                                         for i, per_group in self._sg_ranges.items()}
-            reducer.stash.want_norms = self.clip > 0 or scaler.dynamic
+        self._sg_ranges = sub_group_ranges(rank_layout, group_ranges)
         self.inner: Optional[Optimizer] = None
         if torch_optimizer_type is not None:
             reducer.hold = False  # the torch optimizer reads .grad views of the flat partition
@@ -188,7 +194,7 @@ class ZeroOptimizer(Optimizer):
     # -- the step during backward (see [Note: sub-groups stepped during backward]) ---------------
     def why_not_step_in_backward(self) -> Optional[str]:
         """Why steps cannot run during backward with this configuration, or None if they can."""
-        if self.reducer.stash is None or not self.store.steps_in_backward:
+        if not self.reducer.stash.on_nvme or not self.store.steps_in_backward:
             return "offload_optimizer.device is not nvme"
         return step_in_backward_blocker(self.clip, self.scaler.dynamic, self.adam, self.inner is not None)
 
@@ -201,13 +207,12 @@ class ZeroOptimizer(Optimizer):
         coef = self._prepare()  # no norm is needed: only the static loss scale
         self._pending = _PendingStep(coef, in_backward=True)
         self.adam_step += 1
-        self.reducer.stash.on_complete = self._step_completed
+        self.reducer.stash.begin_steps(self._step_completed)
         self.store.begin_backward_step()
 
     def end_backward(self) -> None:
         """Backward returned: the sub-groups no gradient reached are stepped by :meth:`step`."""
-        if self.reducer.stash is not None:
-            self.reducer.stash.on_complete = None
+        self.reducer.stash.end_steps()
         if self._pending is not None and self._pending.in_backward:
             self._pending.awaiting_step = True
 
@@ -215,8 +220,7 @@ class ZeroOptimizer(Optimizer):
         """Backward failed half way: the number of sub-groups its step had updated (then the
         state is partly updated and only a checkpoint restores it); with none, the step is
         forgotten as if it never began."""
-        if self.reducer.stash is not None:
-            self.reducer.stash.on_complete = None
+        self.reducer.stash.end_steps()
         pending = self._pending
         if pending is None or not pending.in_backward:
             return 0
@@ -317,14 +321,14 @@ class ZeroOptimizer(Optimizer):
         for group, ranges in zip(self.param_groups, self._sg_ranges[sg.index]):
             if not ranges:
                 continue
-            if self.reducer.stash is not None:
+            if self.reducer.stash.on_nvme:
                 grad = self.reducer.stash.step_grad(grad, sg)
                 grads = [grad[a - sg.start:b - sg.start] for a, b in ranges]
             else:
                 grads = [self.reducer.grad(a, b) for a, b in ranges]
             if coef is not None:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
-            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]  # noqa: E731
+            views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]
             beta1, beta2 = group["betas"]
             kernel(views(master), grads, views(states["exp_avg"]), views(states["exp_avg_sq"]),
                    views(states["max_exp_avg_sq"]) if self.adam.amsgrad else [], [step] * len(ranges),

@@ -5,7 +5,7 @@ and once for their backward, instead of k times each (runtime/window.py, [Note:
 unit-major micro-batches]); the gradients are summed in memory in the micro-batch
 loop's order, so losses and weights are bit-identical to k calls of forward, backward
 and step. A model whose micro-batches take different paths gets the micro-batch loop, with one
-log line saying why; so does one whose forward draws random numbers (dropout: window.py,
+log line saying why; so does one whose forward draws random numbers (dropout: runtime/window.py,
 [Note: random numbers in a window]), the generators put back first. ``loss_fn`` gives a
 micro-batch's loss in place of the model called on it (the Trainer integrations run their
 own training step there). Activation checkpointing works: on the CPU each micro-batch's
@@ -43,7 +43,7 @@ def _inputs(micro_batch):
     return (micro_batch,), {}
 
 
-def _mean(losses: List[torch.Tensor]) -> torch.Tensor:
+def mean_loss(losses: List[torch.Tensor]) -> torch.Tensor:
     return torch.stack([l.detach().reshape(()).float() for l in losses]).mean()
 
 
@@ -92,102 +92,59 @@ def _model_loss(engine) -> Callable:
     return loss_fn
 
 
-def _loop(engine, items: List, loss_fn: Callable, scale_wrt_gas: bool) -> List[torch.Tensor]:
-    losses = []
-    for mb in items:
-        _begin_activations(engine, backward_turns=False)
-        with _activations_ended(engine):
-            with _saving(engine, 0):
-                loss = _loss_of(loss_fn(mb))
-            _forward_done(engine)
-            engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
-            engine.step()
-        losses.append(loss.detach())
-    return losses
-
-
 # -- the saved-tensor store (activation_checkpointing.cpu_checkpointing) ---------------------------
 
-def _begin_activations(engine, backward_turns: bool) -> None:
-    if engine.parts.activations is not None:
-        engine.parts.activations.begin(backward_turns)
+class _Activations:
+    """The engine's saved-tensor store around a window or a loop micro-batch (none: no-ops)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def begin(self, backward_turns: bool) -> None:
+        if self.store is not None:
+            self.store.begin(backward_turns)
+
+    def saving(self, micro_batch: int, turns_passed: Callable[[], int] = lambda: 0):
+        """The block's saved tensors go to the store (nothing changes without one)."""
+        return self.store.saving(micro_batch, turns_passed) if self.store is not None else contextlib.nullcontext()
+
+    def forward_done(self) -> None:
+        if self.store is not None:
+            self.store.forward_done()
+
+    def end_after(self, error: BaseException) -> None:
+        """End the store because ``error`` is being raised: an error of its own is noted on it."""
+        if self.store is None:
+            return
+        try:
+            self.store.end()
+        except BaseException as other:  # noqa: BLE001 - noted; the window's own error is the one to raise
+            error.add_note(f"ending the window's saved activations also failed: {type(other).__name__}: {other}")
+
+    @contextlib.contextmanager
+    def ended(self):
+        """End the store after the block, failed or not (its own error raised only after a block
+        that raised none)."""
+        try:
+            yield
+        except BaseException as error:
+            self.end_after(error)
+            raise
+        if self.store is not None:
+            self.store.end()
 
 
-def _saving(engine, micro_batch: int, turns_passed: Callable[[], int] = lambda: 0):
-    """The block's saved tensors go to the store (nothing changes without one)."""
-    store = engine.parts.activations
-    return store.saving(micro_batch, turns_passed) if store is not None else contextlib.nullcontext()
-
-
-def _forward_done(engine) -> None:
-    if engine.parts.activations is not None:
-        engine.parts.activations.forward_done()
-
-
-def _end_activations(engine, error: BaseException) -> None:
-    """End the store because ``error`` is being raised: an error of its own is noted on it."""
-    if engine.parts.activations is None:
-        return
-    try:
-        engine.parts.activations.end()
-    except BaseException as other:  # noqa: BLE001 - noted; the window's own error is the one to raise
-        error.add_note(f"ending the window's saved activations also failed: {type(other).__name__}: {other}")
-
-
-@contextlib.contextmanager
-def _activations_ended(engine):
-    """End the store after the block, failed or not (its own error raised only after a block that
-    raised none)."""
-    try:
-        yield
-    except BaseException as error:
-        _end_activations(engine, error)
-        raise
-    if engine.parts.activations is not None:
-        engine.parts.activations.end()
-
-
-def _rng_state(engine) -> Callable[[], List[torch.Tensor]]:
-    """The generators a forward on ``engine.device`` may draw from: the CPU's, and the device's."""
-    if engine.device.type == "cuda":
-        return lambda: [torch.get_rng_state(), torch.cuda.get_rng_state(engine.device)]
+def _rng_state(device: torch.device) -> Callable[[], List[torch.Tensor]]:
+    """The generators a forward on ``device`` may draw from: the CPU's, and the device's."""
+    if device.type == "cuda":
+        return lambda: [torch.get_rng_state(), torch.cuda.get_rng_state(device)]
     return lambda: [torch.get_rng_state()]
 
 
-def _set_rng_state(engine, states: List[torch.Tensor]) -> None:
+def _set_rng_state(device: torch.device, states: List[torch.Tensor]) -> None:
     torch.set_rng_state(states[0])
-    if engine.device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], engine.device)
-
-
-def _forward_window(engine, items: List, loss_fn: Callable) -> List[torch.Tensor]:
-    coordinator = engine.parts.coordinator
-    window = MicroBatchWindow(len(items), rng_state=_rng_state(engine))
-    for u in coordinator.units:
-        u.grads_left = u.grad_count * window.k
-    coordinator.window = window
-    if not _threaded_backward(engine):
-        _bind_checkpointing(engine.module, window)
-    _begin_activations(engine, backward_turns=_threaded_backward(engine))
-    engine.comm.deferring = engine._defer_reads
-
-    def micro_batch_loss(i: int) -> torch.Tensor:
-        with _saving(engine, i, lambda: window.turns_passed):
-            return _loss_of(loss_fn(items[i]))
-
-    try:
-        with engine.timers.phase("forward"):
-            losses = window.run(micro_batch_loss)
-        _forward_done(engine)
-        window.rng_state = None  # backward draws none of its own (a recomputed forward restores them)
-        if engine._defer_reads:
-            engine._raise_if_failed_anywhere("forward", engine.comm.take_deferred())
-        return losses
-    except BaseException as error:
-        _end_window(engine, failed=True, error=error)
-        raise
-    finally:
-        engine.comm.deferring = False
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
 
 
 _CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # where Hugging Face models keep theirs
@@ -195,7 +152,7 @@ _CHECKPOINT_FUNC = "_gradient_checkpointing_func"  # where Hugging Face models k
 
 def _bind_checkpointing(module, window: MicroBatchWindow) -> None:
     """Hugging Face layers recompute their forward in backward through ``_gradient_checkpointing_func``:
-    for the window, each runs as the micro-batch that called it (window.py)."""
+    for the window, each runs as the micro-batch that called it (runtime/window.py)."""
     for m in module.modules():
         func = m.__dict__.get(_CHECKPOINT_FUNC)
         if func is not None:
@@ -210,81 +167,110 @@ def _unbind_checkpointing(module) -> None:
             m.__dict__[_CHECKPOINT_FUNC] = func
 
 
-def _end_window(engine, failed: bool, error: Optional[BaseException] = None) -> None:
-    """Forget the window's aliases; after a failure (``error``) also its kept gradients, holds and
-    saved activations (after a success those end with the step)."""
-    if failed:
-        _end_activations(engine, error)
-    coordinator = engine.parts.coordinator
-    window, coordinator.window = coordinator.window, None
-    if not _threaded_backward(engine):
-        _unbind_checkpointing(engine.module)
-    window.forget()
-    return_freed_heap()  # each of the k threads freed into a malloc arena of its own
-    for u in coordinator.units:
-        u.aliases.clear()
-        if failed:
-            u.grads_left = u.grad_count
-            u.fwd_refs = 0
-    if failed:
-        coordinator.stack.clear()
-        coordinator.release_all()
+class TrainBatch:
+    """``engine.train_batch`` of one engine: a client of its public methods and of its
+    BackwardPass, with the one state of its own that outlives a call (whether the model's
+    forward draws random numbers, which sends every later window to the loop)."""
 
+    def __init__(self, engine):
+        self.engine = engine
+        self.draws_random_numbers = False
 
-def _threaded_backward(engine) -> bool:
-    """The k backwards run on the window's threads (CPU); on CUDA autograd runs a device's work on
-    a thread of its own, so they are one call (window.py)."""
-    return engine.device.type == "cpu"
+    @property
+    def _activations(self) -> _Activations:
+        return _Activations(self.engine.parts.activations)
 
+    @property
+    def _threaded_backward(self) -> bool:
+        """The k backwards run on the window's threads (CPU); on CUDA autograd runs a device's work
+        on a thread of its own, so they are one call (runtime/window.py)."""
+        return self.engine.device.type == "cpu"
 
-def _backward_window(engine, scaled: List[torch.Tensor]) -> None:
-    """The k backwards taking turns at each unit on CPU; one autograd call on CUDA (window.py)."""
-    coordinator = engine.parts.coordinator
-    if _threaded_backward(engine):
-        coordinator.window.run(lambda i: torch.autograd.backward(scaled[i]))
-        coordinator.end_backward()
-    else:
-        torch.autograd.backward(scaled)
+    def window_losses(self, micro_batches, loss_fn: Optional[Callable] = None,
+                      scale_wrt_gas: bool = True) -> List[torch.Tensor]:
+        """The window; each micro-batch's loss (detached, as ``loss_fn`` gave it) in order."""
+        engine = self.engine
+        engine.check_can_train()
+        items = _take(engine, micro_batches)
+        loss_fn = loss_fn if loss_fn is not None else _model_loss(engine)
+        engine.backward_pass.check_window_start()
+        if len(items) == 1 or self.draws_random_numbers:
+            return self._loop(items, loss_fn, scale_wrt_gas)
+        rng = _rng_state(engine.device)()
+        try:
+            losses = self._forward_window(items, loss_fn)
+        except NotUnitMajor as error:
+            if isinstance(error, DrawsRandomNumbers):
+                _set_rng_state(engine.device, rng)  # the loop draws the window's numbers from the start
+                self.draws_random_numbers = True  # from now on: a window would only stop again
+                _tell(engine, "its forward draws random numbers (dropout?), which unit-major would draw in another "
+                              "order than the loop; it runs the loop from now on")
+            else:
+                _tell(engine, f"its micro-batches take different paths through the model ({error})")
+            return self._loop(items, loss_fn, scale_wrt_gas)
+        try:
+            scaled = [engine.backward_pass.scaled(loss, scale_wrt_gas) for loss in losses]
+            engine.backward_pass.run_window(len(items), lambda: self._backward_window(scaled))
+        except BaseException as error:
+            self._end_window(failed=True, error=error)
+            raise
+        self._end_window(failed=False)
+        with self._activations.ended():
+            engine.step()
+        return [loss.detach() for loss in losses]
 
+    def _loop(self, items: List, loss_fn: Callable, scale_wrt_gas: bool) -> List[torch.Tensor]:
+        engine, activations = self.engine, self._activations
+        losses = []
+        for mb in items:
+            activations.begin(backward_turns=False)
+            with activations.ended():
+                with activations.saving(0):
+                    loss = _loss_of(loss_fn(mb))
+                activations.forward_done()
+                engine.backward(loss, scale_wrt_gas=scale_wrt_gas)
+                engine.step()
+            losses.append(loss.detach())
+        return losses
 
-def window_losses(engine, micro_batches, loss_fn: Optional[Callable] = None,
-                  scale_wrt_gas: bool = True) -> List[torch.Tensor]:
-    """train_batch's window; each micro-batch's loss (detached, as ``loss_fn`` gave it) in order."""
-    engine._check_can_train()
-    items = _take(engine, micro_batches)
-    loss_fn = loss_fn if loss_fn is not None else _model_loss(engine)
-    if engine.micro_steps % engine.gradient_accumulation_steps():
-        raise ValueError(f"train_batch runs a whole accumulation window, but this one is "
-                         f"{engine.micro_steps % engine.gradient_accumulation_steps()} micro-batch(es) in "
-                         f"(forward/backward/step calls since the last step); finish it with step() first")
-    if len(items) == 1 or engine._draws_random_numbers:
-        return _loop(engine, items, loss_fn, scale_wrt_gas)
-    rng = _rng_state(engine)()
-    try:
-        losses = _forward_window(engine, items, loss_fn)
-    except NotUnitMajor as error:
-        if isinstance(error, DrawsRandomNumbers):
-            _set_rng_state(engine, rng)  # the loop draws the window's numbers from the start
-            engine._draws_random_numbers = True  # from now on: a window would only stop again
-            _tell(engine, "its forward draws random numbers (dropout?), which unit-major would draw in another "
-                          "order than the loop; it runs the loop from now on")
+    def _forward_window(self, items: List, loss_fn: Callable) -> List[torch.Tensor]:
+        engine, activations = self.engine, self._activations
+        window = MicroBatchWindow(len(items), rng_state=_rng_state(engine.device))
+        engine.parts.coordinator.begin_window(window)
+        if not self._threaded_backward:
+            _bind_checkpointing(engine.module, window)
+        activations.begin(backward_turns=self._threaded_backward)
+
+        def micro_batch_loss(i: int) -> torch.Tensor:
+            with activations.saving(i, lambda: window.turns_passed):
+                return _loss_of(loss_fn(items[i]))
+
+        try:
+            with engine.backward_pass.forward():
+                losses = window.run(micro_batch_loss)
+                activations.forward_done()
+                window.rng_state = None  # backward draws none of its own (a recomputed forward restores them)
+            return losses
+        except BaseException as error:
+            self._end_window(failed=True, error=error)
+            raise
+
+    def _backward_window(self, scaled: List[torch.Tensor]) -> None:
+        """The k backwards taking turns at each unit on CPU; one autograd call on CUDA (runtime/window.py)."""
+        coordinator = self.engine.parts.coordinator
+        if self._threaded_backward:
+            coordinator.window.run(lambda i: torch.autograd.backward(scaled[i]))
+            coordinator.end_backward()
         else:
-            _tell(engine, f"its micro-batches take different paths through the model ({error})")
-        return _loop(engine, items, loss_fn, scale_wrt_gas)
-    try:
-        scaled = [engine._scaled(loss, scale_wrt_gas) for loss in losses]
-        engine.micro_steps += len(items) - 1  # the backward ends the window
-        engine._backward(lambda: _backward_window(engine, scaled), boundary=True)
-    except BaseException as error:
-        engine.micro_steps -= len(items) - 1
-        _end_window(engine, failed=True, error=error)
-        raise
-    _end_window(engine, failed=False)
-    with _activations_ended(engine):
-        engine.step()
-    return [loss.detach() for loss in losses]
+            torch.autograd.backward(scaled)
 
-
-def train_batch(engine, micro_batches, loss_fn: Optional[Callable] = None,
-                scale_wrt_gas: bool = True) -> torch.Tensor:
-    return _mean(window_losses(engine, micro_batches, loss_fn, scale_wrt_gas))
+    def _end_window(self, failed: bool, error: Optional[BaseException] = None) -> None:
+        """Forget the window's aliases; after a failure (``error``) also its kept gradients, holds and
+        saved activations (after a success those end with the step)."""
+        if failed:
+            self._activations.end_after(error)
+        window = self.engine.parts.coordinator.end_window(failed)
+        if not self._threaded_backward:
+            _unbind_checkpointing(self.engine.module)
+        window.forget()
+        return_freed_heap()  # each of the k threads freed into a malloc arena of its own

@@ -1,11 +1,11 @@
-"""ZeroEngine: forward, backward and step of a ZeRO stage 3 model.
+"""ZeroEngine: forward, backward and step of a ZeRO model (stages 0-3, build.py's [Note: the ZeRO ladder]).
 
 ``engine(*inputs)`` runs the module (tensors in the inputs are moved to the
 compute device; with ``fp16.auto_cast`` floating inputs are cast to fp16);
-the hooks gather and release parameters (coordinator.py).
+the hooks gather and release parameters (runtime/hooks.py).
 ``engine.backward(loss)`` scales the loss by ``1 / gradient_accumulation_steps``
 and, for fp16, by the loss scale; the hooks reduce the gradients into this
-rank's fp32 partition (grads.py). ``engine.step()`` counts micro-batches and
+rank's fp32 partition (runtime/grad_reducer.py). ``engine.step()`` counts micro-batches and
 runs the optimizer (optimizer.py) only at the end of each accumulation
 window, as DeepSpeed does, then the LR scheduler, unless fp16 overflowed.
 """
@@ -20,15 +20,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .backward_pass import BackwardPass, EngineStateError
 from .build import EngineParts, OptimizerSpec, build_parts, release_after_failure
 from ..runtime.comm import Comm
 from ..config import DeepSpeedConfig, IgnoredSettingWarning
 from ..runtime.timers import Timers, log_rank0
 from ..stores.param_store import MasterFromParameters
-
-
-class EngineStateError(RuntimeError):
-    """The engine's state is not usable: a step or a load failed half way (the message says what to do)."""
 
 
 def _to_device(value, device: torch.device, cast: Optional[torch.dtype]):
@@ -65,22 +62,19 @@ class ZeroEngine(nn.Module):
             self.lr_scheduler = None
             self.global_steps = 0
             self.global_samples = 0
-            self.micro_steps = 0
-            self._window_ends = False  # set_gradient_accumulation_boundary(True): a window cut short
-            self._draws_random_numbers = False  # train_batch saw the forward draw some: it runs the loop
+            self._train_batch = None  # TrainBatch, at the first train_batch call
             self._last_report = 0
             self._waits_seen = (0.0, 0.0)
             self._unusable: Optional[str] = None
             self._step_failure = ""
             offload = config.zero_optimization.offload_optimizer
-            self._step_in_backward = offload.step_in_backward
             why_not = self.optimizer.why_not_step_in_backward() if self.optimizer is not None else "no optimizer"
             if offload.step_in_backward and "step_in_backward" in offload.model_fields_set and why_not:
                 warnings.warn(f"zero_optimization.offload_optimizer.step_in_backward = true has no effect: {why_not}",
                               IgnoredSettingWarning, stacklevel=3)
-            if self.parts.reducer is not None and self.parts.reducer.stash is not None:
-                self.parts.reducer.stash.defer_errors = comm.world_size > 1  # see _raise_if_failed_anywhere
-            self._defer_reads = comm.world_size > 1 and not self.parts.param_store.resident
+            self.backward_pass = BackwardPass(self.parts, self.optimizer, comm, device, self.timers,
+                                              config.gradient_accumulation_steps, offload.step_in_backward,
+                                              self.mark_unusable)
         except BaseException as error:
             self._release_failed(error)
             raise
@@ -99,7 +93,7 @@ class ZeroEngine(nn.Module):
         return self.comm.local_rank
 
     def zero_optimization_stage(self) -> int:
-        return 3
+        return self.config.zero_optimization.stage
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -126,14 +120,23 @@ class ZeroEngine(nn.Module):
     def skipped_steps(self) -> int:
         return self.optimizer.skipped_steps if self.optimizer else 0
 
+    @property
+    def micro_steps(self) -> int:
+        """Forward/backward/step rounds so far (DeepSpeed's counter; checkpointed)."""
+        return self.backward_pass.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.backward_pass.micro_steps = value
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self._window_ends or (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.backward_pass.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """True: the next backward and ``step()`` end this accumulation window however few micro-batches
         it has had (DeepSpeed's name), as a training loop does at the end of an epoch whose batches do
         not fill the last window; the next window then starts at micro-batch 0. False: undo."""
-        self._window_ends = bool(is_boundary)
+        self.backward_pass.set_boundary(is_boundary)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -167,20 +170,13 @@ class ZeroEngine(nn.Module):
             return self.module(*args, **kwargs)
         self.check_usable()
         args, kwargs = self.inputs_on_device(args, kwargs)
-        self.comm.deferring = self._defer_reads
         try:
-            with self.timers.phase("forward"):
-                out = self.module(*args, **kwargs)
-            if self._defer_reads:
-                self._raise_if_failed_anywhere("forward", self.comm.take_deferred())
-            return out
+            with self.backward_pass.forward():
+                return self.module(*args, **kwargs)
         except BaseException:
-            coordinator.stack.clear()
-            if self._defer_reads:
-                coordinator.release_all()  # a unit gathered with zeros for a failed read
+            # with deferred reads a unit may have gathered zeros for a failed read: release all
+            coordinator.abandon_forward(release=self.backward_pass.defer_reads)
             raise
-        finally:
-            self.comm.deferring = False
 
     def inputs_on_device(self, args: tuple, kwargs: dict):
         """Tensors in a forward's inputs on the compute device (cast to fp16 with ``fp16.auto_cast``)."""
@@ -194,99 +190,32 @@ class ZeroEngine(nn.Module):
         ``loss_fn(micro_batch)`` gives a micro-batch's loss (default: the model called on it; it may
         call this engine); ``scale_wrt_gas`` as in :meth:`backward`. Results are bit-identical to
         the micro-batch loop (engine/train_batch.py)."""
-        from .train_batch import train_batch
+        from .train_batch import mean_loss
 
-        return train_batch(self, micro_batches, loss_fn, scale_wrt_gas)
+        return mean_loss(self.train_batch_losses(micro_batches, loss_fn, scale_wrt_gas))
+
+    def train_batch_losses(self, micro_batches, loss_fn=None, scale_wrt_gas: bool = True):
+        """:meth:`train_batch`, returning each micro-batch's loss (detached, as ``loss_fn`` gave it)
+        in order instead of their mean (the Trainer integrations log them)."""
+        if self._train_batch is None:
+            from .train_batch import TrainBatch
+
+            self._train_batch = TrainBatch(self)
+        return self._train_batch.window_losses(micro_batches, loss_fn, scale_wrt_gas)
+
+    def check_can_train(self) -> None:
+        """Refuse training without an optimizer or while the engine is unusable."""
+        self.backward_pass.check_can_train()
+        self.check_usable()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` divided by the accumulation steps (DeepSpeed's ``scale_wrt_gas``;
         False when the caller divided it already, as the Hugging Face Trainer does)."""
-        self._check_can_train()
-        scaled = self._scaled(loss, scale_wrt_gas)
-        self._backward(lambda: scaled.backward(retain_graph=retain_graph), self.is_gradient_accumulation_boundary())
+        self.check_can_train()
+        scaled = self.backward_pass.scaled(loss, scale_wrt_gas)
+        self.backward_pass.run(lambda: scaled.backward(retain_graph=retain_graph),
+                               self.is_gradient_accumulation_boundary())
         return loss
-
-    def _check_can_train(self) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("this engine has no optimizer: pass one to zero.initialize or add an "
-                               "optimizer section to the config")
-        self.check_usable()
-
-    def _scaled(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
-        scaled = loss
-        gas = self.gradient_accumulation_steps()
-        if gas > 1 and scale_wrt_gas:
-            scaled = scaled / gas
-        if self.optimizer.loss_scale != 1.0:
-            scaled = scaled * self.optimizer.loss_scale
-        return scaled
-
-    def _backward(self, run_autograd, boundary: bool) -> None:
-        """``run_autograd()`` between the step-in-backward / gradient-stash set-up and wrap-up."""
-        store = self.parts.optimizer_store
-        optimizer = self.optimizer
-        if self.parts.reducer.stash is not None:
-            self.parts.reducer.stash.boundary = boundary
-        in_backward = boundary and self._step_in_backward and optimizer.can_step_in_backward()
-        if in_backward:
-            optimizer.begin_step_in_backward()  # see [Note: sub-groups stepped during backward]
-        elif boundary and not store.stash_gradients:
-            store.prefetch()
-        stash = self.parts.reducer.stash
-        self.comm.deferring = self._defer_reads
-        try:
-            with self.timers.phase("backward"):
-                run_autograd()
-                if boundary and store.stash_gradients and not in_backward:
-                    # a failed gradient write surfaces here, not in the step
-                    stash.run(store.wait_gradients) if stash is not None else store.wait_gradients()
-                if self.comm.distributed and (self._defer_reads or stash is not None):
-                    kept = stash.error if stash is not None else None
-                    if stash is not None:
-                        stash.error = None
-                    self._raise_if_failed_anywhere("backward", kept or self.comm.take_deferred())
-        except BaseException as error:
-            stepped = optimizer.abandon_backward_step() if in_backward else 0
-            self._drop_window(error, stepped)
-            raise
-        finally:
-            self.comm.deferring = False
-        if in_backward:
-            optimizer.end_backward()
-        elif boundary and store.stash_gradients:
-            store.prefetch()  # the gradients are on NVMe now: read the first sub-group with its state
-
-    def _raise_if_failed_anywhere(self, what: str, error: Optional[BaseException]) -> None:
-        """Several ranks: a rank whose I/O failed in forward or backward kept the error and went
-        on with the collectives (GradStash.run, Comm.deferring); every rank learns of it here and
-        raises, so that all of them handle it alike and none is left waiting in a collective."""
-        self.comm.take_deferred()
-        if self.comm.any(error is not None, self.device):
-            raise error if error is not None else EngineStateError(
-                f"{what} failed on another rank (reading parameters, writing gradients to NVMe or stepping the "
-                f"optimizer there); see that rank's error")
-
-    def _drop_window(self, error: BaseException, stepped: int = 0) -> None:
-        """Backward raised half way (writing a gradient to NVMe, stepping a sub-group, reading a
-        parameter, a hook): the accumulation window's gradients are partly summed, so they are
-        dropped with the hooks' bookkeeping (autograd never runs the end-of-backward callback
-        after an error). The master weights and optimizer states are untouched, unless
-        ``stepped`` sub-groups were updated during this backward (then the state is partly
-        updated). Either way the engine refuses all use until a checkpoint is loaded, and from
-        there trains as a run that never failed."""
-        self.parts.coordinator.abandon_backward()
-        self.parts.reducer.abandon()
-        if stepped:
-            self.optimizer.abandon_step()
-            self.parts.param_store.discard_unsaved()  # new values a failed write kept: a load replaces all
-            total = len(self.parts.rank_layout.sub_groups)
-            state = (f"it had stepped {stepped} of {total} optimizer sub-groups, so the model and optimizer "
-                     f"are partly updated")
-        else:
-            state = "the gradients of this accumulation window are lost (the weights and optimizer states are untouched)"
-        self.mark_unusable(f"backward failed ({type(error).__name__}: {error}); {state}; reload the last "
-                           f"checkpoint with engine.load_checkpoint(...) before going on")
-        error.add_note(self._unusable)
 
     def step(self) -> None:
         if self.optimizer is None:
@@ -296,11 +225,7 @@ class ZeroEngine(nn.Module):
             self.check_usable()
         if retry or self.is_gradient_accumulation_boundary():
             self._take_step()
-        self.micro_steps += 1
-        if self._window_ends:  # a window cut short: the next one starts on a whole window's count
-            gas = self.gradient_accumulation_steps()
-            self.micro_steps = -(-self.micro_steps // gas) * gas
-            self._window_ends = False
+        self.backward_pass.stepped()
 
     def _take_step(self) -> None:
         try:
@@ -318,7 +243,7 @@ class ZeroEngine(nn.Module):
                 error.add_note(self._step_failure)
             raise
         if stepped:
-            self.parts.coordinator.release_all()
+            self.parts.coordinator.refresh()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -377,7 +302,7 @@ class ZeroEngine(nn.Module):
     def finish_load(self) -> None:
         """After a load wrote every sub-group: parameters flushed, none gathered, no gradients."""
         self.parts.param_store.flush()
-        self.parts.coordinator.release_all()
+        self.parts.coordinator.refresh()
         if self.parts.reducer is not None:
             self.parts.reducer.clear()
 

@@ -10,7 +10,8 @@ from ..partitioning.init_context import Init
 
 class HfDeepSpeedConfig:
     """While this object is alive, ``from_pretrained`` of any transformers model runs under
-    ``zero.Init(config_dict_or_path=config)`` (stage 3 configs; others change nothing).
+    ``zero.Init(config_dict_or_path=config)`` (stage 3 configs; below stage 3 models load whole, as
+    with DeepSpeed: ``is_zero3()`` is False).
 
     The equivalent of ``transformers.integrations.HfDeepSpeedConfig`` for this
     engine; keep a reference to it for as long as models are loaded.

@@ -1,4 +1,4 @@
-"""``ZeroTrainer``: the Hugging Face Trainer on nvmeio's ZeRO-3 engine.
+"""``ZeroTrainer``: the Hugging Face Trainer on nvmeio's ZeRO engine (stages 0-3).
 
     from zero.hf import ZeroTrainer                          # or zero.integrations.hf_trainer
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=data,
@@ -7,7 +7,12 @@
 
 The DeepSpeed config (a path or dict, ``"auto"`` values allowed) moves from
 ``TrainingArguments(deepspeed=...)`` to ``zero_config=``; everything else of a
-Trainer script stays. Tested with transformers 5.23 (accelerate 1.15).
+Trainer script stays. Its ``zero_optimization.stage`` rules: HF's stage-2 and
+stage-3 templates run unchanged. Nothing here depends on the stage; below
+stage 3 ``save_model`` writes the parameters every rank holds whole, and
+transformers takes none of its ZeRO-3 branches (``is_deepspeed_zero3_enabled()``
+stays False: HF's DeepSpeed integration is not involved at any stage). Tested
+with transformers 5.23 (accelerate 1.15).
 
 [Note: where the engine enters the Trainer]
 The Trainer's DeepSpeed path runs through accelerate's DeepSpeed plugin, which
@@ -64,7 +69,6 @@ from ..engine.entry import initialize
 from ..partitioning.hf_hook import check_transformers_version
 from .hf_trainer_config import read_config, resolve_for_trainer
 from ..engine.lr_schedules import build_scheduler
-from ..engine.train_batch import window_losses
 from ..runtime.timers import log_rank0
 
 
@@ -251,7 +255,7 @@ class ZeroTrainer(Trainer):
                 self._caught.catching = False
             return self._caught.loss
 
-        window_losses(self.zero_engine, list(range(len(window.batches))), loss_of, scale_wrt_gas=False)
+        self.zero_engine.train_batch_losses(list(range(len(window.batches))), loss_of, scale_wrt_gas=False)
         return [returned[i] for i in range(len(window.batches))]
 
     # -- the loop's backward and gradient norm -----------------------------------------------------

@@ -1,16 +1,30 @@
-"""``ZeroStrategy``: Lightning's ``strategy=`` on nvmeio's ZeRO-3 engine (``pip install "nvmeio[lightning]"``).
+"""``ZeroStrategy``: Lightning's ``strategy=`` on nvmeio's ZeRO engine, stages 0-3 (``pip install "nvmeio[lightning]"``).
 
     import zero.lightning                       # registers the strategy names below
-    trainer = Trainer(strategy="zero_stage_3_offload")                  # or:
+    trainer = Trainer(strategy="zero_stage_2_offload")                  # or:
     trainer = Trainer(strategy=zero.lightning.ZeroStrategy(stage=3, offload_optimizer=True,
         offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
         offload_optimizer_device="nvme", nvme_path="/local_nvme"))     # DeepSpeedStrategy's arguments
     zero.lightning.convert_zero_checkpoint_to_fp32_state_dict("epoch=0-step=100.ckpt", "model.ckpt")
 
-Registered names: ``zero_stage_3``, ``zero_stage_3_offload`` (params and
-optimizer on the CPU), ``zero_stage_3_offload_nvme`` (both on NVMe under
-``/local_nvme``). ``configure_model`` runs under ``zero.Init`` (parameters
-partitioned, to NVMe with ``remote_device="nvme"``, as they are built).
+Registered names, mirroring DeepSpeedStrategy's ``deepspeed*``: ``zero`` (the
+defaults: stage 2), ``zero_stage_1``, ``zero_stage_2``, ``zero_stage_2_offload``
+(optimizer states on the CPU: ZeRO-Offload), ``zero_stage_2_offload_nvme``
+(optimizer states on NVMe under ``/local_nvme``), ``zero_stage_3``,
+``zero_stage_3_offload`` (params and optimizer on the CPU),
+``zero_stage_3_offload_nvme`` (both on NVMe under ``/local_nvme``).
+
+The arguments mean what they mean to DeepSpeedStrategy: ``stage`` 0-3 (default
+2; below 3 every rank keeps the parameters whole and the optimizer states are
+partitioned, engine/build.py's [Note: the ZeRO ladder]); ``offload_optimizer=True``
+from stage 1 on; ``offload_parameters=True`` and ``remote_device`` at stage 3
+only; ``zero_optimization=False`` is a config without a ``zero_optimization``
+section, which is stage 0. What DeepSpeed would silently ignore (an offload
+or ``remote_device`` below the stage that has it, ``stage=`` beside
+``zero_optimization=False``) is refused, the message naming the fix. At
+stage 3 ``configure_model`` runs under ``zero.Init`` (parameters partitioned,
+to NVMe with ``remote_device="nvme"``, as they are built); below it the module
+is built as it is without ZeRO, as DeepSpeedStrategy does.
 Tested with lightning 2.6.6.
 
 [Note: where the engine enters Lightning]
@@ -71,7 +85,6 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from nvmeio.hints import did_you_mean
 
 from ..engine.entry import initialize
-from ..engine.train_batch import window_losses
 from ..partitioning.init_context import Init
 from ..runtime.timers import log_rank0
 from .lightning_windows import Window, WindowLoader
@@ -107,8 +120,58 @@ UNSUPPORTED = {
 }
 
 
+STAGES = (0, 1, 2, 3)
+
+
+def _refusals(o: Dict[str, Any], given: Mapping[str, Any]) -> None:
+    """The combinations of DeepSpeedStrategy's arguments that DeepSpeed would run while ignoring one of
+    them: refused, the message naming the fix. ``given``: the arguments the caller passed."""
+    if not o["zero_optimization"]:
+        if "stage" in given:
+            raise ValueError(f"ZeroStrategy(zero_optimization=False, stage={o['stage']!r}): zero_optimization=False "
+                             "is ZeRO stage 0 (a config without a zero_optimization section); pass one of the two")
+        for name in ("offload_optimizer", "offload_parameters"):
+            if o[name]:
+                raise ValueError(f"ZeroStrategy(zero_optimization=False, {name}=True): offload needs ZeRO "
+                                 f"(zero_optimization=False is stage 0); drop zero_optimization=False and pass "
+                                 f"stage={1 if name == 'offload_optimizer' else 3}")
+        return
+    stage = o["stage"]
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"ZeroStrategy(stage={stage!r}): ZeRO stages are 0, 1, 2 and 3")
+    if o["offload_parameters"] and stage < 3:
+        raise ValueError(f"ZeroStrategy(stage={stage}, offload_parameters=True): parameters are partitioned, and "
+                         f"so offloaded, only at ZeRO stage 3 (below it every rank keeps them whole); pass stage=3, "
+                         f"or drop offload_parameters (offload_optimizer=True alone is ZeRO-Offload at stage "
+                         f"{max(stage, 1)})")
+    if o["offload_optimizer"] and stage == 0:
+        raise ValueError("ZeroStrategy(stage=0, offload_optimizer=True): optimizer states are partitioned, and so "
+                         "offloaded, from ZeRO stage 1 on; pass stage=1, 2 or 3")
+    if o["remote_device"] is not None and stage < 3:
+        raise ValueError(f"ZeroStrategy(stage={stage}, remote_device={o['remote_device']!r}): remote_device places "
+                         "the parameters configure_model builds under zero.Init, which runs at ZeRO stage 3 only; "
+                         "pass stage=3, or drop remote_device")
+
+
+def _config_stage(config: Mapping[str, Any]):
+    """The ZeRO stage a DeepSpeed config dict asks for (no ``zero_optimization`` section: 0, as in
+    DeepSpeed); a malformed section is left for the engine's config check to report."""
+    section = config.get("zero_optimization")
+    if section is None:
+        return 0
+    return section.get("stage", 0) if isinstance(section, Mapping) else None
+
+
 def _config_from_options(o: Dict[str, Any]) -> dict:
-    """The DeepSpeed config DeepSpeedStrategy builds from its arguments."""
+    """The DeepSpeed config DeepSpeedStrategy builds from its arguments (checked by :func:`_refusals`)."""
+    config: Dict[str, Any] = {
+        "aio": {"block_size": o["block_size"], "queue_depth": o["queue_depth"],
+                "single_submit": o["single_submit"], "overlap_events": o["overlap_events"],
+                "intra_op_parallelism": o["thread_count"]}}
+    if o["logging_batch_size_per_gpu"] != "auto":
+        config["train_micro_batch_size_per_gpu"] = o["logging_batch_size_per_gpu"]
+    if not o["zero_optimization"]:
+        return config  # no zero_optimization section: stage 0, as DeepSpeedStrategy's config is
     # Only the ZeRO keys the user gave: DeepSpeedStrategy's defaults are not the engine's (its
     # sub_group_size of 1e12 would step the whole model's optimizer state at once, in memory).
     zero_section: Dict[str, Any] = {"stage": o["stage"]}
@@ -122,13 +185,8 @@ def _config_from_options(o: Dict[str, Any]) -> dict:
             "device": o["offload_params_device"], "nvme_path": o["nvme_path"],
             "buffer_count": o["params_buffer_count"], "buffer_size": o["params_buffer_size"],
             "max_in_cpu": o["max_in_cpu"], "pin_memory": o["pin_memory"]}
-    config = {"zero_allow_untested_optimizer": o["zero_allow_untested_optimizer"],
-              "zero_optimization": zero_section,
-              "aio": {"block_size": o["block_size"], "queue_depth": o["queue_depth"],
-                      "single_submit": o["single_submit"], "overlap_events": o["overlap_events"],
-                      "intra_op_parallelism": o["thread_count"]}}
-    if o["logging_batch_size_per_gpu"] != "auto":
-        config["train_micro_batch_size_per_gpu"] = o["logging_batch_size_per_gpu"]
+    config["zero_allow_untested_optimizer"] = o["zero_allow_untested_optimizer"]
+    config["zero_optimization"] = zero_section
     return config
 
 
@@ -182,8 +240,9 @@ def _mark_steps_for_scheduler(optimizer) -> None:
 class ZeroStrategy(DDPStrategy):
     """Lightning strategy training through :func:`zero.initialize` (see the module docstring).
 
-    Takes DeepSpeedStrategy's arguments (``stage`` must be 3) or ``config`` (a
-    DeepSpeed JSON path or dict, which then replaces them, as in Lightning).
+    Takes DeepSpeedStrategy's arguments (``stage`` 0-3, default 2; see the module
+    docstring for what each needs) or ``config`` (a DeepSpeed JSON path or dict,
+    which then replaces them, as in Lightning; its ``zero_optimization.stage`` rules).
     An unknown argument is a TypeError naming the closest known one.
     ``use_train_batch=True``: with ``accumulate_grad_batches`` above 1, each window
     runs through ``engine.train_batch`` (see [Note: accumulation windows in Lightning]).
@@ -203,12 +262,14 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError(f"ZeroStrategy got unknown argument(s) {', '.join(hints)}; it takes "
                             f"DeepSpeedStrategy's arguments: {', '.join(sorted(OPTIONS))}")
         o = dict(OPTIONS, **options)
-        if config is None and not o["zero_optimization"]:
-            raise ValueError("ZeroStrategy(zero_optimization=False): this engine is ZeRO stage 3; "
-                             "use Lightning's own strategies without ZeRO")
-        if config is None and o["stage"] != 3:
-            raise ValueError(f"ZeroStrategy(stage={o['stage']}): this engine is ZeRO stage 3 (with offload to "
-                             "none / cpu / nvme); pass stage=3")
+        if config is None:
+            _refusals(o, options)
+        built = _read_config(config) if config is not None else _config_from_options(o)
+        if config is not None and o["remote_device"] is not None and _config_stage(built) in (0, 1, 2):
+            raise ValueError(f"ZeroStrategy(remote_device={o['remote_device']!r}) with a config at ZeRO stage "
+                             f"{_config_stage(built)}: remote_device places the parameters configure_model builds "
+                             "under zero.Init, which runs at ZeRO stage 3 only; set zero_optimization.stage to 3, "
+                             "or drop remote_device")
         for name, why in UNSUPPORTED.items():
             if o[name] != OPTIONS[name]:
                 raise ValueError(f"ZeroStrategy({name}={o[name]!r}) is not supported: {why}")
@@ -216,7 +277,7 @@ class ZeroStrategy(DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, **kwargs)
-        self.config = _read_config(config) if config is not None else _config_from_options(o)
+        self.config = built
         self.options = o
         self.remote_device = o["remote_device"]
         logging.getLogger("zero").setLevel(o["logging_level"])
@@ -228,6 +289,14 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("zero", cls, description="nvmeio ZeRO, DeepSpeedStrategy's defaults (stage 2)")
+        strategy_registry.register("zero_stage_1", cls, description="nvmeio ZeRO stage 1", stage=1)
+        strategy_registry.register("zero_stage_2", cls, description="nvmeio ZeRO stage 2", stage=2)
+        strategy_registry.register("zero_stage_2_offload", cls, description="nvmeio ZeRO-2, optimizer offloaded "
+                                   "to the CPU (ZeRO-Offload)", stage=2, offload_optimizer=True)
+        strategy_registry.register("zero_stage_2_offload_nvme", cls, description="nvmeio ZeRO-2, optimizer "
+                                   "offloaded to NVMe", stage=2, offload_optimizer=True,
+                                   offload_optimizer_device="nvme")
         strategy_registry.register("zero_stage_3", cls, description="nvmeio ZeRO stage 3", stage=3)
         strategy_registry.register("zero_stage_3_offload", cls, description="nvmeio ZeRO-3, params and "
                                    "optimizer offloaded to the CPU", stage=3, offload_optimizer=True,
@@ -243,8 +312,18 @@ class ZeroStrategy(DDPStrategy):
         self.set_world_ranks()  # one process: no process group, no MASTER_* variables left behind
 
     # -- building the engine ----------------------------------------------------------------------
+    @property
+    def zero_stage_3(self) -> bool:
+        """The config asks for ZeRO stage 3 (DeepSpeedStrategy's property of the same name)."""
+        return _config_stage(self.config) == 3
+
     @contextlib.contextmanager
     def model_sharded_context(self):
+        """``configure_model`` under ``zero.Init`` at stage 3; below it parameters stay whole (as in
+        DeepSpeedStrategy, whose ``zero.Init`` is enabled at stage 3 only)."""
+        if not self.zero_stage_3:
+            yield
+            return
         with Init(remote_device=self.remote_device, config_dict_or_path=self.config):
             yield
 
@@ -368,7 +447,7 @@ class ZeroStrategy(DDPStrategy):
                 self.engine.step()
                 losses.append(loss.detach())
         else:
-            losses = window_losses(self.engine, list(range(k)),
+            losses = self.engine.train_batch_losses(list(range(k)),
                                    lambda i: _loss_in(module.training_step(*step_args(i), **kwargs)))
         self._window_trained = True
         return torch.stack([loss.reshape(()).float() for loss in losses]).mean()

@@ -148,7 +148,7 @@ def _wrap_init(cls: type) -> None:
                 materialize_meta(self)
             for p in self.parameters():
                 if p.is_meta:
-                    p._zero_init_context = context  # where a loader partitions its value (pretrained.py)
+                    p._zero_init_context = context  # where a loader partitions its value (checkpoint/pretrained.py)
                 else:
                     context.partition(p)
             object.__setattr__(self, "_zero_init_built", True)
@@ -222,7 +222,7 @@ class Init:
         self._store: Optional[NvmeInitStore] = None
         self.materialize = True  # give meta parameters values when their module is built
         self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one
-        self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (heap.py)
+        self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (stores/malloc_trim.py)
         if module is not None and enabled:
             try:
                 for p in module.parameters():

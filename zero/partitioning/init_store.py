@@ -87,7 +87,7 @@ class NvmeInitStore:
 
     def __init__(self, offload, aio, rank: int):
         from swapper import AsyncTensorSwapper, PinnedBufferPool
-        from swapper.swap_dir import SwapDirectory
+        from swapper import SwapDirectory
 
         job = "zero_init" + ("" if (n := next(_JOBS)) == 0 else f".{n}")
         with contextlib.ExitStack() as undo:  # a part that fails gives back those made before it

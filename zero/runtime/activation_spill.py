@@ -22,7 +22,7 @@ re-pointed at its unit's data by the gather before backward is read there.
 On the CPU a kept storage is the activation's own (no copy); on CUDA it is
 copied to host memory (the CUDA-only branches below, marked). Past the budget
 the *oldest* kept storages are written to the window's swap file
-(swapper/activation_swapper.py) and dropped: the window's first units are the
+(swapper/_activation_swapper.py) and dropped: the window's first units are the
 ones backward needs last, which leaves their reads the most time. Reads start
 when the forwards are done and go ahead of backward in the order it will unpack
 the storages. On the CPU the k backwards take turns at each hooked module's
@@ -119,7 +119,7 @@ class SavedActivations:
     """The saved-tensor store of an engine's train_batch windows (see the note).
 
     ``budget``: host bytes of saved storages kept before the oldest go to ``swapper``
-    (an :class:`~swapper.activation_swapper.ActivationSwapper`); None with no swapper: all kept.
+    (an :class:`~swapper.ActivationSwapper`); None with no swapper: all kept.
     """
 
     def __init__(self, budget: Optional[int], swapper=None, min_bytes: int = MIN_SPILL_BYTES):

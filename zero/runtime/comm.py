@@ -9,7 +9,6 @@ or a rendezvous. A process group the script created itself is used as it is.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -17,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nvmeio.env import env_int
+from nvmeio import env
 
 # torch 2.13 names the flat collectives *_single and warns (FutureWarning) on the old names,
 # which older torch has alone.
@@ -35,7 +34,7 @@ def compute_device(local_rank: int = 0) -> torch.device:
 
 
 def _launched() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ and "MASTER_ADDR" in os.environ
+    return env.is_set("WORLD_SIZE") and env.is_set("RANK") and env.is_set("MASTER_ADDR")
 
 
 @dataclass
@@ -71,12 +70,13 @@ class Comm:
             return
         _ALL_GATHER(full, shard, group=self.group)
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """``shard`` gets this rank's slice of the sum of every rank's ``full``."""
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """``shard`` gets this rank's slice of the sum of every rank's ``full``; ``async_op``: returns
+        the collective's work (``wait()`` before reading ``shard``), else None once it is done."""
         if not self.distributed:
             shard.copy_(full)
-            return
-        _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.SUM, group=self.group)
+            return None
+        return _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.distributed:
@@ -116,7 +116,7 @@ def process_group_timeout() -> Optional[timedelta]:
     torch's default (30 minutes for gloo). The rendezvous and every collective wait that long for
     a rank: a rank that dies in a collective fails the others at once (its connections reset),
     but one that dies during start-up, or hangs, leaves them waiting this long."""
-    minutes = env_int(TIMEOUT_ENV, 0, 1)
+    minutes = env.get(TIMEOUT_ENV)
     return timedelta(minutes=minutes) if minutes else None
 
 
@@ -134,6 +134,6 @@ def init_distributed(dist_backend: Optional[str] = None) -> Comm:
         dist.init_process_group(backend=backend, **({"timeout": timeout} if timeout else {}))
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        return Comm(local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return Comm(rank=rank, world_size=world, local_rank=local_rank)
+        rank, world = 0, 1
+    local_rank = env.get("LOCAL_RANK")
+    return Comm(rank=rank, world_size=world, local_rank=rank if local_rank is None else local_rank)

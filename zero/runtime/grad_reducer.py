@@ -19,6 +19,14 @@ world_size / f after, which keeps fp16 sums in range). The partition lives where
 whole partition: each sub-group's gradient goes to its swap file as soon as
 backward completes it (grad_stash.py).
 
+[Note: reductions in flight (overlap_comm)]
+With ``overlap_comm`` (DeepSpeed's default) a unit's reduce-scatter is started
+and backward goes on to the next units while it runs; its result is added into
+the partition when it is needed: before the elements in flight would pass
+``reduce_bucket_size``, before a sub-group's gradient goes to NVMe, and at the
+end of backward (:meth:`GradReducer.flush`). Results are added in the order
+the reductions started, so the sums are the same as without overlap.
+
 [Note: every rank reduces the same units in the same order]
 Collectives must match across ranks. A unit is reduced when the last of its
 gradients arrives, which happens in the same order on every rank as long as
@@ -29,14 +37,15 @@ not supported (DDP has the same rule without ``find_unused_parameters``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from nvmeio.host_sum import sum_series
 
 from .comm import Comm
-from .grad_stash import GradStash
+from .grad_stash import NO_STASH, GradStash, NoStash
 from ..stores.layouts import RankLayout
 from .unit import ParamUnit
 
@@ -50,14 +59,18 @@ def _sum_in_torch(dst: torch.Tensor, grads: List[torch.Tensor], first: Optional[
 
 class GradReducer:
     """Accumulates gradients into ``grads``, the flat fp32 partition of the rank, or, when
-    ``grads`` is None, into the sub-group buffers of ``stash``."""
+    ``grads`` is None, into the sub-group buffers of ``stash`` (a :class:`GradStash`; with the
+    partition in memory a :class:`NoStash`)."""
 
     def __init__(self, rank_layout: RankLayout, grads: Optional[torch.Tensor], comm: Comm, device: torch.device,
                  dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True, predivide: float = 1.0,
-                 stash: Optional[GradStash] = None):
+                 stash: Union[GradStash, NoStash] = NO_STASH, overlap: bool = False,
+                 bucket_numel: int = 500_000_000):
         self.rank_layout = rank_layout
         self.stash = stash
-        self.hold = hold and comm.world_size == 1 and stash is None
+        if (grads is None) != self.stash.on_nvme:
+            raise ValueError("a GradReducer takes the partition in memory (grads) or a GradStash, one of them")
+        self.hold = hold and comm.world_size == 1 and not self.stash.on_nvme
         self._held: Dict[int, torch.Tensor] = {}  # rank-space start of a parameter -> its gradient
         self.grads = grads
         self.comm = comm
@@ -74,11 +87,16 @@ class GradReducer:
             self._fresh = [[False] for _ in range(n_units)]
             self._zero = [[False] for _ in range(n_units)]
         self._buffers: Dict[int, torch.Tensor] = {}
+        self.overlap = overlap and comm.distributed  # see [Note: reductions in flight (overlap_comm)]
+        self.bucket_numel = bucket_numel
+        self._in_flight: Deque[Tuple[object, torch.Tensor, torch.Tensor, int]] = deque()  # work, shard, buf, unit
+        self._in_flight_numel = 0
+        self.peak_in_flight_numel = 0  # most elements in flight at once (tests)
 
     # -- during backward -----------------------------------------------------------------------
     def _target(self, unit_index: int) -> torch.Tensor:
         """Where the gradient of one unit's shard accumulates."""
-        if self.stash is not None:
+        if self.stash.on_nvme:
             return self.stash.unit_view(unit_index)
         start, stop = self.rank_layout.unit_range(unit_index)
         return self.grads[start:stop]
@@ -137,9 +155,10 @@ class GradReducer:
         """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks);
         with a stash, write its sub-group out when this was the sub-group's last unit."""
         self.reduce(unit)
-        if self.stash is not None:
+        if self.stash.on_nvme:
             sg = self.stash.unit_done(unit.layout.index)
             if sg is not None:
+                self.flush()  # the sub-group's reductions land before it is written
                 for u in sg.units:
                     target = self.stash.unit_view(u)
                     for a, b in self._stale(u):
@@ -154,11 +173,34 @@ class GradReducer:
         shard = torch.empty(layout.shard_numel, dtype=self.comm_dtype, device=self.device)
         if self.predivide != 1.0:
             buf.div_(self.predivide)
-        self.comm.reduce_scatter(shard, buf)
-        del buf
+        if not self.overlap:
+            self.comm.reduce_scatter(shard, buf)
+            self._land(shard, layout.index)
+            return
+        while self._in_flight and self._in_flight_numel + buf.numel() > self.bucket_numel:
+            self._land_oldest()
+        work = self.comm.reduce_scatter(shard, buf, async_op=True)
+        self._in_flight.append((work, shard, buf, layout.index))  # buf stays alive until it lands
+        self._in_flight_numel += buf.numel()
+        self.peak_in_flight_numel = max(self.peak_in_flight_numel, self._in_flight_numel)
+
+    def _land(self, shard: torch.Tensor, unit_index: int) -> None:
+        """A reduced shard (the ranks' sum) into the partition, divided by the world size."""
         shard = shard.float() if shard.dtype != torch.float32 else shard
         shard.div_(self.comm.world_size / self.predivide)
-        self._accumulate(self._target(layout.index), shard, layout.index, 0)
+        self._accumulate(self._target(unit_index), shard, unit_index, 0)
+
+    def _land_oldest(self) -> None:
+        work, shard, buf, unit_index = self._in_flight.popleft()
+        self._in_flight_numel -= buf.numel()
+        work.wait()
+        self._land(shard, unit_index)
+
+    def flush(self) -> None:
+        """Every reduction in flight lands in the partition (the end of backward, before a
+        sub-group is written, before anything reads the gradients)."""
+        while self._in_flight:
+            self._land_oldest()
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, unit_index: int, slot_index: int) -> None:
         if not self._fresh[unit_index][slot_index]:
@@ -181,7 +223,7 @@ class GradReducer:
 
     def norm(self, start: int, stop: int) -> torch.Tensor:
         """The norm of one parameter piece's gradient (taken on the way to NVMe with a stash)."""
-        if self.stash is not None:
+        if self.stash.on_nvme:
             return self.stash.norm(start, stop)
         return torch.linalg.vector_norm(self.grad(start, stop))
 
@@ -195,7 +237,7 @@ class GradReducer:
     def zero_stale(self) -> None:
         """Zero the slices that got no gradient since the last step (unused or frozen parameters);
         a stash zeroes them as each sub-group is written."""
-        if self.stash is not None:
+        if self.stash.on_nvme:
             return
         for u in self.rank_layout.units:
             base = self.rank_layout.offsets[u.index]
@@ -213,14 +255,19 @@ class GradReducer:
     def abandon(self) -> None:
         """A backward raised half way: drop the window's gradients (partial sums included)."""
         self._buffers.clear()
-        if self.stash is not None:
-            self.stash.abandon()
+        while self._in_flight:  # every rank started them: let them finish, then forget them
+            work = self._in_flight.popleft()[0]
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the backward's own error is the one raised
+                pass
+        self._in_flight_numel = 0
+        self.stash.abandon()
         self.clear(consumed=False)
 
     def clear(self, consumed: bool = True) -> None:
         """The step consumed the gradients (or skipped them): the next ones are copied, not added."""
-        if self.stash is not None:
-            self.stash.clear(consumed)
+        self.stash.clear(consumed)
         self._held.clear()
         for flags in self._fresh:
             for i in range(len(flags)):

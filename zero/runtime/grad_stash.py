@@ -46,13 +46,55 @@ from ..stores.layouts import RankLayout, SubGroup
 Range = Tuple[int, int]
 
 
+class NoStash:
+    """The stash of a rank whose gradient partition is whole in memory: nothing to write, no
+    error kept, no step run on completion (the reducer adds into the partition itself)."""
+
+    on_nvme = False
+    error: Optional[Exception] = None
+
+    def begin(self, boundary: bool) -> None:
+        pass
+
+    def take_error(self) -> Optional[Exception]:
+        return None
+
+    def begin_steps(self, on_complete) -> None:
+        raise AssertionError("sub-groups are stepped in backward only with their gradients on NVMe")
+
+    def end_steps(self) -> None:
+        pass
+
+    def run(self, io: Callable[[], None]) -> None:
+        io()
+
+    def abandon(self) -> None:
+        pass
+
+    def clear(self, consumed: bool) -> None:
+        pass
+
+
+NO_STASH = NoStash()  # it keeps nothing, so one serves every reducer
+
+
 class GradStash:
     """The open sub-group buffers of one rank and the norms of the last window's gradients.
 
     ``grad_units``: the units that receive gradients (whose completion closes a sub-group).
+    ``hold_budget``: bytes of completed gradients that may stay in host memory (see the [Note]).
+    ``norm_ranges``: per sub-group, the parameter pieces whose norms a step needs, taken when
+    ``want_norms`` (clipping or fp16 overflow checks). ``defer_errors`` (several ranks): an error
+    of this rank's gradient I/O or in-backward step is kept, not raised, so that the rank goes
+    on reducing with the others (raised, it would leave them waiting in a collective); the
+    engine takes it at the end of backward (:meth:`take_error`) and every rank raises.
     """
 
-    def __init__(self, rank_layout: RankLayout, swapper, grad_units: Set[int]):
+    on_nvme = True
+
+    def __init__(self, rank_layout: RankLayout, swapper, grad_units: Set[int], *, hold_budget: int = 0,
+                 norm_ranges: Optional[Dict[int, List[Range]]] = None, want_norms: bool = False,
+                 defer_errors: bool = False):
         self.rank_layout = rank_layout
         self.swapper = swapper
         self._sub_group = {u: sg for sg in rank_layout.sub_groups for u in sg.units}
@@ -63,20 +105,34 @@ class GradStash:
         self._done: Dict[int, int] = {}
         self._written: Set[int] = set()  # gradient on NVMe since the last step
         self._held: Dict[int, torch.Tensor] = {}  # completed gradients kept in memory (see the [Note])
-        self.hold_budget = 0  # bytes of completed gradients that may stay in host memory (engine sets)
-        self.norm_ranges: Dict[int, List[Range]] = {}  # per sub-group: parameter pieces (optimizer sets)
-        self.want_norms = False  # clipping or fp16 overflow checks (optimizer sets)
-        self.boundary = True  # this backward ends an accumulation window (engine sets)
+        self.hold_budget = hold_budget
+        self._norm_ranges = norm_ranges or {}
+        self._want_norms = want_norms
+        self._defer_errors = defer_errors
+        self._boundary = True  # this backward ends an accumulation window (begin())
         self.norms: Dict[Range, torch.Tensor] = {}
         self.peak_open_numel = 0  # most gradient elements in open buffers at once (memory tests)
-        # fn(sub_group, gradient): steps a completed sub-group instead of writing its gradient
-        # (the optimizer sets it for the backward that ends a window; see zero/optimizer.py).
-        self.on_complete: Optional[Callable[[SubGroup, torch.Tensor], None]] = None
-        # Several ranks: an error of this rank's gradient I/O or in-backward step is kept, not
-        # raised, so that the rank goes on reducing with the others (raised, it would leave them
-        # waiting in a collective); the engine makes every rank raise at the end (engine sets).
-        self.defer_errors = False
+        # fn(sub_group, gradient): steps a completed sub-group instead of writing its gradient, in
+        # the backward that ends a window (begin_steps(); engine/optimizer.py).
+        self._on_complete: Optional[Callable[[SubGroup, torch.Tensor], None]] = None
         self.error: Optional[Exception] = None
+
+    def begin(self, boundary: bool) -> None:
+        """A backward starts; ``boundary``: it ends an accumulation window (norms are taken, a
+        step may run as sub-groups complete)."""
+        self._boundary = boundary
+
+    def take_error(self) -> Optional[Exception]:
+        """The error kept by :meth:`run` in this backward, if any; forgotten here."""
+        error, self.error = self.error, None
+        return error
+
+    def begin_steps(self, on_complete: Callable[[SubGroup, torch.Tensor], None]) -> None:
+        """This backward steps each sub-group as its gradient completes, through ``on_complete``."""
+        self._on_complete = on_complete
+
+    def end_steps(self) -> None:
+        self._on_complete = None
 
     def sub_group(self, unit_index: int) -> SubGroup:
         return self._sub_group[unit_index]
@@ -113,12 +169,12 @@ class GradStash:
         at once (``on_complete``, set by the optimizer on the window's last backward) or write it;
         close."""
         buf = self._open.pop(sg.index)
-        if self.boundary and self.want_norms:
-            for a, b in self.norm_ranges.get(sg.index, ()):
+        if self._boundary and self._want_norms:
+            for a, b in self._norm_ranges.get(sg.index, ()):
                 self.norms[(a, b)] = torch.linalg.vector_norm(buf[a - sg.start:b - sg.start])
-        if self.boundary and self.on_complete is not None:
+        if self._boundary and self._on_complete is not None:
             try:
-                self.run(lambda: self.on_complete(sg, buf))
+                self.run(lambda: self._on_complete(sg, buf))
             finally:
                 self._spare_buffer(buf)
             return
@@ -151,8 +207,8 @@ class GradStash:
             return
         try:
             io()
-        except Exception as error:  # noqa: BLE001 - kept for the engine, raised at the end of backward
-            if not self.defer_errors:
+        except Exception as error:  # kept for the engine, raised at the end of backward
+            if not self._defer_errors:
                 raise
             self.error = error
 

@@ -30,7 +30,7 @@ autograd keeps the parameter, not its data. A read of the unit by another module
 (F.linear on a non-contiguous input, or any Linear forward under a saved-tensor
 hook that may store the data: torch.utils.checkpoint's recomputation saves
 ``weight.detach()``) copies it first and ends the lending for that unit
-(``ParamUnit.unlend``). A step during backward (optimizer.py) rewrites a
+(``ParamUnit.unlend``). A step during backward (engine/optimizer.py) rewrites a
 sub-group's shards in their buffers only once all its units' gradients are in,
 when no backward needs their old values.
 
@@ -117,8 +117,9 @@ class Coordinator:
     def __init__(self, root: nn.Module, units: List[ParamUnit], module_units: Dict[nn.Module, List[int]],
                  reducer: Optional[GradReducer], store: ParamStore, prefetch_numel: int, timers: Timers,
                  memory_efficient_linear: bool = True, max_live_numel: int = 10**9,
-                 max_reuse_distance: int = 10**9):
+                 max_reuse_distance: int = 10**9, whole: bool = False):
         self.root = root
+        self.whole = whole  # stages 0-2: every unit persistent, gathered again right after a step
         self.units = units
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
         self.reducer = reducer
@@ -240,12 +241,25 @@ class Coordinator:
     def release_all(self) -> None:
         """Release every non-persistent unit (after a step, every unit whose shard changed)."""
         for u in self.units:
-            u.fwd_refs = 0
-            u.in_backward = False
+            u.drop_holds()
             if not u.free:
                 u.release()
         self.live.numel = 0
         self.live.kept.clear()
+
+    def gather_persistent(self) -> None:
+        """Gather the units that stay gathered: the free ones, and below stage 3 every unit (after
+        a step or a load, so that no forward waits for an all-gather)."""
+        for u in self.units:
+            if u.free or (self.whole and u.persistent):
+                u.gather()
+
+    def refresh(self) -> None:
+        """The shards changed (a step, a load): release what views the old values, and below stage 3
+        gather every unit again at once."""
+        self.release_all()
+        if self.whole:
+            self.gather_persistent()
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
@@ -311,8 +325,7 @@ class Coordinator:
         units = list(self.module_units.get(module, ()))
         units += sorted(self.externals.get(module, ()), key=lambda u: u.index)
         for u in units:
-            if u.grad_count and not u.reduced:
-                u.in_backward = True
+            u.begin_backward()
             self.fetch(u, by=module)
 
     def _post_accumulate(self, p: nn.Parameter) -> None:
@@ -322,16 +335,14 @@ class Coordinator:
         with self.timers.phase("grad reduce"):
             self.reducer.add(u, slot, p.grad)
             p.grad = None
-            u.grads_left -= 1
-            if u.grads_left == 0:
+            if u.grad_arrived():
                 self._finish_unit(u)
 
     def window_grad(self, p: nn.Parameter, i: int, grad: torch.Tensor) -> None:
         """Micro-batch ``i``'s gradient of ``p`` (window.py): kept until the unit has all k."""
         u = self.slot_of[p][0]
         self.window.take(p, i, grad)
-        u.grads_left -= 1
-        if u.grads_left == 0:
+        if u.grad_arrived():
             self._finish_window_unit(u)
 
     def _finish_window_unit(self, u: ParamUnit) -> None:
@@ -357,9 +368,36 @@ class Coordinator:
 
     def _finish_unit(self, u: ParamUnit) -> None:
         self.reducer.finish(u)
-        u.reduced = True
-        u.in_backward = False
+        u.mark_reduced()
         self.maybe_release(u)
+
+    # -- accumulation windows (engine/train_batch.py) ----------------------------------------------
+    def begin_window(self, window: MicroBatchWindow) -> None:
+        """The next forwards and backward are ``window``'s k micro-batches, unit-major."""
+        for u in self.units:
+            u.expect_grads(window.k)
+        self.window = window
+
+    def end_window(self, failed: bool) -> MicroBatchWindow:
+        """The window is over: its aliases go; after a failure also every hold, gradient count and
+        gathered unit. Returns it (its own bookkeeping is the caller's to forget)."""
+        window, self.window = self.window, None
+        for u in self.units:
+            u.forget_aliases()
+            if failed:
+                u.expect_grads()
+                u.drop_holds()
+        if failed:
+            self.stack.clear()
+            self.release_all()
+        return window
+
+    def abandon_forward(self, release: bool) -> None:
+        """A forward raised: its frames go; ``release``: every unit too (one may hold zeros for a
+        read that failed on this rank)."""
+        self.stack.clear()
+        if release:
+            self.release_all()
 
     def abandon_backward(self) -> None:
         """A backward raised half way: autograd drops the queued :meth:`end_backward`, so reset
@@ -368,8 +406,7 @@ class Coordinator:
         self.stack.clear()
         self._callback_queued = False
         for u in self.units:
-            u.reduced = False
-            u.grads_left = u.grad_count
+            u.end_backward()
             for p in u.params:
                 p.grad = None
         self.release_all()
@@ -379,13 +416,12 @@ class Coordinator:
         backwards are done): finish the units whose gradients did not all arrive, release."""
         self._callback_queued = False
         with self.timers.phase("grad reduce"):
-            for u in self.units:  # in unit order on every rank (see grads.py)
-                if u.grad_count and not u.reduced and self.window is not None:
+            for u in self.units:  # in unit order on every rank (see grad_reducer.py)
+                if u.unreduced and self.window is not None:
                     self._finish_window_unit(u)
-                elif u.grad_count and not u.reduced:
+                elif u.unreduced:
                     self._finish_unit(u)
+            self.reducer.flush()
         for u in self.units:
-            u.reduced = False
-            u.grads_left = u.grad_count
-            u.in_backward = False
+            u.end_backward()
             self.maybe_release(u)

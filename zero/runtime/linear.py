@@ -22,19 +22,19 @@ import torch.nn.functional as F
 
 class ZeroLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias):
-        ctx.save_for_backward(input, weight, bias)
-        return F.linear(input, weight, bias)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias):
+        ctx.save_for_backward(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        input, weight, bias = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_input = grad_2d.mm(weight).view(input.shape)
+            grad_input = grad_2d.mm(weight).view(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = grad_2d.t().mm(input.reshape(-1, input.shape[-1]))
+            grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1]))
         if bias is not None and ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(0)
         return grad_input, grad_weight, grad_bias
@@ -54,7 +54,8 @@ def _hooks_may_keep_data() -> bool:
     return hooks is not None and not getattr(hooks[0], KEEPS_LEAVES, False)
 
 
-def _forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+def _forward(self: nn.Linear,
+             input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's name: callers may pass input=
     if not torch.is_grad_enabled():
         return F.linear(input, self.weight, self.bias)
     keeps_data = input.dim() < 2 or not input.is_contiguous()  # F.linear keeps a view of weight's data

@@ -5,9 +5,15 @@ import enum
 
 
 class ParamState(enum.Enum):
-    """Where a unit's full parameters are. ``shard`` stays at home in every state.
+    """Where a unit's full parameters are; its shard stays at home in every state.
 
-    Memory on the compute device, per unit, beyond its shard:
+    - ``NOT_AVAILABLE``: only the shard exists (the start, and after ``release``);
+    - ``INFLIGHT``: a read of the shard ahead of use is in flight (``mark_prefetched``;
+      back to ``NOT_AVAILABLE`` by ``drop_prefetch``, on to ``AVAILABLE`` by ``gather``);
+    - ``AVAILABLE``: the full parameters are on the compute device (``gather``).
+
+    Only :class:`~zero.runtime.unit.ParamUnit`'s methods change it. Each member says
+    what it costs in memory, per unit, beyond the shard.
     """
 
     NOT_AVAILABLE = "not_available"

@@ -12,10 +12,10 @@ stale trace.
 [Note: read-ahead in batches]
 The store says how many bytes may be read ahead (``prefetch_capacity``) and
 what each unit costs (``prefetch_cost``): the pool's bytes, not its buffers,
-bound the read-ahead (swapper/span_pool.py). Each fetch frees about one
+bound the read-ahead (swapper/_span_pool.py). Each fetch frees about one
 unit's bytes. Read ahead one unit at a time, the reads would spread over
 every read queue, and a fetch, which waits for its whole queue
-(swapper/param_swapper.py, [Note: a ring of read queues, so a fetch waits
+(swapper/_param_swapper.py, [Note: a ring of read queues, so a fetch waits
 for its own read only]), would wait for reads far ahead of it. So while room
 is what limits it, the read-ahead waits until a batch's worth
 (``prefetch_batch_bytes``) is free, and the store gives each batch a queue
@@ -158,8 +158,8 @@ class Prefetcher:
         self.ahead = set()
         self.store.drop_prefetched(keep=ahead)
         for u in self.units:
-            if u.state is ParamState.INFLIGHT and u.index not in ahead:  # prefetched, never used
-                u.state = ParamState.NOT_AVAILABLE
+            if u.index not in ahead:  # prefetched, never used
+                u.drop_prefetch()
         self.live.numel = sum(u.layout.numel for u in self.units if not u.persistent and (
             u.state is ParamState.AVAILABLE or u.index in ahead))
 
@@ -221,6 +221,6 @@ class Prefetcher:
         for nxt in wanted[:started]:
             if nxt.index in wraps:
                 self.ahead.add(nxt.index)
-            nxt.state = ParamState.INFLIGHT
+            nxt.mark_prefetched()
             if not nxt.persistent:
                 self.live.count(nxt.layout.numel)

@@ -1,7 +1,10 @@
 """ParamUnit: the parameters one module owns, gathered and released together.
 
-See partition.py for the layout and param_state.py for the states. A unit
-moves between ``NOT_AVAILABLE`` and ``AVAILABLE`` by :meth:`ParamUnit.gather`
+See stores/layouts.py for the layout and param_state.py for the states. A
+unit's state changes only through its own methods: ``NOT_AVAILABLE`` to
+``INFLIGHT`` by :meth:`ParamUnit.mark_prefetched` (a read ahead started, by
+prefetch.py) and back by :meth:`ParamUnit.drop_prefetch`; to ``AVAILABLE`` by
+:meth:`ParamUnit.gather`
 (fetch the shard from its store, all-gather across ranks, point every
 parameter's ``.data`` at its part of the flat buffer) and
 :meth:`ParamUnit.release` (point them at an empty tensor; the flat buffer is
@@ -13,7 +16,7 @@ their data, so a released parameter is gathered again before backward uses it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -44,40 +47,105 @@ class ParamUnit:
         self.comm = comm
         self.device = device
         self.dtype = dtype
-        self.store: ParamStore = None  # set by the engine once the stores exist
+        self.store: Optional[ParamStore] = None  # attach(): the stores are built after the units
         self.optimizer_store = None  # fp32 master of the shard, when there is an optimizer
-        self.state = ParamState.NOT_AVAILABLE
+        self._state = ParamState.NOT_AVAILABLE
         self.full: torch.Tensor = None
         self.lent = False  # ``full`` is the store's fetched tensor, handed back at release
         self.owner = None  # the one module using the unit, when training may lend it (hooks.py)
         self.persistent = False  # stays gathered between uses (threshold, or gathering is free)
         self.free = False  # gathering is free (see free_gather); decided once the stores are filled
-        self.fwd_refs = 0  # holds: forwards in progress, GatheredParameters blocks, saves (hold())
+        self.holds = 0  # users that need it gathered: forwards in progress, GatheredParameters, saves
         self.in_backward = False  # gathered for a backward that has not reduced its gradients yet
         self.grad_count = sum(1 for p in params if p.requires_grad)
-        self.grads_left = self.grad_count
-        self.reduced = False  # gradients reduce-scattered during the current backward
+        self.grads_left = self.grad_count  # gradients still to arrive in this backward (or window)
+        self.reduced = False  # gradients reduced during the current backward
         self.aliases: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (param, alias) of a window (window.py)
 
     @property
     def index(self) -> int:
         return self.layout.index
 
-    def __repr__(self) -> str:
-        return f"ParamUnit({self.layout.index}, {self.layout.module_name or '<root>'!r}, {self.state.name})"
+    @property
+    def state(self) -> ParamState:
+        return self._state
 
+    def __repr__(self) -> str:
+        return f"ParamUnit({self.layout.index}, {self.layout.module_name or '<root>'!r}, {self._state.name})"
+
+    def attach(self, store: ParamStore, optimizer_store=None) -> None:
+        """The stores that hold the shard (and its fp32 master), once they exist; None detaches."""
+        self.store = store
+        self.optimizer_store = optimizer_store
+
+    # -- holds and the release rule ---------------------------------------------------------------
     def hold(self) -> None:
         """One more user needs the unit gathered until it calls :meth:`unhold`."""
-        self.fwd_refs += 1
+        self.holds += 1
 
     def unhold(self) -> None:
         """Ends a :meth:`hold`; the caller releases the unit if it is now :attr:`releasable`."""
-        self.fwd_refs -= 1
+        self.holds -= 1
 
     @property
     def releasable(self) -> bool:
         """The one release rule: not persistent, not held, not waiting for its gradients."""
-        return not self.persistent and self.fwd_refs == 0 and not self.in_backward
+        return not self.persistent and self.holds == 0 and not self.in_backward
+
+    # -- prefetch (prefetch.py) -------------------------------------------------------------------
+    def mark_prefetched(self) -> None:
+        """A read of the shard ahead of use started."""
+        self._state = ParamState.INFLIGHT
+
+    def drop_prefetch(self) -> None:
+        """The read ahead will not be used (the store dropped it)."""
+        if self._state is ParamState.INFLIGHT:
+            self._state = ParamState.NOT_AVAILABLE
+
+    # -- backward (hooks.py) -----------------------------------------------------------------------
+    def expect_grads(self, micro_batches: int = 1) -> None:
+        """The next backward (a window's ``micro_batches`` backwards) delivers this many gradients
+        per parameter that requires one."""
+        self.grads_left = self.grad_count * micro_batches
+
+    @property
+    def unreduced(self) -> bool:
+        """It takes gradients and this backward has not reduced them yet."""
+        return self.grad_count > 0 and not self.reduced
+
+    def begin_backward(self) -> None:
+        """Gathered for a backward that will reduce its gradients: kept until it has."""
+        if self.unreduced:
+            self.in_backward = True
+
+    def grad_arrived(self) -> bool:
+        """Count one gradient; True when it was the last expected."""
+        self.grads_left -= 1
+        return self.grads_left == 0
+
+    def mark_reduced(self) -> None:
+        """Its gradients of this backward are reduced: nothing more keeps it gathered for them."""
+        self.reduced = True
+        self.in_backward = False
+
+    def end_backward(self) -> None:
+        """Backward ended (or was abandoned): ready for the next."""
+        self.reduced = False
+        self.in_backward = False
+        self.expect_grads()
+
+    def drop_holds(self) -> None:
+        """Every user is gone at once (after a step, a failed forward or window)."""
+        self.holds = 0
+        self.in_backward = False
+
+    def add_alias(self, p: nn.Parameter, alias: torch.Tensor) -> None:
+        """``alias`` (a window's leaf for ``p``) follows ``p``'s data through gathers and releases."""
+        self.aliases.append((p, alias))
+
+    def forget_aliases(self) -> None:
+        """A window's aliases of the parameters end with it (window.py)."""
+        self.aliases.clear()
 
     def free_gather(self) -> bool:
         """Whether gathering costs nothing: one rank, and the shard lives in memory for good, on
@@ -90,11 +158,11 @@ class ParamUnit:
     def gather(self, lend: bool = False) -> None:
         """``lend``: view the fetched shard itself when one rank computes on it as it is and the
         store can spare it until :meth:`release` (inference: no copy out of the pool)."""
-        if self.state is ParamState.AVAILABLE:
+        if self._state is ParamState.AVAILABLE:
             return
         try:
             shard = self.store.fetch(self.layout)
-        except Exception as error:  # noqa: BLE001 - kept for the engine (Comm.deferring)
+        except Exception as error:  # kept for the engine (Comm.deferring)
             if not self.comm.deferring:
                 raise
             self.comm.defer(error)
@@ -121,7 +189,7 @@ class ParamUnit:
                 self.store.fetched(self.layout)
         self._point(full)
         self.lent = lent
-        self.state = ParamState.AVAILABLE
+        self._state = ParamState.AVAILABLE
 
     def unlend(self) -> None:
         """View a copy instead of the store's tensor, which goes back to the store now (something
@@ -141,7 +209,7 @@ class ParamUnit:
 
     def release(self, force: bool = False) -> None:
         """Point the parameters at an empty tensor; ``force`` also when the unit was never gathered."""
-        if self.state is ParamState.NOT_AVAILABLE and not force:
+        if self._state is ParamState.NOT_AVAILABLE and not force:
             return
         empty = empty_like_released(self.dtype, self.device)
         for p in self.params:
@@ -152,7 +220,7 @@ class ParamUnit:
         if self.lent:
             self.lent = False
             self.store.fetched(self.layout)
-        self.state = ParamState.NOT_AVAILABLE
+        self._state = ParamState.NOT_AVAILABLE
 
 
 def named_param_aliases(module: nn.Module) -> Dict[nn.Parameter, List[str]]:

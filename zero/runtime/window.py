@@ -249,7 +249,7 @@ class MicroBatchWindow:
                     on_grad(p, i, grad)
                 a.register_post_accumulate_grad_hook(hook)
             self.aliases[key] = a
-            unit.aliases.append((p, a))
+            unit.add_alias(p, a)
         return a
 
     def forget(self) -> None:

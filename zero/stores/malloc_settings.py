@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from nvmeio.env import env_flag
+from nvmeio import env
 
 from .malloc_trim import return_freed_heap
 
@@ -52,13 +52,14 @@ log = logging.getLogger(__name__)
 
 
 def _mallopt():
-    if not env_flag("NVMEIO_MALLOC_TUNING", True):
+    if not env.get("NVMEIO_MALLOC_TUNING"):
         return None
     try:
         libc = ctypes.CDLL("libc.so.6")
         mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: another libc's mallopt takes other numbers
     except (OSError, AttributeError):
+        return None
+    if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: another libc's mallopt takes other numbers
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt

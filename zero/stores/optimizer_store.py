@@ -7,7 +7,7 @@ states in one swap file per sub-group through
 writes i-1 while i is stepped when ``pipeline_read``/``pipeline_write`` are
 on). The fp32 gradient partition stays in memory for ``none`` (on the device)
 and ``cpu`` (host memory); for ``nvme`` each sub-group's gradient goes to the
-sub-group's gradient swap file during backward (grad_stash.py) and is read
+sub-group's gradient swap file during backward (runtime/grad_stash.py) and is read
 with the state at the step, so the partition is never whole in memory.
 
 Every store runs the step the same way: :meth:`OptimizerStore.step` calls
@@ -135,7 +135,7 @@ class OptimizerStore(abc.ABC):
                     algorithm) -> Optional[object]:
         """Read the sub-group's own shard once into a staging place, hashing each of ``keys``
         with ``algorithm`` on the way, without changing the sub-group (see
-        swapper/staged_state.py [Note: a staged load reads each byte once]); returns the
+        swapper/_staged_state.py [Note: a staged load reads each byte once]); returns the
         staged state (its ``digests`` for the caller to check), or None where this store
         cannot stage (the caller verifies and loads the shard as two reads)."""
         return None
@@ -233,7 +233,7 @@ class NvmeOptimizerStore(OptimizerStore):
     needs ``pipeline_read`` and ``pipeline_write``. Such a backward reads
     :data:`BACKWARD_READ_AHEAD` sub-groups ahead (five buffers: those, the one
     stepped, the one written), each on a read queue of its own so that a step
-    waits for its own read only (swapper/optimizer_swapper.py [Note: reads on
+    waits for its own read only (swapper/_optimizer_swapper.py [Note: reads on
     queues of their own]): a sub-group's state is most of the backward's I/O,
     and with one read ahead the disk idled between a read landing and the next
     step submitting one (3.1B GPT of bench/scale.py: the disk idle 8 s of a
@@ -268,7 +268,7 @@ class NvmeOptimizerStore(OptimizerStore):
         except BaseException:
             self.swapper.cleanup()  # never returned, so never closed by the caller
             raise
-        self.grads = None  # each sub-group's gradient goes to its swap file (grad_stash.py)
+        self.grads = None  # each sub-group's gradient goes to its swap file (runtime/grad_stash.py)
         self._staging = None
         self._staged_sg = None
         self._prefetched = False
@@ -365,7 +365,7 @@ class NvmeOptimizerStore(OptimizerStore):
         self.swapper.swap_out(sg.index, async_op=True)
         self.write_wait_seconds += time.perf_counter() - t0
 
-    # -- the step during backward (see [Note: sub-groups stepped during backward] in optimizer.py)
+    # -- the step during backward (see [Note: sub-groups stepped during backward] in engine/optimizer.py)
     def begin_backward_step(self) -> None:
         """Backward is starting and will step each sub-group as its gradient completes: read
         the one expected first."""
@@ -394,7 +394,7 @@ class NvmeOptimizerStore(OptimizerStore):
     def abandon_backward_step(self) -> None:
         """A backward that stepped sub-groups failed: give back every buffer it held unwritten
         (a failed write's new values included: only a checkpoint load makes the state whole)."""
-        from swapper.sub_group import SubGroupState
+        from swapper import SubGroupState
 
         self._stepping = False
         try:
@@ -424,7 +424,7 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _write_held(self, groups) -> None:
         """Write out sub-groups a failed step left in host memory (their buffers are needed)."""
-        from swapper.sub_group import SubGroupState
+        from swapper import SubGroupState
 
         for sg in groups:
             if self.swapper.state(sg.index) is SubGroupState.AVAILABLE:
@@ -523,7 +523,7 @@ class NvmeOptimizerStore(OptimizerStore):
 
     def _stored_file(self, sub_group: SubGroup) -> Optional[Tuple[str, Dict[str, int]]]:
         # With checksums on, the checkpoint carries the digests recorded when the file was
-        # written (stored_checksums): its load verifies the bytes (checkpoint_io.py [Note]).
+        # written (stored_checksums): its load verifies the bytes (checkpoint/shard_io.py [Note]).
         if not sub_group.numel:
             return None
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ weights would sit in the same memory (both on the device, or both in host
 memory), :class:`FlatParamStore` is handed the master tensor and keeps no
 copy: the optimizer step updates the shards in place and nothing is written
 back. On one rank the unit's full buffer is then the shard itself, so
-gathering a unit is pointing its parameters at a view (see unit.py).
+gathering a unit is pointing its parameters at a view (see runtime/unit.py).
 
 [Note: on NVMe, an fp32 shard is read from the optimizer's master]
 The same holds on NVMe: with fp32 compute and the optimizer on NVMe too,
@@ -183,27 +183,27 @@ class NvmeParamStore(ParamStore):
 
     The first ``max_in_cpu`` elements stay in host memory (DeepSpeed's rule).
     The pool holds ``swap_buffer_count`` buffers' worth of the largest shard and
-    gives each shard a span of its own size (swapper/span_pool.py, [Note:
+    gives each shard a span of its own size (swapper/_span_pool.py, [Note:
     read-ahead bounded by bytes, not by buffers]); ``offload_param.buffer_size``
     smaller than the largest shard is refused when the engine is built. The
     last :data:`SPARE_BUFFERS` buffers' worth is kept for a fetch that was not
     prefetched and for writes: prefetched and lent (:meth:`lend`) shards never
     hold it. Reads go through :data:`READ_QUEUES` handles, so a fetch waits for
-    its own batch of reads only (see the note in swapper/param_swapper.py):
+    its own batch of reads only (see the note in swapper/_param_swapper.py):
     read-ahead goes in batches of at least 1/:data:`READ_AHEAD_BATCHES` of the
     room, each on a queue of its own, one queue left for a fetch.
     """
 
     resident = False
     READ_QUEUES = 8
-    WRITE_QUEUES = 4  # a full pool waits for the oldest writes only (swapper/io_queue.py WriteRing)
+    WRITE_QUEUES = 4  # a full pool waits for the oldest writes only (swapper/_io_queue.py WriteRing)
     SPARE_BUFFERS = 2
     READ_AHEAD_BATCHES = READ_QUEUES - 1
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int,
                  master=None):
-        from swapper import PartitionedParamSwapper
-        from swapper.param_swapper import HOME_SLACK_BYTES
+        from swapper import PackedSpans, PartitionedParamSwapper
+        from swapper import HOME_SLACK_BYTES
 
         self.rank_layout = rank_layout
         # An NvmeOptimizerStore whose fp32 master holds the shards (see the module's note), or None.
@@ -221,8 +221,8 @@ class NvmeParamStore(ParamStore):
             buffer_size=max(1, largest) + (HOME_SLACK_BYTES // 4 if master is not None else 0),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
-            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES, packed=True,
-            spare_buffers=min(self.SPARE_BUFFERS, count))
+            read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
+            pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
         try:
             for u in rank_layout.units:
@@ -245,7 +245,7 @@ class NvmeParamStore(ParamStore):
 
     def _fill_from_master(self, layouts: Iterable[UnitLayout]) -> List[UnitLayout]:
         """Copy the shards whose master is in host memory into pool buffers; returns the others."""
-        from swapper.param_swapper import PartitionState
+        from swapper import PartitionState
 
         rest = []
         for u in layouts:
@@ -277,7 +277,7 @@ class NvmeParamStore(ParamStore):
         self.swapper.release_or_write([self._ids[layout.index]])  # retries a write that failed
 
     def lend(self, layout: UnitLayout) -> bool:
-        from swapper.param_swapper import PartitionState
+        from swapper import PartitionState
 
         pid = self._ids[layout.index]
         # A shard in the spare region is copied instead: that memory must come back at once.
@@ -287,7 +287,7 @@ class NvmeParamStore(ParamStore):
         return True
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
-        from swapper.param_swapper import PartitionState
+        from swapper import PartitionState
 
         pid = self._ids[layout.index]
         if self.swapper.state(pid) is not PartitionState.IN_CPU:
@@ -326,7 +326,7 @@ class NvmeParamStore(ParamStore):
         """Starts one batch (one read queue); returns how many, from the first, are on their way."""
         if not layouts:
             return 0
-        from swapper.param_swapper import PartitionState
+        from swapper import PartitionState
 
         ids = [self._ids[u.index] for u in layouts]
         copies = {}  # shards whose master the optimizer holds in memory: copied, not read

@@ -1,0 +1,322 @@
+"""The file operations of checkpoints on an optimizer swapper's sub-group state files: their
+recorded digests, linking one into a checkpoint, adopting a checkpoint's shard as a swap file,
+staging a shard's bytes into a staging file (read once, hashed on the way) and publishing it.
+
+:class:`SubGroupFiles` is a collaborator of :class:`~swapper.PartitionedOptimizerSwapper`,
+which makes one and forwards these operations to it. It does the file work; the sub-groups'
+states stay the swapper's, and it moves them only through the swapper's public methods
+(:class:`SubGroupOwner`): ``stored_file`` (make a file current), ``share_file`` and
+``replace_file`` (a file linked elsewhere, a file put in place of another), ``release`` and
+``synchronize``. What it needs besides, the swapper hands it when making it: the checksum
+table, its two handles (idle whenever it calls here) and a way to take a pool buffer.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+
+import torch
+
+from nvmeio import AioSettings, new_handle
+
+from ._buffer_pool import PoolBuffer
+from .checksum import ChecksumAlgorithm, ChecksumTable
+from ._errors import PoolExhaustedError, SwapStateError
+from ._io_queue import IoBytes
+from ._staged_state import StagedRegion, StagedState, stream_regions
+from ._sub_group import HEADER_BYTES, SubGroupLayout, SubGroupState
+from ._swap_dir import SwapDirectory
+
+Sources = Mapping[str, Tuple[str, int]]  # "master" and each state -> (path, byte offset) of its bytes
+Carried = Tuple[str, Mapping[str, int]]  # (checksum algorithm name, digest of each tensor)
+
+STAGED_SUFFIX = ".staged"  # a staging file: subgroup<k>.swp.staged, never read by swapping
+
+
+def _hard_link(src: str, dst: str) -> bool:
+    """``os.link``; False where the file system cannot link these two (another device, no
+    hard links, too many links): the caller copies instead."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise
+    return True
+
+
+def _open_if_last_link(path: str) -> int:
+    """A descriptor of ``path`` where its name is the file's last link (so that the rename
+    over it frees its blocks at that descriptor's close instead), else -1."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    if os.fstat(fd).st_nlink != 1:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _close_later(fd: int) -> None:
+    """Close ``fd`` on a helper thread: the last close of a replaced swap file frees its blocks,
+    which on ext4 mounted with ``discard`` trims them first (measured ~0.15 s per GiB here),
+    work the load need not wait for."""
+    threading.Thread(target=os.close, args=(fd,), name="nvmeio-free-old-swap", daemon=True).start()
+
+
+class SubGroupOwner(Protocol):
+    """What :class:`SubGroupFiles` uses of its swapper: public attributes and methods only."""
+
+    swap_dir: SwapDirectory
+    io_bytes: IoBytes
+    aio_config: AioSettings
+
+    @property
+    def sub_group_ids(self) -> List[int]: ...
+    def state(self, sub_group_id: int) -> SubGroupState: ...
+    def layout(self, sub_group_id: int) -> SubGroupLayout: ...
+    def master_location(self, sub_group_id: int) -> Tuple[str, int]: ...
+    def stored_file(self, sub_group_id: int) -> Tuple[str, Dict[str, int]]: ...
+    def share_file(self, sub_group_id: int, link: Callable[[str, bool], bool]) -> bool: ...
+    def replace_file(self, sub_group_id: int, replace: Callable[[str], bool], shared: bool) -> bool: ...
+    def release(self, sub_group_id: int) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class SubGroupFiles:
+    """The checkpoint file operations of ``owner`` (see the module docstring). ``handles``: the
+    owner's read and write handles; ``take_buffer(nbytes, holder)`` a buffer of its pool,
+    ``release_buffer(buffer)`` gives one back."""
+
+    def __init__(self, owner: SubGroupOwner, checksums: Optional[ChecksumTable], handles: Tuple[object, object], *,
+                 take_buffer: Callable[[int, str], PoolBuffer], release_buffer: Callable[[PoolBuffer], None]):
+        self.owner = owner
+        self.checksums = checksums
+        self.read_handle, self.write_handle = handles
+        self.take_buffer = take_buffer
+        self.release_buffer = release_buffer
+        self.staged: Dict[int, StagedState] = {}  # sub-group id -> state staged, not published yet
+
+    def stored_checksums(self, sub_group_id: int) -> Optional[Dict[str, int]]:
+        """The digests recorded when the sub-group's state was written (of ``"master"`` and
+        each state's ``numel * itemsize`` bytes, algorithm :attr:`checksum`), for a checkpoint
+        to carry with the bytes it links or copies; None with checksums off (or where one is
+        missing). Call it after ``stored_file``, which makes the file current."""
+        layout = self.owner.layout(sub_group_id)
+        if self.checksums is None or self.owner.state(sub_group_id) is not SubGroupState.ON_NVME:
+            return None
+        path = self.owner.master_location(sub_group_id)[0]
+        out = {name: self.checksums.recorded(path, offset, layout.tensor_bytes)
+               for name, offset in layout.offsets().items()}
+        return None if any(d is None for d in out.values()) else out
+
+    def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
+        """Makes the sub-group's swap file also ``dest`` (a hard link: no byte is copied),
+        after writing ``header`` into its header page (see [Note: the header page]); the
+        next swap-out writes a new file, so ``dest`` keeps this state. False, changing
+        nothing, where that cannot be done (another file system, a header of another
+        size, a file linked already whose header page holds another header): the caller
+        copies instead."""
+        self.owner.layout(sub_group_id)  # (registered)
+        if len(header) != HEADER_BYTES:
+            return False
+
+        def link(path: str, shared: bool) -> bool:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                if shared:  # a checkpoint's file already: never written again, only linked once more
+                    if os.pread(fd, HEADER_BYTES, 0) != header:
+                        return False
+                elif os.pwrite(fd, header, 0) != HEADER_BYTES:
+                    raise OSError(f"short write of the header page of {path}")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return _hard_link(path, dest)
+
+        return self.owner.share_file(sub_group_id, link)
+
+    def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int],
+                   checksums: Optional[Carried] = None) -> bool:
+        """Makes the file ``path`` (a checkpoint shard in this very layout: ``offsets`` of
+        "master" and every state equal the swapper's) the sub-group's swap file, by a hard
+        link: no byte is copied, and the next swap-out writes a new file, so ``path`` is
+        never changed. With checksums on, ``checksums`` = (algorithm name, digest of each
+        tensor) that the file carries become the ones its swap-ins verify. False, changing
+        nothing, where that cannot be done (another file system or layout; checksums on
+        and none carried, or of another algorithm)."""
+        layout = self.owner.layout(sub_group_id)
+        if self.checksums is not None and (
+                checksums is None or checksums[0] != self.checksums.algorithm.value
+                or set(checksums[1]) != set(offsets)):
+            return False
+        if dict(offsets) != layout.offsets() or os.path.getsize(path) < layout.written_bytes:
+            return False
+
+        def adopt(target: str) -> bool:
+            same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
+            if not same:
+                tmp = f"{target}.adopt-{os.getpid()}"
+                if not _hard_link(path, tmp):
+                    return False
+                os.replace(tmp, target)  # (a rename between two links of one file would do nothing)
+            self.owner.swap_dir.create(os.path.basename(target))  # tracked for cleanup (the name, not the checkpoint's)
+            self._assign_digests(target, layout, checksums)
+            return True
+
+        return self.owner.replace_file(sub_group_id, adopt, shared=True)
+
+    # -- staged loads (_staged_state.py [Note: a staged load reads each byte once]) -----------------
+    def can_stage(self, sub_group_id: int, sources: Sources) -> bool:
+        """Whether :meth:`stage_state` takes ``sources``: "master" and every state, each
+        4096-aligned in a file that holds its filler up to the next 4096-byte boundary (a
+        checkpoint shard in the swapper's layout)."""
+        layout = self.owner.layout(sub_group_id)
+        if set(sources) != {"master", *layout.state_names}:
+            return False
+        try:
+            return all(offset % HEADER_BYTES == 0 and os.path.getsize(path) >= offset + layout.region_bytes
+                       for path, offset in sources.values())
+        except OSError:
+            return False
+
+    def stage_state(self, sub_group_id: int, sources: Sources, algorithm: Optional[ChecksumAlgorithm],
+                    link: bool) -> StagedState:
+        """Reads the sub-group's state from ``sources`` (see :meth:`can_stage`) into a pool
+        buffer once, computing the ``algorithm`` digest of each tensor on the way (the
+        returned ``digests``), into a staging file: a hard link of the single source file
+        where ``link`` and the file system allow, else a copy written while it is read.
+        The sub-group itself is not changed: :meth:`publish_staged` makes the staging file
+        its swap file, :meth:`discard_staged` forgets it. Files held in host memory are
+        written out first (made current, as for a checkpoint's save), reads ahead dropped, to
+        free the pool."""
+        owner = self.owner
+        layout = owner.layout(sub_group_id)
+        for other in owner.sub_group_ids:  # buffers for this read; no sub-group's state changes
+            state = owner.state(other)
+            if state is SubGroupState.READING:  # a read ahead: its file holds its state
+                try:
+                    owner.release(other)
+                except OSError:
+                    pass  # a failed read leaves it on NVMe, as it was
+            elif state in (SubGroupState.AVAILABLE, SubGroupState.WRITING):
+                owner.stored_file(other)
+        owner.synchronize()
+        swap_dir = owner.swap_dir
+        file_name = os.path.basename(owner.master_location(sub_group_id)[0])
+        staged = StagedState(sub_group_id, file_name + STAGED_SUFFIX, linked=False)
+        path = swap_dir.file(staged.file_name)
+        swap_dir.remove(staged.file_name)  # a leftover of a failed load
+        files = {p for p, _ in sources.values()}
+        offsets = layout.offsets()
+        try:
+            staged.buffer = self._staging_buffer(sub_group_id, layout)
+            if link and len(files) == 1 and _link_quietly(next(iter(files)), path):
+                staged.linked = True
+                swap_dir.track(staged.file_name)  # removed at cleanup like a swap file
+                dest = None
+            else:
+                swap_dir.check_free_space(layout.written_bytes, f"staging sub-group {sub_group_id}")
+                dest = swap_dir.create(staged.file_name)
+            regions = [StagedRegion(name, (os.fspath(sources[name][0]), sources[name][1]), offsets[name],
+                                    layout.tensor_bytes, layout.region_bytes)
+                       for name in ("master", *layout.state_names)]
+            # Two reads in flight, so that the disk never waits for a digest: a link leaves the
+            # write handle free for the second; a copy writes on it and reads on one made for it.
+            with contextlib.ExitStack() as stack:
+                if dest is None:
+                    reads = [self.read_handle, self.write_handle]
+                else:
+                    extra = new_handle(owner.aio_config)
+                    stack.callback(extra.close)
+                    reads = [self.read_handle, extra]
+                staged.digests, staged.bytes_written = stream_regions(
+                    reads, self.write_handle, staged.buffer.bytes(), regions, algorithm, dest)
+            staged.bytes_read = layout.region_bytes * len(regions)
+            owner.io_bytes.read += staged.bytes_read
+            owner.io_bytes.written += staged.bytes_written
+        except BaseException:
+            self.discard_staged(staged)
+            raise
+        self.staged[sub_group_id] = staged
+        return staged
+
+    def _staging_buffer(self, sub_group_id: int, layout: SubGroupLayout) -> PoolBuffer:
+        """A pool buffer; where none is free, the one of the earliest staged sub-group (whose
+        publish then returns no master: the caller reads it from the file)."""
+        while True:
+            try:
+                return self.take_buffer(layout.file_bytes, f"staging sub-group {sub_group_id}")
+            except PoolExhaustedError:
+                holder = next((s for s in self.staged.values() if s.buffer is not None), None)
+                if holder is None:
+                    raise
+                self.release_staged(holder)
+
+    def publish_staged(self, staged: StagedState, checksums: Optional[Carried] = None) -> Optional[torch.Tensor]:
+        """Makes a staged state the sub-group's swap file (a rename over it), its digests (with
+        checksums on: ``checksums`` = (algorithm name, digest of each tensor), those the
+        staged bytes were verified against) the ones its swap-ins verify. Returns the master
+        as a view of the staging buffer while it is still held (valid until
+        :meth:`release_staged`), else None."""
+        sub_group_id = staged.sub_group_id
+        layout = self.owner.layout(sub_group_id)
+        if self.staged.get(sub_group_id) is not staged:
+            raise SwapStateError(f"sub-group {sub_group_id} has no such staged state (published or discarded)")
+        if self.checksums is not None and (checksums is None or checksums[0] != self.checksums.algorithm.value):
+            raise SwapStateError(f"sub-group {sub_group_id}: publishing needs the staged bytes' digests "
+                                 f"by {self.checksums.algorithm.value}")
+        swap_dir = self.owner.swap_dir
+
+        def publish(target: str) -> bool:
+            source = swap_dir.file(staged.file_name)
+            if os.path.exists(target) and os.path.samefile(source, target):
+                os.unlink(source)  # (a rename between two links of one file would do nothing)
+            else:
+                old = _open_if_last_link(target)
+                os.replace(source, target)
+                if old >= 0:
+                    _close_later(old)
+            swap_dir.untrack(staged.file_name)
+            swap_dir.track(os.path.basename(target))
+            del self.staged[sub_group_id]
+            self._assign_digests(target, layout, checksums)
+            return True
+
+        self.owner.replace_file(sub_group_id, publish, shared=staged.linked)
+        if staged.buffer is None:
+            return None
+        return staged.buffer.view(layout.numel, layout.dtype, layout.offset(0))
+
+    def release_staged(self, staged: StagedState) -> None:
+        """Give a published (or discarded) staged state's buffer back to the pool."""
+        if staged.buffer is not None:
+            self.release_buffer(staged.buffer)
+            staged.buffer = None
+
+    def discard_staged(self, staged: StagedState) -> None:
+        """Forget a staged state: its staging file is removed, its buffer returned; the
+        sub-group is as it was."""
+        self.release_staged(staged)
+        if self.staged.get(staged.sub_group_id) is staged:
+            del self.staged[staged.sub_group_id]
+        if not self.owner.swap_dir.closed:
+            self.owner.swap_dir.remove(staged.file_name)
+
+    def _assign_digests(self, path: str, layout: SubGroupLayout, checksums: Optional[Carried]) -> None:
+        if self.checksums is None:
+            return
+        self.checksums.forget(path)
+        for name, offset in layout.offsets().items():
+            self.checksums.assign(path, offset, layout.tensor_bytes, checksums[1][name])
+
+
+def _link_quietly(source: str, path: str) -> bool:
+    try:
+        return _hard_link(source, path)
+    except OSError:
+        return False
