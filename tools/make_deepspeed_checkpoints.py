@@ -12,7 +12,13 @@ the CPU (``DS_ACCELERATOR=cpu``), trains the tiny GPT below for
 more steps, recording each rank's loss and the learning rate of every step.
 ``<out>/<name>.json`` holds what a test needs to continue the same run: the
 DeepSpeed config, the model's shape, the data, the counters at the
-checkpoint, and DeepSpeed's losses and learning rates after it.
+checkpoint, DeepSpeed's losses and learning rates after it, and the SHA-256 of
+each fp32 tensor DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``
+consolidates from the checkpoint.
+
+There is no fp16 fixture: DeepSpeed refuses fp16 on its CPU accelerator ("Type
+fp16 is not supported on your device"); tests/test_zero_checkpoint_deepspeed.py
+puts the DynamicLossScaler an fp16 run pickles into a copy of a fixture instead.
 
 The recovery scripts DeepSpeed copies into the save directory
 (``zero_to_fp32.py``, ``zero_to_torch.py``) are removed: they are DeepSpeed's
@@ -21,6 +27,7 @@ code, not part of the checkpoint's data.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -122,6 +129,15 @@ def rank_main(rank: int, port: int, name: str, out: str, result_file: str) -> No
         json.dump(result, f)
 
 
+def consolidated_digests(checkpoint_dir: str) -> dict:
+    """name -> SHA-256 of the fp32 bytes of each tensor DeepSpeed's zero_to_fp32 rebuilds."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir)
+    return {n: hashlib.sha256(t.detach().contiguous().float().numpy().tobytes()).hexdigest() for n, t in state.items()}
+
+
 def make(name: str, out: str) -> None:
     import subprocess
 
@@ -159,6 +175,7 @@ def make(name: str, out: str) -> None:
         "lrs_before": ranks[0]["lrs_before"],
         "losses_after": [r["losses_after"] for r in ranks],
         "lrs_after": ranks[0]["lrs_after"],
+        "zero_to_fp32_sha256": consolidated_digests(target),
     }
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(record, f, indent=1)
