@@ -20,9 +20,9 @@ There is no fp16 fixture: DeepSpeed refuses fp16 on its CPU accelerator ("Type
 fp16 is not supported on your device"); tests/test_zero_checkpoint_deepspeed.py
 puts the DynamicLossScaler an fp16 run pickles into a copy of a fixture instead.
 
-The recovery scripts DeepSpeed copies into the save directory
-(``zero_to_fp32.py``, ``zero_to_torch.py``) are removed: they are DeepSpeed's
-code, not part of the checkpoint's data.
+The recovery scripts DeepSpeed copies into the save directory (its
+zero_to_fp32 and zero_to_torch scripts) are removed: they are DeepSpeed's code,
+not part of the checkpoint's data.
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ range of a parameter's fp32 master or optimizer state, whatever the stage and
 the world size it was saved with.
 
 [Note: how DeepSpeed partitions a flat group]
-The layout facts, from DeepSpeed 0.19.8's ``stage_1_and_2.py``, ``stage3.py``
-and ``utils/zero_to_fp32.py``:
+The layout facts, from DeepSpeed 0.19.8's ``deepspeed/runtime/zero/stage_1_and_2.py``,
+``deepspeed/runtime/zero/stage3.py`` and ``deepspeed/utils/zero_to_fp32.py``:
 
 - Stages 1-2: each optimizer param group is one flat vector of its trainable
   parameters in ``param_shapes`` order (``round_robin_bit16_groups``), each

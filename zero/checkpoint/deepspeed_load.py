@@ -70,7 +70,7 @@ def _match_parameters(engine, ds: DeepSpeedCheckpoint) -> Dict[Tuple[int, int], 
 
 
 def _hyper_state(engine, ds: DeepSpeedCheckpoint) -> Optional[dict]:
-    """The optimizer's hyper state (optimizer.py's ``hyper_state`` form) continued from DeepSpeed's."""
+    """The optimizer's hyper state (engine/optimizer.py's ``hyper_state`` form) continued from DeepSpeed's."""
     optimizer = engine.optimizer
     if optimizer.inner is not None:
         raise ValueError("this engine runs the script's own torch optimizer, whose state a DeepSpeed checkpoint "
