@@ -40,7 +40,10 @@ global (``os.system``, a class of the script's) is refused by torch's
 weights-only unpickler before it is called, as our own checkpoints are
 (:class:`~zero.checkpoint.format.UnsafeCheckpointError`, naming the file and
 the global); a script's own types in ``client_state`` can be allowed with
-``torch.serialization.add_safe_globals`` as for our own checkpoints.
+``torch.serialization.add_safe_globals`` as for our own checkpoints. (The
+context changes torch's process-wide allow-list while it lasts: a weights-only
+load in another thread meanwhile would accept the same inert stand-ins, and
+nothing else.)
 
 [Note: a DeepSpeed file's bytes are verified before it is read]
 A ``torch.save`` file is a zip archive; each record (the pickle, each tensor's
@@ -61,6 +64,7 @@ import os
 import pickle
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -184,18 +188,41 @@ def find_files(checkpoint: str) -> DeepSpeedFiles:
 
 # -- reading one file ----------------------------------------------------------------------------
 
+def _record_crc(raw: FastFileReader, info: zipfile.ZipInfo, chunk: memoryview) -> int:
+    """The CRC-32 of a stored (uncompressed) record's bytes, read in ``chunk``-sized pieces."""
+    header = bytearray(30)
+    raw.seek(info.header_offset)
+    if raw.readinto(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"record {info.filename!r} has no local header at {info.header_offset}")
+    raw.seek(info.header_offset + 30 + int.from_bytes(header[26:28], "little")
+             + int.from_bytes(header[28:30], "little"))
+    crc, left = 0, info.file_size
+    while left:
+        got = raw.readinto(chunk[:min(left, len(chunk))])
+        if not got:
+            raise EOFError(f"record {info.filename!r} ends {left} bytes early")
+        crc = zlib.crc32(chunk[:got], crc)
+        left -= got
+    return crc
+
+
 def verify_archive(path: str) -> None:
     """Every record of the ``torch.save`` file ``path`` matches its CRC-32; else
     :class:`CheckpointCorruptionError` naming the file (see [Note: a DeepSpeed file's bytes are
     verified before it is read])."""
     size = os.path.getsize(path)
     try:
-        with FastFileReader(path, buffer_size=min(_VERIFY_CHUNK, max(4096, size))) as raw, \
-                zipfile.ZipFile(raw) as archive:
-            for info in archive.infolist():
-                with archive.open(info) as record:
-                    while record.read(_VERIFY_CHUNK):
-                        pass
+        with FastFileReader(path, buffer_size=min(_VERIFY_CHUNK, max(4096, size))) as raw:
+            with zipfile.ZipFile(raw) as archive:
+                infos = archive.infolist()
+                chunk = memoryview(bytearray(min(_VERIFY_CHUNK, max((i.file_size for i in infos), default=0))))
+                for info in infos:
+                    if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; anything else, as zipfile reads it
+                        with archive.open(info) as record:
+                            while record.read(_VERIFY_CHUNK):
+                                pass
+                    elif _record_crc(raw, info, chunk) != info.CRC:
+                        raise zipfile.BadZipFile(f"Bad CRC-32 for record {info.filename!r}")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, NotImplementedError) as error:
         raise CheckpointCorruptionError(f"DeepSpeed checkpoint file {path} ({size} bytes) is damaged or "
                                         f"not a torch.save file: {error}; nothing was loaded") from None
