@@ -165,6 +165,18 @@ def _torch_state(base, path: str) -> Tuple[Dict, List[dict]]:
     return state, groups
 
 
+def _tensors(values: list, what: str, path: str) -> list:
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in values):
+        raise ValueError(f"{path}: {what} is not a list of flat tensors")
+    return values
+
+
+def _shape_dicts(shapes: list, path: str) -> list:
+    if not all(isinstance(s, dict) for s in shapes):
+        raise ValueError(f"{path}: param_shapes is not a list of name -> shape dicts")
+    return shapes
+
+
 def _as_int(value) -> Optional[int]:
     if isinstance(value, torch.Tensor):
         value = value.item()
@@ -201,17 +213,21 @@ class _Reader:
             return
         if self.steps and step not in self.steps:
             raise ValueError(f"DeepSpeed checkpoint {self.files.directory} is inconsistent: {path} holds "
-                             f"optimizer step {step}, another file {next(iter(self.steps))}")
+                             f"optimizer step {step}, another group {next(iter(self.steps))}")
         self.steps.add(step)
 
 
 def _stage12_params(reader: _Reader, osds: List[dict], model: dict, model_path: str) -> Tuple[Dict, List[dict]]:
     files = reader.files
     world = len(osds)
-    shapes = _require(model, "param_shapes", model_path, list)
-    lean = [_require(o, "single_partition_of_fp32_groups", p, list) for o, p in zip(osds, files.optim)]
+    shapes = _shape_dicts(_require(model, "param_shapes", model_path, list), model_path)
+    lean = [_tensors(_require(o, "single_partition_of_fp32_groups", p, list), "single_partition_of_fp32_groups", p)
+            for o, p in zip(osds, files.optim)]
     paddings = [_require(o, "group_paddings", p, list) for o, p in zip(osds, files.optim)]
     alignment = osds[0].get("param_alignment_paddings") or [[0] * len(s) for s in shapes]
+    if len(alignment) != len(shapes) or any(len(a) != len(s) for a, s in zip(alignment, shapes)):
+        raise ValueError(f"{files.optim[0]}: param_alignment_paddings does not match the parameters of "
+                         f"{model_path}'s param_shapes")
     param_groups: List[dict] = []
     for rank, (osd, path) in enumerate(zip(osds, files.optim)):
         if len(lean[rank]) != len(shapes) or len(paddings[rank]) != len(shapes):
@@ -270,10 +286,10 @@ def _stage3_params(reader: _Reader, osds: List[dict], models: List[dict]) -> Tup
     files = reader.files
     world = len(osds)
     model, model_path = models[0], files.zero3_model[0]
-    shapes = _require(model, "param_shapes", model_path, list)
+    shapes = _shape_dicts(_require(model, "param_shapes", model_path, list), model_path)
     param_groups: List[dict] = []
     for rank, (osd, path) in enumerate(zip(osds, files.optim)):
-        flats = _require(osd, "fp32_flat_groups", path, list)
+        flats = _tensors(_require(osd, "fp32_flat_groups", path, list), "fp32_flat_groups", path)
         if len(flats) != len(shapes):
             raise ValueError(f"{path} holds {len(flats)} flat groups, {model_path} describes {len(shapes)} "
                              f"sub-groups")
@@ -306,6 +322,8 @@ def _stage3_params(reader: _Reader, osds: List[dict], models: List[dict]) -> Tup
                 raise ValueError(f"DeepSpeed checkpoint {files.directory} is inconsistent: rank {rank}'s flat "
                                  f"group {i} holds {have} elements, its parameters' partitions {offset}")
     frozen = model.get("frozen_param_shapes") or {}
+    if not isinstance(frozen, dict):
+        raise ValueError(f"{model_path}: frozen_param_shapes is not a name -> shape dict")
     for name, shape in frozen.items():
         shape = _shape(shape, f"{model_path} frozen_param_shapes[{name!r}]")
         numel = math.prod(shape)
