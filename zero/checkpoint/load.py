@@ -1,5 +1,8 @@
 """``load_checkpoint``: checks everything, on every rank, before changing anything.
 
+A directory of DeepSpeed's files (a DeepSpeed ZeRO checkpoint) is loaded by
+deepspeed_load.py, under the same protocol.
+
 A load checks everything first (the tag, the model, every file it will read,
 the counters) and changes the engine only when all of it is there: a
 missing or damaged file (a shard whose bytes differ from the checksums it
@@ -31,7 +34,9 @@ from nvmeio import SafetensorsReader
 from swapper.checksum import ChecksumAlgorithm
 
 from ..runtime.timers import log_rank0
-from .format import (BUFFERS, LATEST, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
+from .deepspeed_files import is_deepspeed_checkpoint
+from .deepspeed_load import load_deepspeed_checkpoint
+from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
                      sub_group_file, unsafe_error)
 from .shard_io import CheckpointIO, check_digests, shard_checksums
 
@@ -177,6 +182,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
                   logging.WARNING)
         return None, None
     checkpoint = checkpoint_path(load_dir, tag)
+    if not os.path.exists(os.path.join(checkpoint, META)) and is_deepspeed_checkpoint(checkpoint):
+        return load_deepspeed_checkpoint(engine, checkpoint, load_optimizer_states, load_lr_scheduler_states)
     cio = CheckpointIO(engine.config.checkpoint.writer)
     reader = None
     error = None
