@@ -165,6 +165,13 @@ def scenario_node_local(rank, world_size, scratch):
     out["copies_differ"] = _load_tag_error(engine, ckpt, "mixed")
     # Each node given the other's storage.
     out["swapped"] = load_error(engine, os.path.join(scratch, f"node{1 - rank}", "ckpt"))
+    # Only node 1 lacks its files: node 0 is told why.
+    damaged = ckpt
+    if rank == 1:
+        damaged = os.path.join(node, "damaged")
+        shutil.copytree(ckpt, damaged)
+        shutil.rmtree(os.path.join(damaged, "global_step2", "rank00001"))
+    out["one_node_lacks_files"] = load_error(engine, damaged)
 
     out["resumed"] = load_error(engine, ckpt)
     out["resumed_losses"] = train_engine(engine, batches[2:3], 1, rank=rank, shards=world_size)
@@ -234,6 +241,16 @@ def test_a_node_given_another_nodes_storage_is_told_which_ranks_it_holds(ranks):
         # Each rank raises its own error (every rank fails here).
         assert got["swapped"].startswith("FileNotFoundError: checkpoint.use_node_local_storage: this node's copy")
         assert f"has no files of rank {rank} (it holds the files of rank {1 - rank}" in got["swapped"]
+
+
+def test_a_node_lacking_its_files_fails_the_load_on_every_node_saying_why(ranks):
+    _, results = ranks
+    assert results[1]["one_node_lacks_files"].startswith(
+        "FileNotFoundError: checkpoint.use_node_local_storage: this node's copy")
+    assert results[0]["one_node_lacks_files"].startswith("RuntimeError: load_checkpoint(")
+    assert ("failed on another rank (rank 1: FileNotFoundError: checkpoint.use_node_local_storage: this node's "
+            "copy") in results[0]["one_node_lacks_files"]
+    assert "has no files of rank 1 (it holds no rank's files)" in results[0]["one_node_lacks_files"]
 
 
 def test_nodes_sharing_one_directory_save_one_copy(ranks):

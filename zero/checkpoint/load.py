@@ -219,10 +219,13 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
-        if comm.any(error is not None, engine.device):
+        failed = [(r, m) for r, m in enumerate(comm.all_gather_object(
+            None if error is None else f"{type(error).__name__}: {error}")) if m is not None]
+        if failed:
             if error is not None:
                 raise error
-            raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")
+            raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank (rank {failed[0][0]}: "
+                               f"{failed[0][1]}); nothing was loaded")
         if node_local:
             check_same_copies(comm, checkpoint, state)
         try:
