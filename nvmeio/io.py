@@ -182,7 +182,7 @@ class BaseFileWriter:
         total = 0
         for item in storage_obj_list:
             storage, dtype = item if isinstance(item, tuple) else (item, getattr(item, "dtype", torch.uint8))
-            untyped = storage.untyped_storage() if hasattr(storage, "untyped_storage") else storage
+            untyped = storage.untyped() if hasattr(storage, "untyped") else storage
             data = torch.empty(0, dtype=torch.uint8).set_(untyped.cpu())
             if save_size:
                 total += self.write(struct.pack("<q", data.numel() // torch._utils._element_size(dtype)))

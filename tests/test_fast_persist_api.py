@@ -128,6 +128,11 @@ def test_py_file_writer_writes_plain_bytes_and_mock_file_writer_writes_nothing(t
     torch.save(obj, writer)
     writer.close()
     assert file_bytes(tmp_path / "py.pt") == _plain(obj)
+    with pytest.raises(KeyError):
+        with PyFileWriter(str(tmp_path / "left.pt")) as writer:
+            torch.save(obj, writer)
+            raise KeyError("stop")
+    assert not (tmp_path / "left.pt").exists()
     mock = MockFileWriter(str(tmp_path / "mock.pt"))
     torch.save(obj, mock)
     mock.close()
