@@ -100,6 +100,14 @@ class Comm:
         self.all_reduce(t, "max")
         return bool(t.item() > 0)
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def broadcast_object(self, obj, src: int = 0):
         if not self.distributed:
             return obj
