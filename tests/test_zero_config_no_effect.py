@@ -47,3 +47,10 @@ def test_partial_optimizer_offload_ratio_is_refused_with_the_way_out():
             "offload_optimizer.device to 'none'") in str(info.value)
     config = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}})
     assert config.zero_optimization.offload_optimizer.ratio == 1.0
+
+
+def test_node_local_storage_warns_until_it_is_implemented():
+    messages = _messages({}, {"checkpoint": {"use_node_local_storage": True}})
+    assert messages == ["checkpoint.use_node_local_storage = True is accepted for DeepSpeed compatibility but has "
+                        "no effect in nvmeio"]
+    assert _messages({}, {"checkpoint": {"use_node_local_storage": False}}) == []

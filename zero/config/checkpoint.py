@@ -56,10 +56,13 @@ class CheckpointWriterConfig(StrictModel):
 class CheckpointConfig(StrictModel):
     """``checkpoint``: how checkpoints are written and checked."""
 
-    _inert: ClassVar[frozenset[str]] = frozenset({"load_universal", "parallel_write"})
+    # use_node_local_storage: not implemented yet (each rank writes its own shards, rank 0 the shared
+    # files, into one directory every node must see); warned until it is.
+    _inert: ClassVar[frozenset[str]] = frozenset({"load_universal", "parallel_write", "use_node_local_storage"})
 
     use_node_local_storage: Flag = False
-    """Each node writes its ranks' shards to its own storage (no shared file system)."""
+    """DeepSpeed: each node writes its ranks' shards to its own storage (no shared file system).
+    Accepted, no effect yet (warned)."""
     tag_validation: Choice("Ignore", "Warn", "Fail", what="tag_validation") = "Warn"
     """What to do when ranks disagree on the checkpoint tag."""
     load_universal: Flag = False
