@@ -1,6 +1,7 @@
 """DeepSpeed's script-level calls: ``@zero.Init(...)`` as a decorator, ``zero.add_config_arguments`` with
 ``initialize(args=...)``, ``zero.init_distributed`` (a group of one without a launcher; two ranks started
-the way Open MPI, MPICH and Slurm start them train as one job), and ``mpu=`` refused with the reason.
+the way Open MPI, MPICH and Slurm start them train as one job), ``initialize(dist_init_required=...)``, and
+``mpu=`` refused with the reason.
 How each launcher's variables are read is pinned in test_zero_launcher_env.py."""
 import argparse
 import json
@@ -15,7 +16,7 @@ import zero
 from zero.config import ConfigDeprecationWarning
 from zero.examples import GPT, GPTConfig, make_batches
 from zero.partitioning.active_context import current_context
-from helpers import base_config, finish_process, free_port, run_child, train_engine
+from helpers import base_config, finish_process, free_port, run_child, run_process, train_engine
 
 CFG = GPTConfig()
 
@@ -197,3 +198,24 @@ def test_two_ranks_from_mpi_or_slurm_variables_train_as_one_job(launcher, how):
     assert [(g["rank"], g["world"], g["local_rank"]) for g in got] == [(0, 2, 0), (1, 2, 1)]
     assert got[0]["weights"] == got[1]["weights"]  # one step on both ranks' gradients, not each its own
 
+
+
+DIST_INIT_REQUIRED = r'''
+import json, sys
+import torch.distributed as dist
+import zero
+from zero.examples import GPT, GPTConfig
+required = {"True": True, "False": False}[sys.argv[1]]
+engine, *_ = zero.initialize(model=GPT(GPTConfig()), config={"train_micro_batch_size_per_gpu": 4},
+                             dist_init_required=required)
+print(json.dumps({"group": dist.is_initialized(), "world": engine.world_size}))
+'''
+
+
+@pytest.mark.parametrize("required, launcher, group", [(True, {}, True), (False, LAUNCHERS["Open MPI"](0), False)])
+def test_dist_init_required_makes_or_never_makes_the_process_group(required, launcher, group):
+    """True: a group even for one process; False: none, though the variables say two ranks (joining would
+    wait for the second forever)."""
+    out = run_process([sys.executable, "-c", DIST_INIT_REQUIRED, str(required)], timeout=120, check=True,
+                      env=_clean_env(**launcher))
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"group": group, "world": 1}

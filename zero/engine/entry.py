@@ -154,7 +154,9 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
     ``config`` (or ``config_params``, or ``args.deepspeed_config`` of an
     ``argparse`` namespace, see :func:`add_config_arguments`: one of them) is a
     DeepSpeed JSON path, dict or :class:`~zero.config.DeepSpeedConfig`. ``mpu``
-    (model parallelism) is refused.
+    (model parallelism) is refused. ``dist_init_required``: None joins the process
+    group a launcher started the ranks for (none for a single process), True also
+    makes one for a single process, False never makes one (the script's is used).
     ``optimizer``: a torch optimizer (Adam/AdamW run as the ZeRO optimizer;
     others need ``zero_allow_untested_optimizer``) or a callable making one;
     omit it to use the config's ``optimizer`` section. ``lr_scheduler``: a
@@ -176,7 +178,11 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
     if source is None:
         raise ValueError("zero.initialize needs a config (config=path or dict, or args.deepspeed_config)")
 
-    comm = init_distributed()
+    if dist_init_required:  # DeepSpeed's: make the process group even for one process
+        from .distributed import init_distributed as make_process_group
+
+        make_process_group(verbose=False)
+    comm = init_distributed(join=dist_init_required is not False)
     device = compute_device(comm.local_rank)
     loaded = load_config(source, world_size=comm.world_size, hidden_size=_hidden_size(model))
     loaded = _resolve(loaded, model, optimizer, comm.world_size)

@@ -123,17 +123,18 @@ def process_group_backend(dist_backend: Optional[str] = None) -> str:
     return dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def init_distributed(dist_backend: Optional[str] = None) -> Comm:
+def init_distributed(dist_backend: Optional[str] = None, join: bool = True) -> Comm:
     """The :class:`Comm` of this process, joining the default process group if launched
     (with :func:`process_group_timeout`): by torchrun (even as one rank), or by MPI or Slurm
     with more than one rank (one needs no group, and no port).
 
-    ``dist_backend`` overrides the choice of NCCL (CUDA) or gloo (CPU).
+    ``dist_backend`` overrides the choice of NCCL (CUDA) or gloo (CPU). ``join=False`` never
+    creates the group: the script's, else one rank.
     """
     launch = discover()
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    elif dist.is_available() and (launch.launcher == "torchrun" or launch.world_size > 1):
+    elif join and dist.is_available() and (launch.launcher == "torchrun" or launch.world_size > 1):
         join_process_group(launch, process_group_backend(dist_backend), process_group_timeout())
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
