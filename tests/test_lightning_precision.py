@@ -33,8 +33,8 @@ FP16_ARGS = dict(loss_scale=0, initial_scale_power=8, loss_scale_window=2, hyste
 
 
 def precision_kwargs(precision):
-    """On the CPU Lightning itself turns precision='16-mixed' into 'bf16-mixed' (lightning_precision.py's
-    note): fp16 there is the plugin, passed as Lightning takes any precision plugin."""
+    """On the CPU Lightning itself turns precision='16-mixed' into 'bf16-mixed' (the note of
+    zero/integrations/lightning_precision.py): fp16 there is the plugin, passed as Lightning takes any."""
     return {"plugins": [ZeroPrecision(precision)]} if precision == "16-mixed" else {"precision": precision}
 
 
