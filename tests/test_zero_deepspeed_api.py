@@ -16,7 +16,7 @@ import zero
 from zero.config import ConfigDeprecationWarning
 from zero.examples import GPT, GPTConfig, make_batches
 from zero.partitioning.active_context import current_context
-from helpers import base_config, finish_process, free_port, run_child, run_process, train_engine
+from helpers import base_config, finish_process, free_port, run_process, train_engine
 
 CFG = GPTConfig()
 
@@ -143,7 +143,9 @@ print(json.dumps({"untouched": untouched, "half": half, "rank": dist.get_rank(),
 
 
 def test_init_distributed_without_a_launcher_makes_a_group_of_one():
-    got = run_child(ONE_PROCESS)
+    out = run_process([sys.executable, "-c", ONE_PROCESS], timeout=120, check=True, env=_clean_env())
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "init_distributed: rank 0 of 1 (no launcher: one rank), backend gloo" in out.stderr
     assert got["untouched"]  # dist_init_required=False
     assert got["half"] == ("zero.init_distributed(rank=0, world_size=-1): pass both, or neither to take them "
                            "from the launcher")
@@ -196,6 +198,8 @@ def test_two_ranks_from_mpi_or_slurm_variables_train_as_one_job(launcher, how):
         assert proc.returncode == 0, out + err
         got.append(json.loads(out.strip().splitlines()[-1]))
     assert [(g["rank"], g["world"], g["local_rank"]) for g in got] == [(0, 2, 0), (1, 2, 1)]
+    assert (f"joining the 2 ranks {launcher} started at tcp://127.0.0.1:{port} (each of them must start: under "
+            f"Slurm, launch with srun)") in outputs[0][1]
     assert got[0]["weights"] == got[1]["weights"]  # one step on both ranks' gradients, not each its own
 
 
@@ -219,3 +223,11 @@ def test_dist_init_required_makes_or_never_makes_the_process_group(required, lau
     out = run_process([sys.executable, "-c", DIST_INIT_REQUIRED, str(required)], timeout=120, check=True,
                       env=_clean_env(**launcher))
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"group": group, "world": 1}
+
+
+def test_init_distributed_with_rank_and_world_size_given():
+    code = ("import sys, torch.distributed as dist, zero; zero.init_distributed(rank=0, world_size=1, "
+            "init_method=sys.argv[1]); print(dist.get_world_size())")
+    out = run_process([sys.executable, "-c", code, f"tcp://127.0.0.1:{free_port()}"], timeout=120, check=True,
+                      env=_clean_env())
+    assert out.stdout.split() == ["1"] and "init_distributed: rank 0 of 1 (as given), backend gloo" in out.stderr

@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from nvmeio import env
 
+from .timers import log_rank0
+
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 
 
@@ -112,7 +114,11 @@ def join_process_group(launch: Launch, backend: str, timeout: Optional[timedelta
     if launch.launcher == "torchrun" and init_method is None:
         dist.init_process_group(backend=backend, **kwargs)
         return
-    dist.init_process_group(backend=backend, init_method=init_method or launch.init_method, rank=launch.rank,
+    address = init_method or launch.init_method
+    # Said before waiting: a script a batch job runs without its launcher (python, not srun) waits here.
+    log_rank0(launch.rank, f"joining the {launch.world_size} ranks {launch.launcher} started at {address} (each of "
+                           f"them must start: under Slurm, launch with srun)")
+    dist.init_process_group(backend=backend, init_method=address, rank=launch.rank,
                             world_size=launch.world_size, **kwargs)
 
 
