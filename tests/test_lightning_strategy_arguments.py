@@ -171,6 +171,11 @@ def test_a_file_that_does_not_match_is_refused_and_a_file_needs_load_full_weight
                                            r"unexpected keys: \[\] \(LightningModule.strict_loading = False loads "
                                            r"what matches\)"):
         t2.validate(GPTModule(), loader(2), ckpt_path=str(tmp_path / "partial.ckpt"), verbose=False)
+    torch.save({"epoch": 0}, tmp_path / "no_weights.ckpt")
+    with pytest.raises(KeyError, match=r"no_weights.ckpt holds no 'state_dict': load_full_weights=True reads a "
+                                       r"Lightning checkpoint file \(or one convert_zero_checkpoint_to_fp32_state_dict "
+                                       r"wrote\)"):
+        t2.validate(GPTModule(), loader(2), ckpt_path=str(tmp_path / "no_weights.ckpt"), verbose=False)
     with pytest.raises(FileNotFoundError, match=r"plain.ckpt is not a ZeroStrategy checkpoint directory \(it holds "
                                                 r"'latest' and 'checkpoint/'\); a single-file checkpoint loads with "
                                                 r"ZeroStrategy\(load_full_weights=True\) or "
