@@ -233,6 +233,7 @@ def test_the_sections_deepspeedstrategy_adds():
                                                "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
     assert sections({}, "bf16-mixed") == {"bf16": {"enabled": True}} == sections({}, "bf16-true")
     assert sections({}, "32-true") == {}
+    assert sections({"fp16": {"enabled": "auto"}}, "32-true") == {"fp16": {"enabled": False}}
     # the config's own section rules; "auto" is decided by the precision
     assert sections({"fp16": {"enabled": True, "loss_scale": 128}}, "16-mixed")["fp16"] == {
         "enabled": True, "loss_scale": 128}

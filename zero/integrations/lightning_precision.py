@@ -3,7 +3,7 @@ puts in the config, as Lightning's DeepSpeedStrategy does (its ``_format_precisi
 
 | Trainer precision | the config gets (unless it has the section) | the module |
 |---|---|---|
-| ``32-true`` | nothing: its own ``fp16`` / ``bf16`` sections, if any, rule | as built |
+| ``32-true`` | nothing: its own ``fp16`` / ``bf16`` sections, if any, rule (``"auto"``: off) | as built |
 | ``16-mixed`` (``16``) | ``fp16``: enabled, with ZeroStrategy's ``loss_scale``, ``initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``min_loss_scale`` | fp32 as built; the engine computes in fp16 from fp32 master weights |
 | ``bf16-mixed`` | ``bf16``: enabled | the same, in bf16 |
 | ``16-true``, ``bf16-true`` | as the mixed one | built and converted to the 16-bit dtype before the engine (DeepSpeedPrecision's ``convert_module``): the master weights start from the 16-bit values |
@@ -117,7 +117,10 @@ def apply_precision(config: Dict[str, Any], precision: str, options: Mapping[str
     scale = {k: options[k] for k in LOSS_SCALE_DEFAULTS if options[k] != LOSS_SCALE_DEFAULTS[k]}
     given = ", ".join(f"{k}={v!r}" for k, v in scale.items())
     wanted = SECTION.get(precision)
-    if wanted is None:  # 32-true: the config's sections as they are
+    if wanted is None:  # 32-true: the config's sections as they are, an "auto" one off
+        for name in ("fp16", "bf16"):
+            if _enabled(config.get(name)) == "auto":
+                config[name] = dict(config[name], enabled=False)
         if scale and _enabled(config.get("fp16")) is not True:
             _warn(f"ZeroStrategy({given}) has no effect: the loss-scale arguments configure fp16, which "
                   f"Trainer(precision={precision!r}) does not compute in (use precision='16-mixed')")
