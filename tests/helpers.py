@@ -241,6 +241,37 @@ def same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+# -- a stand-in for CUDA tensors on a machine without a GPU ------------------------------------------
+
+class OnFakeCuda(torch.Tensor):
+    """A CPU tensor that, where the tests look, is one on cuda:0 (a CPU torch makes no CUDA tensor):
+    its ``device`` says cuda:0 and, as a CUDA tensor's, its ``.numpy()`` refuses; ``.cpu()`` and
+    ``.to("cpu")`` give a plain host copy. Operations on it compute on the host as usual and give
+    OnFakeCuda tensors (torch's subclass rules)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                        "host memory first.")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def to(self, *args, **kwargs):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if device is not None and torch.device(device).type == "cpu":
+            return self.as_subclass(torch.Tensor).to(*args, **kwargs).clone()
+        return super().to(*args, **kwargs)
+
+
+def on_fake_cuda(t: torch.Tensor) -> OnFakeCuda:
+    """A copy of ``t`` that says it is on cuda:0 (see :class:`OnFakeCuda`)."""
+    return t.detach().as_subclass(torch.Tensor).clone().as_subclass(OnFakeCuda)
+
+
 # -- processes a test starts: never waited for longer than a timeout ------------------------------------
 
 # [Note: timeouts of multi-process tests]
