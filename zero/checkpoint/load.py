@@ -199,7 +199,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
-        if comm.any(error is not None, engine.device):
+        if comm.any(error is not None):
             if error is not None:
                 raise error
             raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")
