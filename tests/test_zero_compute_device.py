@@ -44,6 +44,7 @@ def test_the_suite_computes_on_the_cpu():
 @pytest.mark.parametrize("argument, configured, env, expected", [
     ("cpu", "cuda", "cuda", "cpu"),  # the argument (a framework's choice) first
     (CPU, "cuda:1", None, "cpu"),  # a torch.device as well
+    (torch.device("cpu", 0), "cuda", None, "cpu"),  # (Hugging Face's device of a CPU rank)
     (None, "cpu", "cuda", "cpu"),  # then the config
     ("auto", "cpu", "cuda", "cpu"),  # "auto" chooses nothing
     (None, "auto", "cpu", "cpu"),  # then DS_ACCELERATOR

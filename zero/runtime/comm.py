@@ -89,7 +89,9 @@ def process_place() -> Place:
 def _named_device(argument, configured: str) -> tuple:
     """The first choice that names a device, and a function making the error that blames it."""
     if argument is not None:
-        text = str(argument) if isinstance(argument, torch.device) else argument
+        text = argument
+        if isinstance(argument, torch.device):  # (the CPU's index, as in Hugging Face's "cpu:0", means nothing)
+            text = "cpu" if argument.type == "cpu" else str(argument)
         try:
             name = compute_device_name(text)
         except ValueError as error:  # the config's message for the same spelling
