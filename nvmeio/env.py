@@ -73,6 +73,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "minutes the process group `zero.initialize` makes waits for a rank (rendezvous, collectives); "
              "unset: torch's default, 30 for gloo. A rank that dies in a collective fails the others at once; "
              "one that dies in start-up or hangs holds them this long", minimum=1),
+    Variable("DS_ACCELERATOR", str, None,
+             "DeepSpeed's accelerator choice, read as zero's compute device (`cpu`, `cuda`) where neither a "
+             "`compute_device=` argument nor the config's `compute_device` names one; unset: CUDA when available, "
+             "else the CPU"),
     Variable("WORLD_SIZE", int, None,
              "set by the launcher (torchrun); with `RANK` and `MASTER_ADDR` set, zero joins the process group "
              "(unset: the MPI / Slurm variables below, else one process, no group)", minimum=1),

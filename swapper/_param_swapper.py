@@ -55,6 +55,11 @@ from ._pool_kind import PoolKind, WholeBuffers
 from ._swap_dir import FreeSpaceFn
 from ._swapper_base import SwapperBase
 
+def _on_host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t``'s elements as host memory of ``dtype`` (itself when it is that already)."""
+    return t.detach().reshape(-1).to(device="cpu", dtype=dtype)
+
+
 class PartitionedParamSwapper(SwapperBase):
     """Swaps parameter partitions, registered by stable id, between NVMe and pool buffers.
 
@@ -385,12 +390,13 @@ class PartitionedParamSwapper(SwapperBase):
             elif self._checksums is not None:
                 self._checksums.forget_region(p.home.path, p.home.offset, p.nbytes)
             p.home = Home(os.fspath(home[0]), int(home[1]))
-            if self._checksums is not None:
-                self._checksums.record(p.home.path, p.home.offset, t)
             if p.state is PartitionState.AVAILABLE:
                 p.tensor().copy_(t.reshape(-1))
             else:
                 p.state = PartitionState.ON_NVME
+            if self._checksums is not None:  # of host bytes in the partition's dtype, never of a device tensor
+                held = p.tensor() if p.state is PartitionState.AVAILABLE else _on_host(t, p.dtype)
+                self._checksums.record(p.home.path, p.home.offset, held)
             p.on_nvme = True
 
     def fill(self, param_ids: Sequence[ParamId], tensors: Sequence[torch.Tensor]) -> None:

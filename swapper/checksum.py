@@ -118,6 +118,9 @@ def digest_chunks(algorithm: ChecksumAlgorithm, chunks: Iterable[memoryview]) ->
 
 
 def _memory(t: torch.Tensor) -> memoryview:
+    if t.device.type != "cpu":  # a digest is of the host bytes a swap file gets (a staging buffer's)
+        raise ValueError(f"a checksum is computed on host memory, got a tensor on {t.device}: copy it to the "
+                         f"host (the staging buffer that is written) first")
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")

@@ -9,6 +9,11 @@ os.environ["PYTHONSAFEPATH"] = "1"
 # ... and find the test helpers module (``from helpers import ...``) as the tests do.
 _here = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ.get("PYTHONPATH")) if p)
+# The suite computes on the CPU, GPU or not: its references (plain torch, expected bytes, lending
+# and memory expectations) are the CPU's. DeepSpeed's variable, read by zero (zero/runtime/comm.py,
+# [Note: which device computes]); this process, its ranks and child Pythons inherit it. A test
+# of the GPU path names its device (compute_device="cuda") and skips without one.
+os.environ["DS_ACCELERATOR"] = "cpu"
 
 import importlib
 

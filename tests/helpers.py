@@ -242,6 +242,37 @@ def same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+# -- a stand-in for CUDA tensors on a machine without a GPU ------------------------------------------
+
+class OnFakeCuda(torch.Tensor):
+    """A CPU tensor that, where the tests look, is one on cuda:0 (a CPU torch makes no CUDA tensor):
+    its ``device`` says cuda:0 and, as a CUDA tensor's, its ``.numpy()`` refuses; ``.cpu()`` and
+    ``.to("cpu")`` give a plain host copy. Operations on it compute on the host as usual and give
+    OnFakeCuda tensors (torch's subclass rules)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                        "host memory first.")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+    def to(self, *args, **kwargs):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if device is not None and torch.device(device).type == "cpu":
+            return self.as_subclass(torch.Tensor).to(*args, **kwargs).clone()
+        return super().to(*args, **kwargs)
+
+
+def on_fake_cuda(t: torch.Tensor) -> OnFakeCuda:
+    """A copy of ``t`` that says it is on cuda:0 (see :class:`OnFakeCuda`)."""
+    return t.detach().as_subclass(torch.Tensor).clone().as_subclass(OnFakeCuda)
+
+
 # -- processes a test starts: never waited for longer than a timeout ------------------------------------
 
 # [Note: timeouts of multi-process tests]
@@ -319,7 +350,14 @@ def wait_for_line(proc: "subprocess.Popen", timeout: float = PROCESS_TIMEOUT_S) 
     return line[0]
 
 
-# -- several ranks in one test: gloo processes started by torch.multiprocessing ------------------------
+# -- several ranks in one test: processes started by torch.multiprocessing -----------------------------
+
+# [Note: where the test ranks compute]
+# run_ranks' ranks compute on the CPU over gloo, GPU or not (DS_ACCELERATOR=cpu, as the whole suite:
+# tests/conftest.py), so a GPU machine runs the CPU suite's multi-rank tests as this one does. NCCL
+# refuses two ranks on one GPU, so a test on CUDA (device="cuda") needs a GPU per rank and skips,
+# saying so, with fewer. The ranks are forked (fast) unless CUDA is initialised in this process (an
+# earlier test used the GPU), which a forked child cannot use: then, and for CUDA ranks, spawned.
 
 def free_port() -> int:
     import socket
@@ -333,7 +371,8 @@ def _rank_log(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"rank{rank}.log")
 
 
-def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, timeout: float,
+            device: str = "cpu") -> None:
     import datetime
     import faulthandler
     import json
@@ -352,11 +391,16 @@ def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, time
     faulthandler.disable()  # installed afresh: an imported library may have replaced its handler
     faulthandler.enable(sys.stderr, all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      DS_ACCELERATOR=device)
     torch.set_num_threads(1)
-    # The group zero.initialize would make (the same backend), with the test's timeout.
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout))
+    # The group zero.initialize would make for this device, with the test's timeout.
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=timeout),
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     results = {}
     for name, fn, kwargs in scenarios:
         try:
@@ -370,21 +414,38 @@ def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, time
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, scenarios, out_dir, timeout: float = PROCESS_TIMEOUT_S) -> List[dict]:
+def rank_start_method(device: str = "cpu") -> str:
+    """How run_ranks starts its ranks (see [Note: where the test ranks compute])."""
+    return "spawn" if device == "cuda" or torch.cuda.is_initialized() else "fork"
+
+
+def run_ranks(world_size: int, scenarios, out_dir, timeout: float = PROCESS_TIMEOUT_S,
+              device: str = "cpu") -> List[dict]:
     """Run ``scenarios`` (``(name, fn, kwargs)``; ``fn(rank, world_size, scratch_dir, **kwargs)``
-    returns something JSON-able) in ``world_size`` gloo processes; one result dict per rank.
-    Ranks not done within ``timeout`` seconds are stopped and the test fails with what each
-    printed (see [Note: timeouts of multi-process tests]), as it does when a rank dies."""
+    returns something JSON-able) in ``world_size`` processes computing on ``device`` ("cpu":
+    gloo; "cuda": NCCL, a GPU per rank, else the test skips); one result dict per rank (see
+    [Note: where the test ranks compute]). Spawned ranks import ``fn`` by name: a module-level
+    function. Ranks not done within ``timeout`` seconds are stopped and the test fails with what
+    each printed (see [Note: timeouts of multi-process tests]), as it does when a rank dies."""
     import json
 
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"run_ranks computes on 'cpu' or 'cuda', not {device!r}")
+    if device == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < world_size:
+            import pytest
+
+            pytest.skip(f"{world_size} ranks on CUDA need {world_size} GPUs (NCCL refuses two ranks on one "
+                        f"device); this machine has {have}")
     out_dir = os.fspath(out_dir)
     for name, _, _ in scenarios:
         os.makedirs(os.path.join(out_dir, name), exist_ok=True)
-    ranks = mp.start_processes(_worker, args=(world_size, free_port(), scenarios, out_dir, timeout),
-                               nprocs=world_size, start_method="fork", join=False)
+    ranks = mp.start_processes(_worker, args=(world_size, free_port(), scenarios, out_dir, timeout, device),
+                               nprocs=world_size, start_method=rank_start_method(device), join=False)
     deadline = time.monotonic() + timeout
     try:
         while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):

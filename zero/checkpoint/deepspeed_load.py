@@ -148,7 +148,7 @@ def load_deepspeed_checkpoint(engine, checkpoint: str, load_optimizer_states: bo
     except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
-        if comm.any(error is not None, engine.device):
+        if comm.any(error is not None):
             if error is not None:
                 raise error
             raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")

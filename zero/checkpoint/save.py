@@ -36,7 +36,7 @@ def _agreed_tag(engine, tag: str) -> str:
     policy = engine.config.checkpoint.tag_validation
     if policy == "Ignore":
         return first
-    if policy == "Fail" and comm.any(first != tag, engine.device):  # every rank raises, none waits
+    if policy == "Fail" and comm.any(first != tag):  # every rank raises, none waits
         raise ValueError(f"ranks save different checkpoint tags (rank {comm.rank}: {tag!r}, rank 0: "
                          f"{first!r}) and checkpoint.tag_validation is Fail")
     if first != tag:

@@ -25,7 +25,7 @@ from .monitoring import CommsLoggerConfig, CSVMonitorConfig, FlopsProfilerConfig
 from .optimizer import OptimizerConfig
 from .precision import BF16Config, DataType, DataTypesConfig, FP16Config
 from .scheduler import SchedulerConfig
-from .values import AUTO, Flag, Int, Real, whole_number
+from .values import AUTO, ComputeDevice, Flag, Int, Real, whole_number
 from .zero_section import ZeroConfig
 
 
@@ -58,6 +58,9 @@ class DeepSpeedConfig(StrictModel):
     gradient_accumulation_steps: Optional[Int(minimum=1, auto=True)] = None
     gradient_clipping: Real(minimum=0.0, auto=True) = 0.0
     """Max global gradient norm; 0 turns clipping off."""
+    compute_device: ComputeDevice = "auto"
+    """Where the engine computes (ours): "cpu", "cuda", "cuda:N", or "auto" (the DS_ACCELERATOR
+    variable, else CUDA when available); a ``compute_device=`` argument comes first (runtime/comm.py)."""
 
     # model_construct: the default (stage 0) is reported as a missing section
     # by _check_given, not by ZeroConfig's own check.

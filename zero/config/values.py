@@ -223,6 +223,28 @@ def Choice(*options: str, what: str = "value", aliases: dict[str, str] | None = 
     return Annotated[Literal[options], PlainValidator(validate)]  # type: ignore[valid-type]
 
 
+COMPUTE_DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def compute_device_name(value: Any) -> str:
+    """Where the engine computes: ``"auto"`` (CUDA when available, else the CPU), ``"cpu"``,
+    ``"cuda"`` (the rank's local device) or ``"cuda:N"``; case-insensitive, stored lower-case.
+    Only the spelling is checked here (no torch): whether CUDA is there is the runtime's question."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        kind, colon, index = text.partition(":")
+        if (text in ("auto", "cpu", "cuda")
+                or (kind == "cuda" and colon and index.isascii() and index.isdigit())):
+            return f"cuda:{int(index)}" if colon else text
+    hint = did_you_mean(str(value), COMPUTE_DEVICES, ignore_case=True)
+    hint = f"; did you mean '{hint}'?" if hint else ""
+    fail("compute_device", f"compute device {short(value)} is not supported (supported: "
+                           f"{', '.join(COMPUTE_DEVICES)}){hint}")
+
+
+ComputeDevice = _typed(str, compute_device_name, auto=False)
+
+
 def allows_auto(annotation: Any, metadata: list[Any] = ()) -> bool:
     """Whether a field's type (or its metadata) carries :data:`AUTO_ALLOWED`."""
     if any(m is AUTO_ALLOWED for m in metadata):

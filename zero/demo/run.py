@@ -1,6 +1,6 @@
 """nvmeio's main job: ZeRO-3 training with parameters and optimizer states on NVMe.
 
-    zero_demo [--steps 200] [--nvme_dir DIR] [--offload nvme|cpu|none]
+    zero_demo [--steps 200] [--nvme_dir DIR] [--offload nvme|cpu|none] [--compute_device cpu|cuda]
     zero_demo --big          # a model whose states exceed this machine's RAM
 
 A byte-level GPT (zero/examples.py: 4 layers, d_model 128, vocabulary 256)
@@ -10,8 +10,8 @@ learns to write Python from the standard library's own source files
 bar shows the loss and tokens/s; at the end come the held-out loss before and
 after, peak memory and the bytes that sat on NVMe. The first ``--check_steps``
 steps are also run by plain PyTorch (torch.optim.AdamW(fused=True)) on a copy
-of the model: exit status 0 when the losses agree to rtol 1e-6 and the
-held-out loss fell.
+of the model, on the device the engine computes on: exit status 0 when the
+losses agree to rtol 1e-6 and the held-out loss fell.
 
 Swap files go to a fresh folder under ``--nvme_dir`` (default
 ``$XDG_CACHE_HOME/nvmeio``, else ``~/.cache/nvmeio``: a local disk, not the
@@ -153,14 +153,20 @@ def run_small(args, root: str) -> int:
     held_out = data.held_out_batches(4)
     batches = [data.next_batch() for _ in range(args.steps)]
     check = min(args.check_steps, args.steps)
-    reference = train_reference(copy.deepcopy(model), batches[:check], check, lr=LR, clip=1.0)
+    plain = copy.deepcopy(model)  # the engine takes the model's values; plain torch trains this copy
 
     print(f"ZeRO-3, offload {args.offload}: byte-level GPT, {n_params / 1e6:.2f}M params, fp32, AdamW lr {LR}, "
           f"{args.steps} steps of {BATCH} x {MODEL.seq} bytes of the Python standard library's source")
     with swap_folder(root) as nvme:
         if args.offload == "nvme":
             print(f"swap files under {nvme} (removed at exit)")
-        engine, _, _, _ = zero.initialize(model=model, config=ds_config(args.offload, nvme))
+        engine, _, _, _ = zero.initialize(model=model, config=ds_config(args.offload, nvme),
+                                          compute_device=args.compute_device)
+        # Compared on the device the engine trains on: the CPU's and a GPU's float rounding differ.
+        device = engine.device
+        reference = train_reference(plain.to(device), [(x.to(device), y.to(device)) for x, y in batches[:check]],
+                                    check, lr=LR, clip=1.0)
+        del plain
         before = held_out_loss(engine, held_out)
         losses, tokens_per_s = train(engine, batches, f"zero-3 {args.offload}")
         on_disk = disk_bytes(nvme)
@@ -172,7 +178,7 @@ def run_small(args, root: str) -> int:
     print(f"training loss (mean of {window} steps): {sum(losses[:window]) / window:.4f} first, "
           f"{sum(losses[-window:]) / window:.4f} last")
     print(f"held-out loss: {before:.4f} before, {after:.4f} after")
-    print(f"checked against plain torch AdamW over the first {check} steps: "
+    print(f"checked against plain torch AdamW on {device} over the first {check} steps: "
           f"max relative difference of the losses {err:.2e} (rtol 1e-6)")
     print(f"throughput: {tokens_per_s:,.0f} tokens/s; peak RSS {peak_rss_bytes() / 2**20:,.0f} MiB")
     where = "on NVMe" if args.offload == "nvme" else f"on disk (offload {args.offload}: they stay in memory)"
@@ -219,10 +225,10 @@ def run_big(args, root: str) -> int:
         config = ds_config("nvme", nvme, batch=batch, sub_group_size=20_000_000, buffer_size=largest, lr=LR_BIG)
         t0 = time.perf_counter()
         torch.manual_seed(0)
-        with zero.Init(config_dict_or_path=config):
+        with zero.Init(config_dict_or_path=config, compute_device=args.compute_device):
             model = GPT(cfg)
         built_s = time.perf_counter() - t0
-        engine, _, _, _ = zero.initialize(model=model, config=config)
+        engine, _, _, _ = zero.initialize(model=model, config=config, compute_device=args.compute_device)
         print(f"built under zero.Init straight to NVMe in {built_s:.0f} s; peak RSS so far "
               f"{peak_rss_bytes() / 2**30:.2f} GiB")
         losses, tokens_per_s = train(engine, batches, "zero-3 nvme (big)")
@@ -245,6 +251,8 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="training steps (default 200; 2 with --big)")
     p.add_argument("--check_steps", type=int, default=10, help="steps also run by plain torch to compare")
     p.add_argument("--offload", choices=["nvme", "cpu", "none"], default="nvme")
+    p.add_argument("--compute_device", default=None,
+                   help="cpu, cuda or cuda:N (default: $DS_ACCELERATOR, else CUDA when available)")
     p.add_argument("--corpus_mib", type=int, default=8, help="MiB of standard-library source to read")
     p.add_argument("--big", action="store_true", help="train a model whose states exceed this machine's RAM")
     p.add_argument("--ram_gib", type=float, default=None, help=argparse.SUPPRESS)  # --big's RAM, for tests

@@ -33,12 +33,11 @@ class BackwardPass:
     one engine. ``parts``: the engine's parts (build.py); ``mark_unusable(why)``: the engine
     refuses use until a checkpoint is loaded."""
 
-    def __init__(self, parts, optimizer, comm: Comm, device: torch.device, timers: Timers,
+    def __init__(self, parts, optimizer, comm: Comm, timers: Timers,
                  gradient_accumulation_steps: int, step_in_backward: bool, mark_unusable: Callable[[str], None]):
         self._parts = parts
         self._optimizer = optimizer
         self._comm = comm
-        self._device = device
         self._timers = timers
         self._gas = gradient_accumulation_steps
         self._step_in_backward = step_in_backward
@@ -147,7 +146,7 @@ class BackwardPass:
         on with the collectives (GradStash.run, Comm.deferring); every rank learns of it here and
         raises, so that all of them handle it alike and none is left waiting in a collective."""
         self._comm.take_deferred()
-        if self._comm.any(error is not None, self._device):
+        if self._comm.any(error is not None):
             raise error if error is not None else EngineStateError(
                 f"{what} failed on another rank (reading parameters, writing gradients to NVMe or stepping the "
                 f"optimizer there); see that rank's error")

@@ -51,7 +51,7 @@ import torch.nn as nn
 from nvmeio import AioSettings, require_gds
 from nvmeio import env
 
-from ..runtime.comm import Comm, compute_device
+from ..runtime.comm import Comm
 from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
 from ..runtime.hooks import Coordinator
@@ -126,8 +126,7 @@ def _unit_shard(params: List[nn.Parameter], layout, comm: Comm) -> torch.Tensor:
     flat = torch.cat([full_param_value(p, comm).detach().reshape(-1).to(torch.float32) for p in params]) \
         if params else torch.empty(0)
     if comm.distributed and params and not all(is_init_partitioned(p) for p in params):
-        dev = compute_device(comm.local_rank)  # NCCL broadcasts device tensors, gloo host tensors
-        flat = comm.broadcast(flat.to(dev), src=0)
+        flat = comm.broadcast(flat, src=0)  # on the device the backend takes (runtime/comm.py)
     start = layout.shard_start(comm.rank)
     shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=flat.device)
     piece = flat[start:start + layout.shard_numel]
@@ -272,7 +271,8 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
                                                        steps_in_backward=steps))
     else:
         home = device if offload.device == "none" else torch.device("cpu")
-        store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory)
+        # pinned host memory speeds copies to and from a GPU only: computing on the CPU, it is not taken
+        store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory and device.type == "cuda")
     release.callback(store.close)
     return store
 
@@ -292,7 +292,7 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         if (dtype == torch.float32 and isinstance(opt_store, FlatOptimizerStore)
                 and opt_store.master.device == home):
             alias = opt_store.master
-        store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory, flat=alias)
+        store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory and device.type == "cuda", flat=alias)
     release.callback(store.close)
     store.check_free_space()
     if opt_store is not None:

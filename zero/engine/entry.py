@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from .build import OptimizerSpec, check_params_known
-from ..runtime.comm import compute_device, init_distributed
+from ..runtime.comm import choose_compute_device, init_distributed, process_place
 from ..config import ConfigDeprecationWarning, ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
 from .zero_engine import ZeroEngine
 from .lr_schedules import build_scheduler
@@ -148,7 +148,7 @@ def config_from_args(args):
 
 def initialize(args=None, model: nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None, collate_fn=None,
-               config=None, config_params=None):
+               config=None, config_params=None, compute_device=None):
     """Wrap ``model`` in a :class:`~zero.engine.ZeroEngine`.
 
     ``config`` (or ``config_params``, or ``args.deepspeed_config`` of an
@@ -163,6 +163,9 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
     scheduler or a callable taking the returned optimizer; omit it to use the
     config's ``scheduler`` section. Returns ``(engine, optimizer, dataloader,
     lr_scheduler)``; ``dataloader`` is None without ``training_data``.
+    ``compute_device`` (ours: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, or
+    ``"auto"``/None) comes before the config's ``compute_device``, then ``$DS_ACCELERATOR``,
+    then CUDA when available (runtime/comm.py, [Note: which device computes]).
     """
     if model is None:
         raise ValueError("zero.initialize needs model=")
@@ -182,9 +185,10 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
         from .distributed import init_distributed as make_process_group
 
         make_process_group(verbose=False)
-    comm = init_distributed(join=dist_init_required is not False)
-    device = compute_device(comm.local_rank)
-    loaded = load_config(source, world_size=comm.world_size, hidden_size=_hidden_size(model))
+    place = process_place()  # the device (and so the process group's backend) comes from the config
+    loaded = load_config(source, world_size=place.world_size, hidden_size=_hidden_size(model))
+    device = choose_compute_device(place.local_rank, compute_device, loaded.compute_device)
+    comm = init_distributed(device=device, join=dist_init_required is not False)
     loaded = _resolve(loaded, model, optimizer, comm.world_size)
     _check_nvme_writable(loaded)
     spec = _optimizer_spec(model, loaded, optimizer, model_parameters)
@@ -206,21 +210,21 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
 
         dataloader = None
         if training_data is not None:
-            dataloader = _dataloader(training_data, loaded, comm, collate_fn)
+            dataloader = _dataloader(training_data, loaded, comm, collate_fn, device)
     except BaseException as error:
         engine._release_failed(error)
         raise
     return engine, engine.optimizer, dataloader, scheduler
 
 
-def _dataloader(data, config: DeepSpeedConfig, comm, collate_fn):
+def _dataloader(data, config: DeepSpeedConfig, comm, collate_fn, device: torch.device):
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     micro = config.train_micro_batch_size_per_gpu
     sampler = DistributedSampler(data, num_replicas=comm.world_size, rank=comm.rank)
     return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=device.type == "cuda")
 
 
 __all__ = ["add_config_arguments", "initialize"]

@@ -235,7 +235,7 @@ class TrainBatch:
 
     def _forward_window(self, items: List, loss_fn: Callable) -> List[torch.Tensor]:
         engine, activations = self.engine, self._activations
-        window = MicroBatchWindow(len(items), rng_state=_rng_state(engine.device))
+        window = MicroBatchWindow(len(items), rng_state=_rng_state(engine.device), device=engine.device)
         engine.parts.coordinator.begin_window(window)
         if not self._threaded_backward:
             _bind_checkpointing(engine.module, window)

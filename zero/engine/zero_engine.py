@@ -72,7 +72,7 @@ class ZeroEngine(nn.Module):
             if offload.step_in_backward and "step_in_backward" in offload.model_fields_set and why_not:
                 warnings.warn(f"zero_optimization.offload_optimizer.step_in_backward = true has no effect: {why_not}",
                               IgnoredSettingWarning, stacklevel=3)
-            self.backward_pass = BackwardPass(self.parts, self.optimizer, comm, device, self.timers,
+            self.backward_pass = BackwardPass(self.parts, self.optimizer, comm, self.timers,
                                               config.gradient_accumulation_steps, offload.step_in_backward,
                                               self.mark_unusable)
         except BaseException as error:

@@ -33,6 +33,17 @@ checkpoint folder holds the engine's checkpoint (``latest`` + tag folder,
 parameters and optimizer states included) beside the consolidated model
 weights that ``save_model`` writes for ``from_pretrained``.
 
+[Note: the model stays where it was built]
+The Trainer moves the whole model to ``args.device`` in ``__init__`` (and again
+for ``model_init`` and fp16/bf16 full eval) unless it is "postponed":
+``place_model_on_device`` is False for DeepSpeed, FSDP and model parallelism
+(transformers' ``Trainer.__init__``). A model that needs offload would not fit
+there, so ZeroTrainer postpones it as the Trainer does for DeepSpeed:
+``_move_model_to_device`` does nothing and ``place_model_on_device`` reads
+False. The engine built in ``create_optimizer`` takes the parameters from where
+they are into its stores, computing on ``args.device`` (``use_cpu=True``: the
+CPU); inputs go there as the Trainer sends them.
+
 [Note: accumulation windows through train_batch]
 With ``gradient_accumulation_steps`` k > 1 each window runs through
 ``engine.train_batch`` (unit-major: each unit's parameters read once for the k
@@ -152,6 +163,7 @@ class ZeroTrainer(Trainer):
         self._window: Optional[FetchedWindow] = None
         self._caught = threading.local()  # a window thread's loss, caught at its backward
         super().__init__(*args, **kwargs)
+        self.place_model_on_device = False  # what the Trainer decides for DeepSpeed (see the note)
         if self.args.deepspeed:
             raise ValueError("ZeroTrainer runs nvmeio's engine, not DeepSpeed: remove deepspeed= from the "
                              "TrainingArguments and pass that config as ZeroTrainer(zero_config=...)")
@@ -163,6 +175,9 @@ class ZeroTrainer(Trainer):
                           stacklevel=2)
 
     # -- the engine in place of the model and optimizer ---------------------------------------------
+    def _move_model_to_device(self, model, device) -> None:
+        """Nothing: the engine places the parameters (see [Note: the model stays where it was built])."""
+
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
         self.accelerator.backward = self._engine_backward
@@ -181,7 +196,8 @@ class ZeroTrainer(Trainer):
         if "optimizer" not in data:  # HF's rule: the Trainer's own optimizer (AdamW, weight-decay groups)
             self.optimizer = None
             trainer_optimizer = super().create_optimizer()
-        engine, _, _, _ = initialize(model=self.model, config=config, optimizer=trainer_optimizer)
+        engine, _, _, _ = initialize(model=self.model, config=config, optimizer=trainer_optimizer,
+                                     compute_device=self.args.device)  # use_cpu=True: the CPU
         self.zero_engine = engine
         self.optimizer = EngineStepsOptimizer(engine)
         k = self.args.gradient_accumulation_steps

@@ -219,7 +219,7 @@ class ZeroStrategy(DDPStrategy):
         if not self.zero_stage_3:
             yield
             return
-        with Init(remote_device=self.remote_device, config_dict_or_path=self.config):
+        with Init(remote_device=self.remote_device, config_dict_or_path=self.config, compute_device=self.root_device):
             yield
 
     def _trainer_config(self, trainer) -> dict:
@@ -260,7 +260,8 @@ class ZeroStrategy(DDPStrategy):
             config.pop("optimizer", None)
             config.pop("scheduler", None)
         module = self.precision_plugin.convert_module(module)  # 16-true / bf16-true: 16-bit before the engine
-        engine, zero_optimizer, _, _ = initialize(model=module, config=config, optimizer=optimizer)
+        engine, zero_optimizer, _, _ = initialize(model=module, config=config, optimizer=optimizer,
+                                                  compute_device=self.root_device)  # accelerator="cpu": the CPU
         for sc in scheduler_configs:  # the script's scheduler now drives the engine's param groups
             for old, new in zip(optimizer.param_groups, zero_optimizer.param_groups):
                 if "initial_lr" in old:

@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from ..runtime.comm import Comm, compute_device, init_distributed
+from ..runtime.comm import Comm, choose_compute_device, init_distributed, process_place
 from ..stores.malloc_trim import FreedBytes
 from .active_context import current_context, set_current_context
 from .init_store import InitShard, NvmeInitStore
@@ -90,9 +90,8 @@ def full_param_value(p: torch.Tensor, comm: Comm) -> torch.Tensor:
     shard = s.read()
     if comm.world_size == 1:
         return shard[:s.numel].view(s.shape)
-    dev = compute_device(comm.local_rank)  # NCCL gathers device tensors, gloo host tensors
-    full = torch.empty(s.shard_numel * comm.world_size, dtype=s.dtype, device=dev)
-    comm.all_gather_into(full, shard.to(dev))
+    full = torch.empty(s.shard_numel * comm.world_size, dtype=s.dtype, device=comm.collective_device)
+    comm.all_gather_into(full, shard)
     return full[:s.numel].view(s.shape)
 
 
@@ -189,13 +188,15 @@ class Init(contextlib.ContextDecorator):
     takes ``nvme_path``, ``max_in_cpu``, ``buffer_count`` and ``pin_memory``
     from the config's ``offload_param`` section and the handle settings from
     its ``aio`` section. ``dtype`` casts floating-point parameters as they are
-    partitioned. ``enabled=False`` makes the context a no-op.
+    partitioned. ``enabled=False`` makes the context a no-op. ``compute_device``
+    (ours) is where slices stay with ``remote_device="none"``, chosen as
+    ``zero.initialize`` chooses it (runtime/comm.py, [Note: which device computes]).
     """
 
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None,
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None,
                  pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True,
-                 dtype: Optional[torch.dtype] = None, mpu=None):
+                 dtype: Optional[torch.dtype] = None, mpu=None, compute_device=None):
         if mpu is not None:
             raise ValueError("zero.Init(mpu=...): model parallelism is not supported by this engine: its "
                              "data-parallel group is every rank of the process group, so with model-parallel ranks "
@@ -203,21 +204,24 @@ class Init(contextlib.ContextDecorator):
                              "(mpu=None)")
         self.enabled = enabled
         self.dtype = dtype  # floating-point parameters are kept in this dtype (DeepSpeed's meaning)
-        self.comm = init_distributed()
+        place = process_place()
         source = config_dict_or_path if config_dict_or_path is not None else config
         loaded = None
         if source is not None:
             from ..config import load_config
 
-            loaded = load_config(source, world_size=self.comm.world_size)
+            loaded = load_config(source, world_size=place.world_size)
             if remote_device is None:
                 remote_device = loaded.zero_optimization.offload_param.device
+        device = choose_compute_device(place.local_rank, compute_device,
+                                       loaded.compute_device if loaded is not None else "auto")
+        self.comm = init_distributed(device=device)
         self.remote_device = "none" if remote_device is None else remote_device
         if self.remote_device not in _REMOTE_DEVICES:
             raise ValueError(f"zero.Init remote_device must be one of {', '.join(map(repr, _REMOTE_DEVICES))}, "
                              f"got {remote_device!r}")
         on_host = self.remote_device in ("cpu", "nvme")
-        self.shard_device = torch.device("cpu") if on_host else compute_device(self.comm.local_rank)
+        self.shard_device = torch.device("cpu") if on_host else device
         self._nvme = None
         if self.remote_device == "nvme":
             offload = loaded.zero_optimization.offload_param if loaded is not None else None
@@ -254,7 +258,7 @@ class Init(contextlib.ContextDecorator):
         if self.dtype is not None and data.is_floating_point() and data.dtype != self.dtype:
             data = data.to(self.dtype)
         if comm.distributed:  # every rank keeps rank 0's values
-            data = data.to(compute_device(comm.local_rank))
+            data = data.to(comm.collective_device)
             comm.broadcast(data, 0)
         numel = data.numel()
         shard_numel = -(-numel // comm.world_size)

@@ -107,10 +107,13 @@ def discover(distributed_port: int = DEFAULT_PORT, mpi: bool = True) -> Launch:
 
 
 def join_process_group(launch: Launch, backend: str, timeout: Optional[timedelta] = None,
-                       init_method: Optional[str] = None) -> None:
+                       init_method: Optional[str] = None, device_id=None) -> None:
     """Create the default process group of ``launch``'s ranks. torchrun's through ``env://`` (its
-    agent's store, where it has one); the others' at :attr:`Launch.init_method`, or ``init_method``."""
+    agent's store, where it has one); the others' at :attr:`Launch.init_method`, or ``init_method``.
+    ``device_id``: NCCL's CUDA device for this rank (its communicators made there, eagerly)."""
     kwargs = {"timeout": timeout} if timeout is not None else {}
+    if device_id is not None:
+        kwargs["device_id"] = device_id
     if launch.launcher == "torchrun" and init_method is None:
         dist.init_process_group(backend=backend, **kwargs)
         return

@@ -70,8 +70,12 @@ class _Stopped(BaseException):
 class MicroBatchWindow:
     """The k threads of one window's forwards (then backwards), their aliases and gradients."""
 
-    def __init__(self, k: int, rng_state: Optional[Callable[[], List[torch.Tensor]]] = None):
+    def __init__(self, k: int, rng_state: Optional[Callable[[], List[torch.Tensor]]] = None,
+                 device: Optional[torch.device] = None):
         self.k = k
+        # The compute device: a new thread's current CUDA device is cuda:0 whatever its creator's,
+        # so each window thread makes it current before it computes (kernels, allocations, streams).
+        self.device = device
         self.rng_state = rng_state  # the generators' states, watched during forwards (see the note)
         self._turn_rng: Optional[List[torch.Tensor]] = None
         self._local = threading.local()
@@ -210,6 +214,8 @@ class MicroBatchWindow:
         def body(i: int) -> None:
             self._local.index = i
             try:
+                if self.device is not None and self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
                 self._wait_turn(i)
                 results[i] = fn(i)
                 self._check_no_draws(i)
