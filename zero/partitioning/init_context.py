@@ -52,55 +52,17 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from ..runtime.comm import Comm, compute_device, init_distributed
+from ..runtime.comm import compute_device, init_distributed
 from ..stores.malloc_trim import FreedBytes
+from . import hf_zero3
 from .active_context import current_context, set_current_context
-from .init_store import InitShard, NvmeInitStore
+from .init_store import InitShard, NvmeInitStore, is_init_partitioned
 
 _PATCHED: Dict[type, object] = {}
 _DEPTH = [0]
 _HOOK = [None]
 _ORIGINAL_INIT_SUBCLASS = nn.Module.__dict__.get("__init_subclass__")
 _REMOTE_DEVICES = ("none", "cpu", "nvme")
-
-
-def is_init_partitioned(p: torch.Tensor) -> bool:
-    return getattr(p, "_zero_init_shard", None) is not None
-
-
-def init_shard_lost(p: torch.Tensor) -> bool:
-    """``p``'s :class:`Init` slice was deleted with a context that failed (init_store.py)."""
-    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
-    return s is not None and s.lost
-
-
-def forget_init_shard(p: torch.Tensor) -> None:
-    """Drop ``p``'s :class:`Init` slice (its swap file too): an engine holds its values now."""
-    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
-    if s is not None:
-        s.drop()
-        p._zero_init_shard = None
-
-
-def full_param_value(p: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """The full value of a parameter, all-gathered when :class:`Init` partitioned it."""
-    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
-    if s is None:
-        return p.data
-    shard = s.read()
-    if comm.world_size == 1:
-        return shard[:s.numel].view(s.shape)
-    dev = compute_device(comm.local_rank)  # NCCL gathers device tensors, gloo host tensors
-    full = torch.empty(s.shard_numel * comm.world_size, dtype=s.dtype, device=dev)
-    comm.all_gather_into(full, shard.to(dev))
-    return full[:s.numel].view(s.shape)
-
-
-def store_init_shard(p: torch.Tensor, full: torch.Tensor, comm: Comm) -> None:
-    """Keep this rank's slice of ``full`` as ``p``'s shard."""
-    s: InitShard = p._zero_init_shard
-    n = s.shard_numel
-    s.write(full.reshape(-1)[comm.rank * n:(comm.rank + 1) * n])
 
 
 def _replace_param(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
@@ -223,6 +185,8 @@ class Init:
         self.materialize = True  # give meta parameters values when their module is built
         self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one
         self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (stores/malloc_trim.py)
+        hf_config = loaded.model_dump(exclude_unset=True) if loaded is not None else {"zero_optimization": {"stage": 3}}
+        self._hf_source = hf_zero3.Zero3Source("zero.Init", hf_config)
         if module is not None and enabled:
             try:
                 for p in module.parameters():
@@ -310,7 +274,7 @@ class Init:
                         _wrap_init(cls)
                 nn.Module.__init_subclass__ = _init_subclass
                 _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
-                if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf_hook.py)
+                if "transformers" in sys.modules:  # from_pretrained / from_config build partitioned (hf_hook.py)
                     from .hf_hook import install
 
                     install()
@@ -319,11 +283,17 @@ class Init:
                 set_current_context(self._previous)
                 raise
         _DEPTH[0] += 1
+        try:  # transformers sees ZeRO-3 while the context is open (hf_zero3.py)
+            hf_zero3.activate(self._hf_source)
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        hf_zero3.deactivate(self._hf_source)
         _DEPTH[0] -= 1
         set_current_context(self._previous)
         if _DEPTH[0] == 0:
