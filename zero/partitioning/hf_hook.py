@@ -38,6 +38,8 @@ import contextlib
 import functools
 import sys
 
+import torch.nn as nn
+
 from . import hf_zero3
 from .active_context import current_context, meta_parameter_names
 from .gathered import GatheredParameters
@@ -104,13 +106,18 @@ def _zero_init_already_active():
     return marker() if marker is not None else hf_zero3.suspended()
 
 
-def _hooked_params(module, pretrained_model):
-    """The parameters ``_init_weights(module)`` writes: the module's own and its direct children's
-    (those of a child model are its own ``_init_weights``'), partitioned ones only."""
-    params = list(module.parameters(recurse=False))
-    for child in module.children():
-        if not isinstance(child, pretrained_model):
-            params.extend(child.parameters(recurse=False))
+def _written_params(module, pretrained_model):
+    """The parameters ``_init_weights(module)`` writes, partitioned ones only: the module's own and its
+    direct children's (those of a child model are its own ``_init_weights``'), as transformers'
+    ``initialize_weights_zero3`` gathers them, and for each of these modules the originals its
+    parametrized weights are computed from (``parametrizations``, e.g. a weight-normed convolution)."""
+    modules = [module] + [child for child in module.children() if not isinstance(child, pretrained_model)]
+    params = []
+    for m in modules:
+        params.extend(m.parameters(recurse=False))
+        parametrizations = getattr(m, "parametrizations", None)
+        if isinstance(parametrizations, nn.Module):
+            params.extend(parametrizations.parameters())
     return [p for p in params if is_init_partitioned(p) or getattr(p, "_zero_unit", None) is not None]
 
 
@@ -146,7 +153,7 @@ def install() -> None:
 
     @functools.wraps(original_initialize)
     def _initialize_weights(self, module, is_custom_code: bool = False):
-        params = [] if getattr(module, "_is_hf_initialized", False) else _hooked_params(module, PreTrainedModel)
+        params = [] if getattr(module, "_is_hf_initialized", False) else _written_params(module, PreTrainedModel)
         if not params:
             return original_initialize(self, module, is_custom_code)
         with GatheredParameters(params, modifier_rank=0):
