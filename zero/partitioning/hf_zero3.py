@@ -80,6 +80,8 @@ def _live() -> List[Zero3Source]:
 
 
 def _gone(ref: weakref.ref) -> None:
+    if sys.meta_path is None:  # the interpreter is shutting down: nothing is left to tell
+        return
     with _LOCK:
         if ref in _SOURCES:
             _SOURCES.remove(ref)
