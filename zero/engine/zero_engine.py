@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 import weakref
 from typing import Optional
@@ -81,6 +82,10 @@ class ZeroEngine(nn.Module):
             self._hf_source = hf_zero3.Zero3Source("ZeroEngine", config.model_dump(exclude_unset=True)) \
                 if config.zero_optimization.stage == 3 else None
             if self._hf_source is not None:
+                if "transformers" in sys.modules:  # its model building meets the flag on our paths
+                    from ..partitioning.hf_hook import install
+
+                    install()
                 hf_zero3.activate(self._hf_source)
         except BaseException as error:
             self._release_failed(error)

@@ -125,7 +125,7 @@ def install() -> None:
     """Wrap ``PreTrainedModel.from_pretrained``, ``_from_config`` and ``_initialize_weights`` once
     (see the module docstring), and tell transformers what is active now (hf_zero3.py)."""
     if _INSTALLED[0]:
-        hf_zero3.sync()
+        hf_zero3.hooks_installed()
         return
     import transformers
     from transformers import PreTrainedModel
@@ -163,4 +163,4 @@ def install() -> None:
     PreTrainedModel._from_config = classmethod(_from_config)
     PreTrainedModel._initialize_weights = _initialize_weights
     _INSTALLED[0] = True
-    hf_zero3.sync()
+    hf_zero3.hooks_installed()

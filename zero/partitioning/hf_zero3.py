@@ -12,6 +12,9 @@ that finishes early keeps joining the others' gathers instead of leaving them wa
 whose constructors gather a weight do so, ``resize_token_embeddings`` gathers the embeddings, and
 the Trainer counts parameters by ``ds_numel``. When the last source goes, the reference is put back
 as it was (unless someone replaced it meanwhile) and the stand-in leaves ``sys.modules``.
+transformers is told only once hf_hook.py's wrappers are installed (each source installs them when
+transformers is imported): told before, it would build and load models its own DeepSpeed way, on
+names the stand-in does not have.
 
 Where a real DeepSpeed is importable nothing is registered and a warning says so once: its
 ``zero.GatheredParameters`` would be the one transformers calls, and it knows nothing of this
@@ -38,6 +41,7 @@ _LOCK = threading.RLock()
 _SOURCES: List[weakref.ref] = []  # active sources, oldest first
 _SUSPENDED = threading.local()
 _REGISTERED = [False]  # FLAG is transformers' config reference
+_HOOKED = [False]  # hf_hook.py's wrappers are installed: transformers may be told only then
 _PREVIOUS: List[Optional[weakref.ref]] = [None]  # transformers' reference before FLAG took its place
 _WARNED = [False]
 
@@ -120,15 +124,18 @@ def suspended():
         _SUSPENDED.depth -= 1
 
 
-def sync() -> None:
-    """Tell transformers what is active now (after it was imported)."""
+def hooks_installed() -> None:
+    """hf_hook.py wrapped transformers' model building: tell it what is active now, and from now on.
+    (Told before, transformers would build and load models its own DeepSpeed way, on names the
+    stand-in does not have.)"""
     with _LOCK:
+        _HOOKED[0] = True
         _sync()
 
 
 def _sync() -> None:
     live = bool(_live())
-    if live and not _REGISTERED[0] and "transformers" in sys.modules:
+    if live and not _REGISTERED[0] and _HOOKED[0] and "transformers" in sys.modules:
         if not deepspeed_standin.install():
             _warn_real_deepspeed()
             return
