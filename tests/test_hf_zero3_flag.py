@@ -25,7 +25,7 @@ from zero.hf import HfDeepSpeedConfig
 from zero.partitioning import deepspeed_standin, hf_zero3, init_context
 from zero.partitioning.active_context import current_context
 from zero.examples import GPT, GPTConfig
-from helpers import base_config
+from helpers import base_config, run_child
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 STAGE_3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
@@ -210,3 +210,23 @@ def test_every_deepspeed_name_transformers_uses_is_the_stand_ins_or_on_a_path_ta
             with pytest.raises(ModuleNotFoundError) as info:
                 resolve(name)
             assert f"deepspeed.{name.split('.')[0]}" in str(info.value)
+
+
+ENGINE_ONLY = """
+import json, sys, torch, transformers, zero
+config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+torch.manual_seed(0)
+transformers.GPT2LMHeadModel(config).save_pretrained(sys.argv[1])
+plain = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1]).state_dict()
+engine, _, _, _ = zero.initialize(model=transformers.GPT2LMHeadModel(config),
+                                  config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+seen = transformers.integrations.is_deepspeed_zero3_enabled()
+loaded = transformers.GPT2LMHeadModel.from_pretrained(sys.argv[1]).state_dict()
+print(json.dumps({"seen": seen, "same": all(torch.equal(v, plain[k]) for k, v in loaded.items())}))
+"""
+
+
+def test_an_engine_alone_in_a_fresh_process_leaves_from_pretrained_working(tmp_path):
+    # The first source of the process is an engine: it installs the hooks before transformers is told,
+    # so from_pretrained loads whole on its own path instead of reaching for deepspeed.zero.Init.
+    assert run_child(ENGINE_ONLY, str(tmp_path)) == {"seen": True, "same": True}
