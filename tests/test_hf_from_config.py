@@ -4,8 +4,9 @@ GPT-2 and Llama (tiny configs), built with the same seed by ``AutoModelForCausal
 inside ``zero.Init`` (memory or NVMe slices), under a stage-3 ``HfDeepSpeedConfig``, or as
 ``Model(config)`` inside ``zero.Init``, and on two ranks: every parameter equals the plain
 ``from_config``'s and the random number stream continues where the plain one does (the torch
-initialisers run as modules are built, then ``post_init``'s ``_init_weights`` on gathered slices:
-hf_hook.py). With only an engine active, ``from_config`` builds whole, as without ZeRO.
+initialisers run as modules are built, then ``post_init``'s ``_init_weights`` on gathered
+slices: zero/partitioning/hf_hook.py). With only an engine active, ``from_config`` builds whole,
+as without ZeRO.
 """
 import pytest
 import torch

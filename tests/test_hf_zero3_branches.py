@@ -1,4 +1,5 @@
-"""transformers' ZeRO-3 branches, taken on this engine (partitioning/hf_zero3.py, deepspeed_standin.py).
+"""transformers' ZeRO-3 branches, taken on this engine (zero/partitioning/hf_zero3.py and
+zero/partitioning/deepspeed_standin.py).
 
 - ``resize_token_embeddings`` of a model built partitioned gathers the old embeddings through the
   stand-in's ``GatheredParameters`` and gives what it gives on the plain model (mean resizing, tied head);

@@ -1,4 +1,4 @@
-"""transformers sees ZeRO-3 exactly while one of ours is active (partitioning/hf_zero3.py).
+"""transformers sees ZeRO-3 exactly while one of ours is active (zero/partitioning/hf_zero3.py).
 
 ``transformers.integrations.is_deepspeed_zero3_enabled()`` is true inside ``zero.Init``, while a
 stage-3 ``HfDeepSpeedConfig`` lives and while a stage-3 engine exists; false before, after, and for
