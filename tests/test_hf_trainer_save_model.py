@@ -5,7 +5,7 @@ its losses within bf16's rounding of the plain Trainer's. ``save_model`` writes 
 writes under DeepSpeed: at stage 3 with ``stage3_gather_16bit_weights_on_model_save`` the bf16
 parameters (DeepSpeed's ``save_16bit_model``); without it fp32 weights from the master weights,
 equal to what ``zero_to_fp32`` consolidates from a checkpoint (where DeepSpeed writes a checkpoint
-and no weights); below stage 3 the bf16 parameters every rank holds, as DeepSpeed does. Each loads
+and no weights; here the masters are on NVMe); below stage 3 the bf16 parameters every rank holds, as DeepSpeed does. Each loads
 with ``from_pretrained``.
 """
 import json
@@ -27,14 +27,17 @@ from test_hf_trainer import DATA_DIR, dataset, losses, tiny_gpt2, training_args
 STEPS = 2
 
 
-def stage_3(gather: bool) -> dict:
-    return {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                  "stage3_gather_16bit_weights_on_model_save": gather}}
+def stage_3(gather: bool, nvme_path=None) -> dict:
+    config = {"bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_gather_16bit_weights_on_model_save": gather}}
+    if nvme_path is not None:  # the masters are read from their swap files
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(nvme_path)}
+    return config
 
 
-def stage_2() -> dict:
+def stage_2(_) -> dict:
     with open(os.path.join(DATA_DIR, "ds_config_zero2_auto.json")) as f:
         config = json.load(f)
     config.pop("fp16")
@@ -42,7 +45,7 @@ def stage_2() -> dict:
     return config
 
 
-CONFIGS = {"stage 3, gather 16-bit": lambda: stage_3(True), "stage 3, no gather": lambda: stage_3(False),
+CONFIGS = {"stage 3, gather 16-bit": lambda path: stage_3(True), "stage 3, no gather": lambda path: stage_3(False, path),
            "stage 2": stage_2}
 
 
@@ -58,7 +61,7 @@ def plain_losses(tmp_path_factory):
 def trained(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16")
     trainer = ZeroTrainer(model=tiny_gpt2(), args=training_args(out, max_steps=STEPS, bf16=True),
-                          train_dataset=dataset(), zero_config=CONFIGS[request.param]())
+                          train_dataset=dataset(), zero_config=CONFIGS[request.param](out))
     trainer.train()
     trainer.save_model(str(out / "model"))
     return request.param, trainer, out

@@ -31,7 +31,9 @@ partitioned at once.
 
 Code that changes parameter values after construction (custom weight
 initialisation) must gather them first: ``with zero.GatheredParameters(params,
-modifier_rank=0): ...``.
+modifier_rank=0): ...``; transformers' ``_init_weights`` is, module by module
+(hf_hook.py), so a transformers model built here gets its usual values. While
+the context is open transformers sees ZeRO-3 (hf_zero3.py).
 
 [Note: how constructors are intercepted]
 Entering the context wraps ``__init__`` of every ``nn.Module`` subclass that

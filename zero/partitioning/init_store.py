@@ -9,6 +9,10 @@ So building a model costs about one module of memory whatever its size:
 the slices of the modules built before are on disk. ``zero.initialize``
 reads them back one unit at a time and deletes each file once its values
 are in the engine's stores; the directory goes with the last file.
+
+Below the store, the functions that read, gather or replace one parameter's
+slice (``full_param_value``, ``store_init_shard``, ...), for ``Init``,
+``GatheredParameters`` and ``zero.initialize`` alike.
 """
 from __future__ import annotations
 
