@@ -75,7 +75,8 @@ def scenario_predict(rank, world_size, scratch):
     expected = plain.eval().generate(inputs, max_length=12, synced_gpus=False,
                                      logits_processor=transformers.LogitsProcessorList([EndAfter(END_AFTER[rank])]))
     return {"forwards": len(forwards), "predictions": mine, "plain": expected.tolist(),
-            "zero3": transformers.integrations.is_deepspeed_zero3_enabled(), "stage": trainer.zero_engine.zero_optimization_stage()}
+            "zero3": transformers.integrations.is_deepspeed_zero3_enabled(),
+            "stage": trainer.zero_engine.zero_optimization_stage()}
 
 
 def test_predict_with_generate_on_two_ranks_ending_at_different_lengths(tmp_path):

@@ -1,12 +1,12 @@
 """zero.hf.ZeroTrainer with ``TrainingArguments(bf16=True)``, and what ``save_model`` writes.
 
-bf16 arguments fill the config's ``bf16.enabled: "auto"``: the engine trains in bf16 (fp32 masters),
-its losses within bf16's rounding of the plain Trainer's. ``save_model`` writes what the Trainer
-writes under DeepSpeed: at stage 3 with ``stage3_gather_16bit_weights_on_model_save`` the bf16
-parameters (DeepSpeed's ``save_16bit_model``); without it fp32 weights from the master weights,
-equal to what ``zero_to_fp32`` consolidates from a checkpoint (where DeepSpeed writes a checkpoint
-and no weights; here the masters are on NVMe); below stage 3 the bf16 parameters every rank holds, as DeepSpeed does. Each loads
-with ``from_pretrained``.
+bf16 arguments fill the config's ``bf16.enabled: "auto"``: the engine trains in bf16 (fp32
+masters), its losses within bf16's rounding of the plain Trainer's. ``save_model`` writes what the
+Trainer writes under DeepSpeed: at stage 3 with ``stage3_gather_16bit_weights_on_model_save`` the
+bf16 parameters (DeepSpeed's ``save_16bit_model``); without it fp32 weights from the master
+weights (here on NVMe), equal to what ``zero_to_fp32`` consolidates from a checkpoint (where
+DeepSpeed writes a checkpoint and no weights); below stage 3 the bf16 parameters every rank holds,
+as DeepSpeed does. Each loads with ``from_pretrained``.
 """
 import json
 import os
@@ -45,8 +45,8 @@ def stage_2(_) -> dict:
     return config
 
 
-CONFIGS = {"stage 3, gather 16-bit": lambda path: stage_3(True), "stage 3, no gather": lambda path: stage_3(False, path),
-           "stage 2": stage_2}
+CONFIGS = {"stage 3, gather 16-bit": lambda path: stage_3(True),
+           "stage 3, no gather": lambda path: stage_3(False, path), "stage 2": stage_2}
 
 
 @pytest.fixture(scope="module")
