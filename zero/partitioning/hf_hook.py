@@ -112,13 +112,14 @@ def _written_params(module, pretrained_model):
     ``initialize_weights_zero3`` gathers them, and for each of these modules the originals its
     parametrized weights are computed from (``parametrizations``, e.g. a weight-normed convolution)."""
     modules = [module] + [child for child in module.children() if not isinstance(child, pretrained_model)]
-    params = []
+    params = {}  # by identity: a parameter tied between them is gathered once
     for m in modules:
-        params.extend(m.parameters(recurse=False))
         parametrizations = getattr(m, "parametrizations", None)
-        if isinstance(parametrizations, nn.Module):
-            params.extend(parametrizations.parameters())
-    return [p for p in params if is_init_partitioned(p) or getattr(p, "_zero_unit", None) is not None]
+        originals = parametrizations.parameters() if isinstance(parametrizations, nn.Module) else ()
+        for p in [*m.parameters(recurse=False), *originals]:
+            if is_init_partitioned(p) or getattr(p, "_zero_unit", None) is not None:
+                params[id(p)] = p
+    return list(params.values())
 
 
 def install() -> None:
