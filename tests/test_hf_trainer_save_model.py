@@ -5,10 +5,10 @@ The flags fill the config's ``bf16.enabled`` / ``fp16.enabled: "auto"``: the eng
 16-bit (fp32 masters), its losses within 16-bit rounding of the plain Trainer's. ``save_model``
 writes what the Trainer writes under DeepSpeed: at stage 3 with
 ``stage3_gather_16bit_weights_on_model_save`` the 16-bit parameters (DeepSpeed's
-``save_16bit_model``); without it fp32 weights from the master
-weights (here on NVMe), equal to what ``zero_to_fp32`` consolidates from a checkpoint (where
-DeepSpeed writes a checkpoint and no weights); below stage 3 the bf16 parameters every rank holds,
-as DeepSpeed does. Each loads with ``from_pretrained``.
+``save_16bit_model``); without it fp32 weights from the master weights (here on NVMe), equal to
+what ``zero_to_fp32`` consolidates from a checkpoint (where DeepSpeed writes a checkpoint and no
+weights); below stage 3 the bf16 parameters every rank holds, as DeepSpeed does. Each loads with
+``from_pretrained``.
 """
 import json
 import os
