@@ -1,6 +1,6 @@
 """Checkpoints at disk speed: engine save/load vs torch.save/load vs fio, side by side.
 
-    flock /tmp/bench.lock python3 bench/checkpoint_io.py --dir /tmp/ckbench --results-md bench/RESULTS.md
+    flock /tmp/bench.lock python -m bench.checkpoint_io --dir /tmp/ckbench --results-md bench/RESULTS.md
 
 In one run, on one directory, page cache dropped before every timed save and
 load (root; else the figures are marked):
@@ -31,20 +31,17 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench import harness
 from tools import fio
-from tools.results_md import replace_section
 
 GIB = 1 << 30
-
+SECTION = "## Checkpoint I/O (bench/checkpoint_io.py)"
 
 
 def tree_bytes(path: str) -> int:
@@ -63,18 +60,11 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def proc_io() -> dict:
-    """This process's storage bytes so far (/proc/self/io: read_bytes, write_bytes; O_DIRECT
-    included, the I/O threads' too)."""
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(":") for line in f)}
-
-
 def timed_io(fn) -> tuple:
     """(seconds, bytes read from storage, bytes written) of ``fn()``."""
-    before = proc_io()
+    before = harness.proc_io()
     seconds = timed(fn)
-    after = proc_io()
+    after = harness.proc_io()
     return seconds, after["read_bytes"] - before["read_bytes"], after["write_bytes"] - before["write_bytes"]
 
 
@@ -123,14 +113,7 @@ def fio_copy(directory: str, nbytes: int, repeats: int) -> dict:
     """fio's time to read ``nbytes`` and write ``nbytes`` at once (tools/fio.py
     read_write_together: one read job and one write job, bs 4M, iodepth 32): the disk's limit
     for a copy, whose reads and writes share the disk."""
-    if not fio.available():
-        return {"error": "fio not installed"}
-    try:
-        return fio.read_write_together(nbytes, nbytes, directory, runs=repeats)
-    except fio.FioError as e:
-        return {"error": str(e)[-300:]}
-    finally:
-        fio.remove_together_files(directory)
+    return harness.fio_reference(nbytes, nbytes, directory, runs=repeats)
 
 
 # -- the fast writer alone ----------------------------------------------------------------
@@ -334,7 +317,7 @@ def report(r: dict) -> tuple[str, dict]:
 
     ck = eng["checkpoint_bytes"]
     lines = [
-        f"Latest run: {r['when']} on {r['host']}, commit {r['commit']}, `{r['command']}`.",
+        f"Latest run: {r.get('started', r['when'])} on {r['host']}, commit {r['commit']}.",
         "",
         f"Directory {r['dir']} ({r['fs']}); page cache dropped before every timed save and load: "
         f"{r['dropped']}. Medians of {r['repeats']}; GiB = 1024³. Load average {r['load_start']} at start, "
@@ -383,13 +366,6 @@ def report(r: dict) -> tuple[str, dict]:
         "memory / fio write + bytes copied from swap files / fio read; a copy both reads and writes each byte: "
         "with the two directions one after the other the disk needs copied bytes / fio read + copied bytes / fio "
         "write",
-        "- fio: several jobs now split the new file between them; before (up to 2026-11-23 11:54) each of 4 "
-        "jobs wrote the whole file, so fio counted 4x the bytes, the later jobs rewriting blocks already "
-        "allocated: that run's 3.71 GiB/s \"best write\" was not a new file's speed (one job: 2.27-2.30)",
-        "- before issue 23 (run of 2026-11-23 14:05, commit b4e7024, fio read 2.69, write 2.36 GiB/s): checksums "
-        "on, the load read every shard twice (verify, then the masters again): 2.65 s, 0.49× fio read; links "
-        "refused: save 3.11 s (0.42× issue 11's limit), load 5.08 s (0.25× fio read: verify, read into the "
-        "swapper, write the swap file, one after the other)",
         "- the first save after a step waits for that step's last optimizer writes (the step leaves them in "
         "flight for the next forward): the first of each row's runs",
         f"- load vs torch.load of the same state: {f(ratios['load_vs_torch_load'])}×; the fp32 parameters live "
@@ -399,7 +375,7 @@ def report(r: dict) -> tuple[str, dict]:
             f"{key} read {med(v[0] for v in r[key]['load_io_bytes']) / GIB:.2f} GiB, wrote "
             f"{med(v[1] for v in r[key]['load_io_bytes']) / GIB:.2f} GiB"
             for key in rows if r[key].get("load_io_bytes")),
-        (f"- fio's copy (bench/checkpoint_io.py fio_copy; tools/fio.py read_write_together): read and write "
+        (f"- fio's copy (bench/harness.py fio_reference; tools/fio.py read_write_together): read and write "
          f"{r['fio_copy']['read_bytes'] / GIB:.2f} GiB each at once, {r['fio_copy']['engine']}, bs 4M, iodepth "
          f"{r['fio_copy']['iodepth']}, --mem={r['fio_copy']['mem']}, fastest of {len(r['fio_copy']['runs'])}: "
          f"{f(fc_s, 2)} s (runs: {fc_runs})"
@@ -456,7 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=24, help="GPT layers (24: the 311M model)")
     p.add_argument("--fio_size", default="2G")
     p.add_argument("--results-md", dest="results_md")
-    p.add_argument("--json", default=str(REPO / "bench" / "out" / "checkpoint_io.json"))
+    p.add_argument("--json", default=os.path.join(harness.ROOT, "bench", "out", "checkpoint_io.json"))
     p.add_argument("--render", metavar="JSON", help="write the section (and chart) from a saved run's JSON")
     args = p.parse_args(argv)
     if args.render:
@@ -464,17 +440,14 @@ def main(argv=None) -> int:
         body, _ = report(r)
         print(body)
         if args.results_md:
-            chart(r, os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "checkpoint_io.png"))
-            replace_section(Path(args.results_md), "## Checkpoint I/O (bench/checkpoint_io.py)", body)
+            write_section(args.results_md, r, body)
         return 0
     os.makedirs(args.dir, exist_ok=True)
-    r = {"when": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "host": os.uname().nodename,
-         "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True).stdout.strip(),
-         "command": "python3 bench/checkpoint_io.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-         "dir": args.dir, "repeats": args.repeats, "fio_size": args.fio_size,
-         "fs": subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.split("\n")[1].split()[1],
-         "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "dropped": fio.drop_page_cache()}
+    meta = harness.provenance(args.dir)
+    r = {**meta, "command": "python -m bench.checkpoint_io " + " ".join(
+             argv if argv is not None else sys.argv[1:]),
+         "dir": args.dir, "repeats": args.repeats, "fio_size": args.fio_size, "fs": meta["fstype"],
+         "dropped": fio.drop_page_cache()}
     r["fio"] = fio_best(args.dir, args.fio_size, args.repeats)
     print("fio", json.dumps(r["fio"]), flush=True)
     r["alone"] = writer_alone(args.dir, args.repeats)
@@ -487,16 +460,38 @@ def main(argv=None) -> int:
     print("engine_copy", json.dumps(r["engine_copy"]), flush=True)
     r["fio_copy"] = fio_copy(args.dir, r["engine_copy"]["state_bytes"], args.repeats)
     print("fio_copy", json.dumps(r["fio_copy"]), flush=True)
-    r["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    r["load_end"] = harness.load_average()
     body, ratios = report(r)
     r["ratios"] = ratios
     print(body)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(r, indent=1))
     if args.results_md:
-        chart(r, os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "checkpoint_io.png"))
-        replace_section(Path(args.results_md), "## Checkpoint I/O (bench/checkpoint_io.py)", body)
+        write_section(args.results_md, r, body)
     return 0
+
+
+def write_section(results_md: str, r: dict, body: str) -> None:
+    chart(r, os.path.join(os.path.dirname(os.path.abspath(results_md)), "checkpoint_io.png"))
+    harness.write_section(results_md, SECTION, figures(r["ratios"], r["when"]), r["command"], body)
+
+
+def figures(ratios: dict, when: str) -> list:
+    """The headline: issue 11's and issue 23's goals, each against its ratio."""
+    rows = (("save_checksums_vs_torch_save", "save (linked, checksums on: the default) / torch.save", 10, "x", ""),
+            ("load_vs_fio_read", "load (checksums off) / fio's read", 0.7, "x", " (issue 11)"),
+            ("load_checksums_vs_fio_read", "load (checksums on) / fio's read", 0.8, "x", " (issue 23)"),
+            ("save_copy_vs_fio_copy", "save, links refused (state copied) / fio's copy", 0.7, "x", " (issue 23)"),
+            ("load_copy_vs_fio_copy", "load, links refused / fio's copy", 0.7, "x", " (issue 23)"),
+            ("writer_alone_vs_fio_write", "fast writer alone (safetensors, 1 GiB) / fio's write", 0.8, "x",
+             " (issue 11)"))
+    out = []
+    for key, what, goal, unit, issue in rows:
+        x = ratios.get(key)
+        if x is not None:
+            out.append(harness.Figure(what, f"**{x:.2f}{unit}**", f"≥ {goal}{unit}{issue or ' (issue 11)'}", x >= goal,
+                                      when))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What swap-file checksums cost: digest speeds, and the training step with each algorithm.
 
-    flock /tmp/bench.lock python3 bench/checksum_cost.py --results-md bench/RESULTS.md
-    python3 bench/checksum_cost.py --rounds 1 --steps 4          # a quick look
+    flock /tmp/bench.lock python -m bench.checksum_cost --results-md bench/RESULTS.md
+    python -m bench.checksum_cost --rounds 1 --steps 4          # a quick look
 
 Part 1: each algorithm of swapper.checksum digests a 256 MiB tensor (median of
 5). Part 2: one ZeRO-3 training step of a small GPT (4 layers, d_model 256,
@@ -19,23 +19,17 @@ in zero/config/offload.py).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
+
+from bench import harness
+from bench.train_step import BATCH, ds_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
-from tools.results_md import replace_section
-from train_step import BATCH, ds_config, load_average
 
 MODEL = dict(vocab=4096, d_model=256, heads=4, layers=4, seq=128, tie=False)  # ~4M parameters
 
@@ -115,17 +109,12 @@ def run_child(checksum: str, steps: int, warmup: int, nvme_path: str) -> dict:
 
 def run_one(checksum: str, args, root: str) -> dict:
     nvme_path = tempfile.mkdtemp(prefix=f"{checksum}-", dir=root)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", checksum, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--nvme_path", nvme_path]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        result = harness.run_child("bench.checksum_cost", ["--child", checksum, "--steps", args.steps, "--warmup",
+                                                           args.warmup, "--nvme_path", nvme_path], timeout=900)
     finally:
         shutil.rmtree(nvme_path, ignore_errors=True)
-    for line in reversed(out.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"checksum": checksum, "error": (out.stderr or out.stdout)[-2000:]}
+    return {"checksum": checksum, **result}
 
 
 def chart(summary: dict, png: str) -> None:
@@ -154,11 +143,10 @@ def main(argv=None) -> int:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)))
+        harness.print_result(run_child(args.child, args.steps, args.warmup, args.nvme_path))
         return 0
 
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    load_start = load_average()
+    meta = harness.provenance()
     speeds = digest_speeds()
     print("digest GB/s:", {k: round(v, 1) for k, v in speeds.items()}, flush=True)
     root = args.nvme_path or tempfile.mkdtemp(prefix="checksum_cost-")
@@ -195,17 +183,15 @@ def main(argv=None) -> int:
                      f"{s['min_ms']:.0f} | {s['median_ms']:.0f} | {s['cpu_ms']:.0f} | "
                      f"{', '.join(map(str, s['round_medians_ms']))} |")
     print("\n".join(lines))
-    load_end = load_average()
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "checksum_cost.json"), "w") as f:
-        json.dump({"started": started, "speeds_gbps": speeds, "rounds": results, "summary": summary,
-                   "load_start": load_start, "load_end": load_end}, f, indent=1)
+    meta["load_end"] = harness.load_average()
+    harness.save_json({**meta, "speeds_gbps": speeds, "rounds": results, "summary": summary},
+                      os.path.join(HERE, "out", "checksum_cost.json"), indent=1)
     if args.results_md:
         chart(summary, os.path.join(HERE, "checksum_cost.png"))
         nbytes = summary["none"].get("nvme_bytes", 0)
-        body = "\n".join([
-            f"Latest run: {started}, `python3 bench/checksum_cost.py --rounds {args.rounds} --steps {args.steps}`; "
-            f"load average {load_start} at start, {load_end} at end (2 CPUs shared with other work).",
+        details = "\n".join([
+            f"Latest run: {meta['started']}, commit {meta['commit']}; load average {meta['load_start']} at start, "
+            f"{meta['load_end']} at end (2 CPUs shared with other work).",
             "",
             f"GPT ({MODEL['layers']} layers, d_model {MODEL['d_model']}, vocab {MODEL['vocab']}), batch {BATCH}, "
             f"fp32, parameters and optimizer states on NVMe (max_in_cpu 0: {nbytes / 2**20:.0f} MiB of swap "
@@ -219,8 +205,23 @@ def main(argv=None) -> int:
             "",
             "![checksum cost](checksum_cost.png)",
         ])
-        replace_section(Path(args.results_md), SECTION, body)
+        harness.write_section(args.results_md, SECTION, figures(summary, speeds, meta["when"]),
+                              f"python -m bench.checksum_cost --rounds {args.rounds} --steps {args.steps}", details)
     return 0
+
+
+def figures(summary: dict, speeds: dict, when: str) -> list:
+    """The headline: each algorithm's hashing per step against the fastest step without checksums
+    (no goal: the figures decide the ``checksum`` key's default)."""
+    fastest = summary["none"].get("min_ms")
+    out = []
+    for name in ALGORITHMS[1:]:
+        s = summary[name]
+        if "digest_ms" in s and fastest:
+            out.append(harness.Figure(f"{name}{' (the default)' if name == 'xxhash' else ''}: hashing per step / "
+                                      f"fastest unchecked step ({speeds.get(name, 0):.1f} GB/s digest)",
+                                      f"**{100 * s['digest_ms'] / fastest:.1f}%**", when=when))
+    return out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ZeRO-Inference beyond memory: `generate` of a Llama-shaped model whose weights exceed this machine's RAM.
 
-    flock /tmp/bench.lock python3 bench/inference.py --results-md bench/RESULTS.md --json bench/out/inference.json
-    python3 bench/inference.py --models small --new-tokens 4          # the in-memory comparison only
+    flock /tmp/bench.lock python -m bench.inference --results-md bench/RESULTS.md --json bench/out/inference.json
+    python -m bench.inference --models small --new-tokens 4          # the in-memory comparison only
 
 For each model (``small``: Llama shape, 1.1B parameters, fits in memory;
 ``big``: Llama-7B shape, 6.7B parameters, 27 GB of fp32 weights, more than
@@ -34,14 +34,13 @@ import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from tools.proc_status import status_bytes
+from bench import harness
+from bench.harness import status_bytes
+
 SECTION = "## ZeRO-Inference beyond memory (bench/inference.py)"
 MODELS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
@@ -194,19 +193,13 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens:
 
 
 def run_child(*args: str) -> dict:
-    env = dict(os.environ, PYTHONSAFEPATH="1")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], capture_output=True,
-                         text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"child {args} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = harness.run_child("bench.inference", ["--child", *args])
+    if "error" in result:
+        raise RuntimeError(f"child {args} failed:\n" + "\n".join(result["tail"]) + f"\n{result['error']}")
+    return result
 
 
 # -- the run ---------------------------------------------------------------------------------------
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
 
 def gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f}"
@@ -220,16 +213,8 @@ def fio_read(work: str) -> float:
     blocks, iodepth 32, huge-page memory, O_DIRECT), the fastest of three runs over a 2 GiB file
     in ``work``, page cache dropped; 0 when fio is missing. Every token reads all weights once,
     so this is the speed a generate from NVMe can approach."""
-    sys.path.insert(0, os.path.dirname(HERE))
-    from tools import fio
-
-    if not fio.available():
-        return 0.0
-    try:
-        best = fio.read_write_together(FIO_READ_BYTES, 0, work, runs=3)
-    finally:
-        fio.remove_together_files(work)
-    return best["read_bytes"] / best["seconds"] / 2 ** 30
+    best = harness.fio_reference(FIO_READ_BYTES, 0, work, runs=3)
+    return best["read_bytes"] / best["seconds"] / 2 ** 30 if best.get("seconds") else 0.0
 
 
 def check_space(path: str, models) -> None:
@@ -295,15 +280,11 @@ def chart(results: dict, path: str) -> None:
 def write_section(record: dict, results_md: str) -> None:
     """The RESULTS.md section (table, notes, chart) of one run's record."""
     rows = table(record["results"], record["ram_bytes"])
-    sys.path.insert(0, os.path.dirname(HERE))
-    from tools.results_md import replace_section
-    from pathlib import Path
-
     png = os.path.join(os.path.dirname(os.path.abspath(results_md)), "inference.png")
     chart(record["results"], png)
     same = all(len({tuple(g["tokens"]) for n, g in r["generate"].items() if not n.endswith("-bf16")}) <= 1
                for r in record["results"].values())
-    body = [f"Run {record['started']}, load average {record['load_start']} at the start, {record['load_end']} at the end "
+    body = [f"Run {record['started']}, commit {record.get('commit', '?')}, load average {record['load_start']} at the start, {record['load_end']} at the end "
             f"(2 CPUs, {gib(record['ram_bytes'])} GiB RAM, one virtio disk: ~3.4 GiB/s read). Greedy `generate` of "
             f"{record['new_tokens']} tokens from an 8-token prompt, batch 1, fp32; each contender a fresh process "
             f"(peak RSS = its VmHWM). Models built under `zero.Init` with parameters on NVMe and saved by "
@@ -324,7 +305,27 @@ def write_section(record: dict, results_md: str) -> None:
                         f"{gib(c['peak_rss'])} GiB, saved ({gib(c['checkpoint_bytes'])} GiB) in {c['save_s']:.0f} s.")
     body.insert(-2 - len(record["results"]), "")
     body[-2:-2] = record.get("notes", [])
-    replace_section(Path(results_md), SECTION, "\n".join(body))
+    harness.write_section(results_md, SECTION, figures(record), record.get("command", "python -m bench.inference"),
+                          "\n".join(body))
+
+
+def figures(record: dict) -> list:
+    """The headline: the weight bytes a token reads per second from NVMe against fio's read
+    (issue 21: 0.9x for fp32 weights), and the peak RSS against the weights."""
+    out, when = [], record["started"]
+    for model, r in record["results"].items():
+        for name, g in r["generate"].items():
+            disk = g.get("fio_read_gib_s", 0.0)
+            if name.startswith("zero-nvme") and disk:
+                ratio = g["model_gib_per_s"] / disk
+                fp32 = name == "zero-nvme"
+                out.append(harness.Figure(f"{model} ({r['params'] / 1e9:.2f}B), {name}: weights read per s / fio's "
+                                          f"read ({g['decode_s_per_token']:.2f} s/token)", f"**{ratio:.2f}x**",
+                                          "≥ 0.9x (issue 21)" if fp32 else "—", ratio >= 0.9 if fp32 else None, when))
+            if name.startswith("zero-nvme"):
+                share = g["peak_rss"] / g.get("weight_bytes", r["params"] * 4)
+                out.append(harness.Figure(f"{model}, {name}: generate peak RSS / weights", f"{share:.2f}", when=when))
+    return out
 
 
 def main(argv=None) -> int:
@@ -349,13 +350,13 @@ def main(argv=None) -> int:
             result = child_create(rest[0], rest[1], rest[2])
         else:
             result = child_generate(rest[0], rest[1], rest[2], rest[3], int(rest[4]), rest[5] == "1")
-        print(json.dumps(result))
+        harness.print_result(result)
         return 0
 
     check_space(args.nvme_dir, args.models)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load_start = load_average()
+    load_start = harness.load_average()
     results = {}
     work = tempfile.mkdtemp(prefix="bench-inference-", dir=args.nvme_dir)
     try:
@@ -389,15 +390,13 @@ def main(argv=None) -> int:
             shutil.rmtree(ckpt, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    load_end = load_average()
+    load_end = harness.load_average()
     rows = table(results, ram)
     print("\n".join(rows))
     record = {"started": started, "load_start": load_start, "load_end": load_end, "ram_bytes": ram,
-              "new_tokens": args.new_tokens, "results": results}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+              "new_tokens": args.new_tokens, "results": results, "commit": harness.commit(),
+              "command": "python -m bench.inference " + " ".join(sys.argv[1:] if argv is None else argv)}
+    harness.save_json(record, args.json, indent=1)
     if args.results_md:
         write_section(record, args.results_md)
     return 0

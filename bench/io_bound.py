@@ -1,12 +1,8 @@
 """The GPU regime measured on a CPU: training iterations whose compute is nearly nothing, against fio.
 
-    cd /tmp && flock /tmp/bench.lock python $REPO/bench/io_bound.py \\
-        --out $REPO/bench/out/io_bound.json --results-md $REPO/bench/RESULTS.md
-    cd /tmp && python $REPO/bench/io_bound.py --quick --contenders ours      # smoke test, ~2 min
-    cd /tmp && python $REPO/bench/io_bound.py --render $REPO/bench/out/io_bound.json --results-md $REPO/bench/RESULTS.md
-
-($REPO: the repository's root.) Run it from a directory that is not a repository root (python would
-import an unbuilt source tree).
+    flock /tmp/bench.lock python -m bench.io_bound --out bench/out/io_bound.json --results-md bench/RESULTS.md
+    python -m bench.io_bound --quick --contenders ours      # smoke test, ~2 min
+    python -m bench.io_bound --render bench/out/io_bound.json --results-md bench/RESULTS.md
 
 [Note: what is measured]
 Compute here is ~100x slower than a GPU's and hides I/O. The stand-in: the
@@ -55,22 +51,16 @@ with the defaults, as its users do).
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-from tools.proc_status import status_bytes
+from bench import harness, training
+
 SECTION = "## I/O-bound training (bench/io_bound.py)"
 MODEL = dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True)  # 311M
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)
@@ -82,7 +72,7 @@ MIN_BYTES = {"fp32": (16, 12), "bf16": (14, 14)}  # per parameter (read, written
 CONTENDERS = ("ours", "ours-loop", "ds", "ds-params-nvme")  # ours-loop: ours, the micro-batch loop
 DS_VENV_HOWTO = ("python -m venv /opt/dsvenv && /opt/dsvenv/bin/pip install torch==2.13.0 deepspeed==0.19.8 "
                  "ninja && apt-get install -y libaio-dev")
-GiB = 1 << 30
+GiB = harness.GiB
 
 
 # -- the children ----------------------------------------------------------------------------------
@@ -103,44 +93,13 @@ def config(contender: str, dtype: str, k: int, nvme_path: str) -> dict:
             "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
 
 
-def _io() -> dict:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(":") for line in f)}
-
-
-def _settle(quiet: float = 0.5, timeout: float = 10.0) -> dict:
-    """/proc/self/io once it has stopped moving (no byte read or written for ``quiet`` seconds): the
-    writes an iteration left in flight have landed."""
-    last, still, end = _io(), 0, time.monotonic() + timeout
-    while still < quiet / 0.05 and time.monotonic() < end:
-        time.sleep(0.05)
-        now = _io()
-        still = still + 1 if (now["read_bytes"], now["write_bytes"]) == (last["read_bytes"], last["write_bytes"]) else 0
-        last = now
-    return last
-
-
-def _examples(path: str):
-    """zero.examples: imported where zero is (ours), loaded from its file elsewhere (DeepSpeed's venv
-    has no nvmeio; the file needs torch only)."""
-    if not path:
-        import zero.examples
-
-        return zero.examples
-    spec = importlib.util.spec_from_file_location("gpt_examples", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def child_compute(spec: dict) -> dict:
     """Plain torch, the model in memory: forward + backward of one micro-batch (batch 1 x SEQ)."""
     import dataclasses
 
     import torch
 
-    ex = _examples("")
+    ex = training.examples()
     if spec.get("malloc_tuning", True):  # plain torch at its best: the engine's glibc malloc settings
         from zero.stores import malloc_settings
 
@@ -159,7 +118,8 @@ def child_compute(spec: dict) -> dict:
         model.zero_grad(set_to_none=True)
     measured = times[spec["warmup"]:]
     return {"params": sum(p.numel() for p in model.parameters()), "compute_s": statistics.median(measured),
-            "compute_min_s": min(measured), "times_s": [round(t, 4) for t in times], "peak_rss_bytes": status_bytes("VmHWM")}
+            "compute_min_s": min(measured), "times_s": [round(t, 4) for t in times],
+            "peak_rss_bytes": harness.status_bytes("VmHWM")}
 
 
 def child_train(spec: dict) -> dict:
@@ -168,16 +128,13 @@ def child_train(spec: dict) -> dict:
     import torch
 
     contender, dtype, k = spec["contender"], spec["dtype"], spec["k"]
-    ex = _examples(spec["examples_path"] if contender.startswith("ds") else "")
+    ex = training.examples(deepspeed=contender.startswith("ds"))
     cfg = ex.GPTConfig(**spec["model"])
     conf = config(contender, dtype, k, spec["nvme_path"])
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if contender.startswith("ds"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        training.join_as_single_rank()
         import deepspeed as runtime
 
         init = runtime.zero.Init(config_dict_or_path=conf)
@@ -207,7 +164,7 @@ def child_train(spec: dict) -> dict:
             total += float(loss.detach())
         return total / k
 
-    init_peak = status_bytes("VmHWM")
+    init_peak = harness.status_bytes("VmHWM")
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from the current RSS
         f.write("5")
     times, reads, writes, losses = [], [], [], []
@@ -217,15 +174,15 @@ def child_train(spec: dict) -> dict:
         return io["write_bytes"] - io["cancelled_write_bytes"]
 
     for i in range(w + spec["iters"]):
-        io0 = _settle() if i == w else _io()  # the warm-up's writes land outside the measured window
+        io0 = harness.settled_io() if i == w else harness.proc_io()  # the warm-up's writes land outside the window
         start = time.perf_counter()
         losses.append(iteration())
         seconds = time.perf_counter() - start
-        io1 = _settle() if i == w + spec["iters"] - 1 else _io()  # the last one's writes land inside it
+        io1 = harness.settled_io() if i == w + spec["iters"] - 1 else harness.proc_io()  # the last one's: inside
         times.append(seconds)
         reads.append(io1["read_bytes"] - io0["read_bytes"])
         writes.append(written(io1) - written(io0))
-    train_peak = status_bytes("VmHWM")
+    train_peak = harness.status_bytes("VmHWM")
     return {"params": params, "init_s": round(init_s, 1),
             "path": "train_batch" if use_train_batch else "loop" + ("" if has else " (engine has no train_batch)"),
             # bytes: the mean (writes in flight at the end of one iteration count in the next)
@@ -237,21 +194,8 @@ def child_train(spec: dict) -> dict:
 
 # -- the run ---------------------------------------------------------------------------------------
 
-def run_child(kind: str, spec: dict, python: str, timeout: int) -> dict:
-    env = dict(os.environ, PYTHONSAFEPATH="1")  # never the repository's unbuilt source tree
-    env.pop("PYTHONPATH", None)
-    cmd = [python, os.path.abspath(__file__), "--child", kind, json.dumps(spec)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=tempfile.gettempdir())
-        stdout, text, rc = out.stdout, out.stdout + out.stderr, out.returncode
-    except subprocess.TimeoutExpired as exc:
-        stdout, text, rc = "", f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {timeout} s", None
-    for line in reversed(stdout.splitlines()):  # the child's result is its last line of stdout
-        if line.startswith("{") and rc == 0:
-            return json.loads(line)
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "no output")
-    return {"error": error.strip()[:300], "returncode": rc, "tail": lines[-15:]}
+def run_child(kind: str, spec: dict, python, timeout: int) -> dict:
+    return harness.run_child("bench.io_bound", ["--child", kind, json.dumps(spec)], python, timeout)
 
 
 def min_bytes(dtype: str, params: int) -> tuple:
@@ -260,26 +204,9 @@ def min_bytes(dtype: str, params: int) -> tuple:
 
 
 def fio_for(read_bytes: int, write_bytes: int, args, work: str) -> dict:
-    sys.path.insert(0, ROOT)
-    from tools import fio
-
-    if not fio.available():
-        return {"error": "fio is not installed (apt-get install -y fio)"}
-    try:
-        return fio.read_write_together(read_bytes, write_bytes, work, runs=args.fio_runs, file_cap=args.fio_file_cap)
-    except fio.FioError as e:
-        return {"error": str(e)[:300]}
-
-
-def machine(nvme_dir: str) -> dict:
-    df = subprocess.run(["df", "-P", nvme_dir], capture_output=True, text=True).stdout.splitlines()
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    sys.path.insert(0, ROOT)
-    from tools import fio
-
-    return {"nproc": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "disk": df[-1].split()[0] if len(df) > 1 else "?", "commit": commit, "fio": fio.version()}
+    """fio's time for these bytes; its files stay in ``work`` for the next contender's reference."""
+    return harness.fio_reference(read_bytes, write_bytes, work, runs=args.fio_runs, file_cap=args.fio_file_cap,
+                                 keep_files=True)
 
 
 def disk_needed(params: int, fio_file_cap: int) -> int:
@@ -292,24 +219,18 @@ def disk_needed(params: int, fio_file_cap: int) -> int:
 def run(args) -> dict:
     model = QUICK_MODEL if args.quick else MODEL
     nvme_root = tempfile.mkdtemp(prefix="io-bound-", dir=args.nvme_dir)
-    # DeepSpeed's venv loads the example model from its file (see _examples)
-    examples_path = (importlib.util.find_spec("zero.examples").origin
-                     if any(c.startswith("ds") for c in args.contenders) else "")
     ds_ok = os.path.exists(args.ds_python)
     crash_k = 4 if 4 in args.ks else args.ks[0]
-    record = {"meta": {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "command": "python bench/io_bound.py " + " ".join(args.argv),
-                       "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "quick": args.quick,
+    record = {"meta": {**harness.provenance(args.nvme_dir),
+                       "command": "python -m bench.io_bound " + " ".join(args.argv), "quick": args.quick,
                        "model": model, "seq": SEQ, "batch": 1, "warmup": args.warmup, "iters": args.iters,
                        "fio_runs": args.fio_runs, "fio_file_cap": args.fio_file_cap, "train_batch": args.train_batch,
-                       "nvme_dir": args.nvme_dir, "ds_python": args.ds_python, "min_bytes_per_param": MIN_BYTES,
-                       **machine(args.nvme_dir)},
+                       "nvme_dir": args.nvme_dir, "ds_python": args.ds_python, "min_bytes_per_param": MIN_BYTES},
               "compute": {}, "fio_min": {}, "runs": []}
-    t0 = time.time()
     try:
         for dtype in args.dtypes:
             comp = run_child("compute", {"model": model, "dtype": dtype, "warmup": 3, "iters": args.compute_iters},
-                             sys.executable, args.timeout)
+                             None, args.timeout)
             record["compute"][dtype] = comp
             if "error" in comp:
                 print(f"{dtype} compute: failed: {comp['error']}", flush=True)
@@ -338,11 +259,10 @@ def run(args) -> dict:
                         continue
                     swap = tempfile.mkdtemp(prefix=f"{contender}-", dir=nvme_root)
                     spec = {"contender": contender, "dtype": dtype, "k": k, "model": model, "nvme_path": swap,
-                            "warmup": args.warmup, "iters": args.iters, "train_batch": args.train_batch,
-                            "examples_path": examples_path}
+                            "warmup": args.warmup, "iters": args.iters, "train_batch": args.train_batch}
                     try:
-                        row.update(run_child("train", spec, args.ds_python if contender.startswith("ds")
-                                             else sys.executable, args.timeout))
+                        row.update(run_child("train", spec, args.ds_python if contender.startswith("ds") else None,
+                                             args.timeout))
                     finally:
                         shutil.rmtree(swap, ignore_errors=True)
                     if "error" not in row:
@@ -352,15 +272,12 @@ def run(args) -> dict:
                     print(f"{dtype} k={k} {contender}: {describe(row)}", flush=True)
     finally:
         shutil.rmtree(nvme_root, ignore_errors=True)
-    record["meta"].update(load_end=" ".join(f"{x:.2f}" for x in os.getloadavg()), elapsed_s=round(time.time() - t0))
+    record["meta"].update(load_end=harness.load_average(), elapsed_s=round(time.time() - record["meta"]["t0"]))
     return record
 
 
 def save(record: dict, path) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
+    harness.save_json(record, path, indent=1)
 
 
 def describe(row: dict) -> str:
@@ -528,13 +445,39 @@ def chart(record: dict, path: str) -> bool:
     return True
 
 
+def figures(record: dict) -> list:
+    """The headline, per dtype: k=1 over fio moving the same bytes, the largest k over its floor
+    (issue 21: 1.3x), DeepSpeed over ours at k=4."""
+    m, ratios = record["meta"], summary(record)
+    when = m.get("when", m["started"])
+    out = []
+    for dtype in record["compute"]:
+        s = ratios.get(f"ours {dtype} k=1", {})
+        if "over_fio_same_bytes" in s:
+            out.append(harness.Figure(f"{dtype} k=1: iteration / fio moving the same bytes",
+                                      f"**{s['over_fio_same_bytes']:.2f}x**", when=when))
+        top = max((r["k"] for r in record["runs"] if (r["contender"], r["dtype"]) == ("ours", dtype) and _ok(r)),
+                  default=None)
+        s = ratios.get(f"ours {dtype} k={top}", {})
+        if top and top > 1 and "over_floor" in s:
+            out.append(harness.Figure(f"{dtype} k={top}: iteration / its floor", f"**{s['over_floor']:.2f}x**",
+                                      "≤ 1.3x (issue 21)", s["over_floor"] <= 1.3, when))
+        s = ratios.get(f"ours {dtype} k=4", {})
+        if "ds_over_ours" in s:
+            ours_rss, ds_rss = s["peak_rss_ours_ds_bytes"]
+            out.append(harness.Figure(f"{dtype} k=4: DeepSpeed (parameters in host memory) / ours, peak RSS "
+                                      f"{ds_rss / GiB:.2f} / {ours_rss / GiB:.2f} GiB", f"**{s['ds_over_ours']:.2f}x**",
+                                      when=when))
+    return out
+
+
 def markdown(record: dict, png: str | None, notes=()) -> str:
     m = record["meta"]
     doc = "\n\n".join(par.replace("\n", " ") for par in
                         __doc__.split("[Note: what is measured]", 1)[1].strip().split("\n\n"))
     fios = [r["fio"] for r in record["runs"] if r.get("fio", {}).get("mem")] + list(record["fio_min"].values())
     mems = sorted({f["mem"] for f in fios if "mem" in f})
-    body = [f"Latest run: {m['started']}, commit {m['commit']}, `{m['command']}`; {m['nproc']} CPUs, "
+    body = [f"Latest run: {m['started']}, commit {m['commit']}; {m['nproc']} CPUs, "
             f"{m['ram_bytes'] / GiB:.0f} GiB RAM, disk {m['disk']}, {m['fio']}; load average {m['load_start']} at the "
             f"start, {m['load_end']} at the end; {m['elapsed_s']} s in all."
             + (" **Quick run (--quick): a small model, a smoke test, not a measurement.**" if m["quick"] else ""), "",
@@ -559,12 +502,8 @@ def write_outputs(record: dict, args) -> None:
             print("matplotlib is not installed: no chart (pip install matplotlib)")
             png = None
     if args.results_md:
-        sys.path.insert(0, ROOT)
-        from pathlib import Path
-
-        from tools.results_md import replace_section
-
-        replace_section(Path(args.results_md), SECTION, markdown(record, png, args.note))
+        harness.write_section(args.results_md, SECTION, figures(record), record["meta"]["command"],
+                              markdown(record, png, args.note))
         print(f"updated {SECTION!r} in {args.results_md}")
 
 

@@ -1,11 +1,11 @@
 """I/O throughput: nvmeio.aio_handle against fio at its best, and the usual ways to save a tensor.
 
-A plain script, run on purpose (under ``flock /tmp/bench.lock``), not in CI:
+Run on purpose (under ``flock /tmp/bench.lock``), not in CI:
 
-    python3 bench/io_throughput.py                          # 1 GiB in /tmp, 7 headline rounds
-    python3 bench/io_throughput.py --dir /local_nvme --size 256M --rounds 9
-    python3 bench/io_throughput.py --results-md bench/RESULTS.md   # also refresh that section
-    python3 bench/io_throughput.py --gpu                    # + CUDA rows (exit 2 without CUDA)
+    python -m bench.io_throughput                          # 1 GiB in /tmp, 7 headline rounds
+    python -m bench.io_throughput --dir /local_nvme --size 256M --rounds 9
+    python -m bench.io_throughput --results-md bench/RESULTS.md   # also refresh that section
+    python -m bench.io_throughput --gpu                    # + CUDA rows (exit 2 without CUDA)
 
 [Note: what is compared]
 The headline compares the best aio_handle configuration with fio's best
@@ -29,14 +29,11 @@ buffered writes include a final ``os.fsync``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,11 +46,9 @@ import numpy as np
 import torch
 
 import nvmeio
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench import harness
 from tools import fio
-from tools.results_md import bar_chart, chart_link, replace_section
+from tools.results_md import bar_chart, chart_link
 
 GIB = 1 << 30
 SECTION = "## I/O throughput (bench/io_throughput.py)"
@@ -79,28 +74,11 @@ def fmt_size(n: int) -> str:
     return f"{n / GIB:g} GiB" if n % GIB == 0 else f"{n >> 20} MiB"
 
 
-def run_text(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        return ""
-
-
 def machine_info(bench_dir: str) -> dict:
-    df = run_text(["df", "-P", "-T", bench_dir]).splitlines()
-    source, fstype = (df[-1].split()[:2] if len(df) > 1 else ("?", "?"))
-    commit = run_text(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
-    dirty = bool(run_text(["git", "-C", str(REPO), "status", "--porcelain", "-uno"]))
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": platform.node(), "nproc": os.cpu_count(), "kernel": platform.release(),
-        "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-        "nvmeio": nvmeio.__version__, "commit": commit + ("+dirty" if dirty else ""),
-        "fio": fio.version(),
-        "dir": bench_dir, "disk": source, "fstype": fstype, "df": "\n".join(df),
-        "root": os.geteuid() == 0,
-        "memlock_soft_bytes": resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
-    }
+    """The run's provenance and what an I/O figure depends on besides: versions, root, memlock."""
+    return {**harness.provenance(bench_dir), "torch": torch.__version__, "numpy": np.__version__,
+            "nvmeio": nvmeio.__version__, "dir": bench_dir, "root": os.geteuid() == 0,
+            "memlock_soft_bytes": resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]}
 
 
 class Disturbance:
@@ -435,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of the configuration sweep (default 2)")
     ap.add_argument("--rounds", type=int, default=7,
                     help="alternating rounds of the headline and of the new-file table (default 7)")
-    ap.add_argument("--json", default=str(REPO / "bench" / "out" / "io_throughput.json"),
+    ap.add_argument("--json", default=os.path.join(harness.ROOT, "bench", "out", "io_throughput.json"),
                     help="where to write all results (default bench/out/io_throughput.json)")
     ap.add_argument("--results-md", help="also replace the I/O throughput section of this file "
                     "(e.g. bench/RESULTS.md) with this run's tables and chart")
@@ -579,11 +557,13 @@ def run(args: argparse.Namespace, bench_dir: str, huge: bool) -> int:
                         {"fio at its best": [numbers[k]["fio_gibs"] for k in ("write", "read")],
                          "aio_handle at its best": [numbers[k]["aio_gibs"]
                                                     for k in ("write", "read")]})
-        cmd = " ".join(["python3 bench/io_throughput.py"] + sys.argv[1:])
-        body = "\n".join([f"Latest run: {info['date']} on {info['hostname']}, "
-                          f"`flock /tmp/bench.lock {cmd}`.", "", text, "",
+        cmd = " ".join(["flock /tmp/bench.lock python -m bench.io_throughput"] + sys.argv[1:])
+        body = "\n".join([f"Latest run: {info['started']} on {info['host']}, commit {info['commit']}.", "", text, "",
                           chart_link(png, md, "aio_handle vs fio at their best")])
-        replace_section(md, SECTION, body)
+        figures = [harness.Figure(f"{which}: aio_handle / fio, each at its best ({n['aio_gibs']:.2f} / "
+                                  f"{n['fio_gibs']:.2f} GiB/s, {fmt_size(args.size)} existing file)",
+                                  f"**{n['ratio']:.2f}x**", when=info["when"]) for which, n in numbers.items()]
+        harness.write_section(args.results_md, SECTION, figures, cmd, body)
         print(f"updated the section in {args.results_md}")
     bad = [c for c in sweep + others if c.status.startswith("WRONG DATA")]
     return 1 if bad else 0

@@ -1,8 +1,8 @@
 """Training beyond memory at speed: step time beside plain torch, and peak memory at 2x RAM.
 
-    flock /tmp/bench.lock python3 bench/scale.py speed           # 311M: torch, zero cpu/nvme variants, DeepSpeed
-    flock /tmp/bench.lock python3 bench/scale.py scale           # 1.63B and ~3B under zero.Init(nvme), 1 + 3 steps
-    flock /tmp/bench.lock python3 bench/scale.py speed scale --results-md bench/RESULTS.md \\
+    flock /tmp/bench.lock python -m bench.scale speed           # 311M: torch, zero cpu/nvme variants, DeepSpeed
+    flock /tmp/bench.lock python -m bench.scale scale           # 1.63B and ~3B under zero.Init(nvme), 1 + 3 steps
+    flock /tmp/bench.lock python -m bench.scale speed scale --results-md bench/RESULTS.md \\
         --json bench/out/scale.json --png bench/scale.png
 
 Speed: GPT from zero.examples (vocab 8192, 24 layers, d_model 1024, 16 heads,
@@ -35,19 +35,16 @@ Free disk space is checked first; swap files are deleted after.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+from bench import harness, training
+
 SECTION = "## Training beyond memory (bench/scale.py)"
 SPEED_MODEL = dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True)
 SCALE_MODELS = {"1.63B": dict(vocab=8192, d_model=2048, heads=16, layers=32, seq=128, tie=True),
@@ -89,29 +86,12 @@ def config(kind: str, nvme_path: str, live: int = 10 ** 9) -> dict:
             "zero_optimization": zc, "aio": AIO, "steps_per_print": 10 ** 6, "wall_clock_breakdown": False}
 
 
-def _vm(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
     """Measure one contender in this process."""
     import torch
 
-    if name.startswith("ds-"):  # DeepSpeed's venv has no nvmeio: load the model file alone
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("gpt_examples", os.path.join(ROOT, "zero", "examples.py"))
-        examples = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = examples  # dataclasses look their module up there
-        spec.loader.exec_module(examples)
-        GPT, GPTConfig = examples.GPT, examples.GPTConfig
-    else:
-        from zero.examples import GPT, GPTConfig
-
+    ex = training.examples(deepspeed=name.startswith("ds-"))
+    GPT, GPTConfig = ex.GPT, ex.GPTConfig
     scale = name.startswith("scale-")
     if name.startswith("layers-"):  # plain torch, a scale model's width with fewer layers (in memory)
         model_name, layers = name[7:].rsplit("-", 1)
@@ -129,21 +109,9 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
 
         malloc_settings.hold()  # plain torch at its best: the engine's glibc malloc settings too
         model = GPT(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-
-        def step():
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        step = training.torch_step(model, x, y, LR)
     elif name.startswith("ds-"):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        training.join_as_single_rank()
         import deepspeed
 
         conf = config(name, nvme_path)
@@ -161,25 +129,16 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
             conf["zero_optimization"]["offload_param"]["buffer_size"] = max(int(2e7), largest)
         with zero.Init(config_dict_or_path=conf):
             model = GPT(cfg)
-        built_rss = _vm("VmRSS")
+        built_rss = harness.status_bytes("VmRSS")
         engine, _, _, _ = zero.initialize(model=model, config=conf)
     if not name == "torch":
-        def step():
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
+        step = training.engine_step(engine, x, y)
     init_s = time.perf_counter() - t0
     params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
-    times, losses = [], []
-    for _ in range(warmup + steps):
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss.detach()))
+    times, losses = training.timed_steps(step, warmup, steps)
     out = {"contender": name, "layers": cfg.layers, "params": params, "init_s": round(init_s, 1),
            "median_s": statistics.median(times[warmup:]), "times_s": [round(t, 2) for t in times],
-           "peak_rss_bytes": _vm("VmHWM"), "losses": losses}
+           "peak_rss_bytes": harness.status_bytes("VmHWM"), "losses": losses}
     if scale:
         from zero.stores.estimator import estimate_zero3
 
@@ -195,25 +154,15 @@ def run_child(name: str, steps: int, warmup: int, nvme_path: str) -> dict:
 
 
 def run_contender(name: str, args, nvme_root: str) -> dict:
-    python = args.ds_python if name.startswith("ds-") else sys.executable
+    python = args.ds_python if name.startswith("ds-") else None
     nvme_path = tempfile.mkdtemp(prefix=f"{name}-", dir=nvme_root)
-    path = os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ, PYTHONPATH=path if name.startswith("ds-") else ROOT + os.pathsep + path)
     steps, warmup = (args.scale_steps, 1) if name.startswith("scale-") else (args.steps, args.warmup)
-    cmd = [python, os.path.abspath(__file__), "--child", name, "--steps", str(steps), "--warmup", str(warmup),
-           "--nvme_path", nvme_path]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-        text = out.stdout + out.stderr
-    except subprocess.TimeoutExpired as exc:
-        text = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {args.timeout} s"
+        result = harness.run_child("bench.scale", ["--child", name, "--steps", steps, "--warmup", warmup,
+                                                   "--nvme_path", nvme_path], python, args.timeout)
     finally:
         shutil.rmtree(nvme_path, ignore_errors=True)
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    last = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return {"contender": name, "error": last[-1][:200] if last else "no output"}
+    return {"contender": name, **result}
 
 
 def disk_needed(names) -> int:
@@ -329,39 +278,53 @@ def chart(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def verdicts(results: dict) -> list:
+def figures(results: dict, when: str) -> list:
+    """The headline: step time over plain torch's (ratios paired by round where there are rounds),
+    peak RSS over the model-state bytes, and the largest model's step over its in-memory estimate."""
     base = results.get("torch", {}).get("median_s")
     out = []
     for name, goal in (("zero-nvme", 1.25), ("zero-nvme-nochecksum", 1.25), ("zero-cpu", 1.1)):
         r = results.get(name, {})
         if base and "median_s" in r:
-            ratio = paired_ratio(results, name) or r["median_s"] / base
-            how = "median of the ratios paired by round" if paired_ratio(results, name) else "one run"
-            out.append(f"- {name}: {ratio:.2f}x plain torch, {how} ({'meets' if ratio <= goal else 'misses'} "
-                       f"the {goal}x goal)")
+            paired = paired_ratio(results, name)
+            ratio = paired or r["median_s"] / base
+            how = ", paired by round" if paired else ""
+            out.append(harness.Figure(f"{name} step / plain torch (311M{how})", f"**{ratio:.2f}x**", f"≤ {goal}x",
+                                      ratio <= goal, when))
     for name, r in results.items():
         if name.startswith("scale-") and "median_s" in r:
             share = r["peak_rss_bytes"] / (16 * r["params"])
             goal = 0.15 if r["params"] > 2.5e9 else 0.20
-            out.append(f"- {name[6:]}: peak RSS {100 * share:.1f}% of the model-state bytes "
-                       f"({'meets' if share <= goal else 'misses'} the {100 * goal:.0f}% goal)")
+            out.append(harness.Figure(f"{name[6:]}: peak RSS / model-state bytes", f"**{100 * share:.1f}%**",
+                                      f"≤ {100 * goal:.0f}%", share <= goal, when))
             est = in_memory_estimate(results, name[6:])
             if est and r["params"] > 2.5e9:
                 ratio = r["median_s"] / est
-                out.append(f"- {name[6:]}: median step {r['median_s']:.1f} s = {ratio:.2f}x its in-memory estimate "
-                           f"({est:.1f} s) ({'meets' if ratio <= 1.3 else 'misses'} issue 21's 1.3x goal)")
+                out.append(harness.Figure(f"{name[6:]}: median step / its in-memory estimate ({r['median_s']:.1f} / "
+                                          f"{est:.1f} s)", f"**{ratio:.2f}x**", "≤ 1.3x (issue 21)", ratio <= 1.3,
+                                          when))
     return out
 
 
-def markdown(results: dict, meta: dict, png: str | None, notes=()) -> str:
-    rows = table(results) + [""] + verdicts(results) + [f"- {n}" for n in notes]
-    body = [f"Latest run: {meta['started']}, `{meta['command']}`; load average {meta['load_start']} at start, "
-            f"{meta['load_end']} at end (2 CPUs: absolute times vary by 10% and more from run to run, so the "
-            f"figures to read are ratios within one run or round); {meta['elapsed_s']:.0f} s in all.", "",
-            __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "", *rows, ""]
+def verdicts(results: dict) -> list:
+    return [f"- {f.what}: {f.today.strip('*')} ({'meets' if f.met else 'misses'} the goal {f.goal})"
+            for f in figures(results, "")]
+
+
+def details(results: dict, meta: dict, png: str | None, notes=()) -> str:
+    rows = table(results) + [f"- {n}" for n in notes]
+    body = [f"Latest run: {meta['started']}, commit {meta.get('commit', '?')}; load average "
+            f"{meta['load_start']} at start, {meta['load_end']} at end (2 CPUs: absolute times vary by 10% and more "
+            f"from run to run, so the figures to read are ratios within one run or round); {meta['elapsed_s']:.0f} s "
+            "in all.", "", __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "", *rows, ""]
     if png:
         body += [f"![step times]({os.path.basename(png)})", ""]
     return "\n".join(body)
+
+
+def write_section(results_md: str, results: dict, meta: dict, png: str | None, notes=()) -> None:
+    harness.write_section(results_md, SECTION, figures(results, meta.get("when", meta["started"])), meta["command"],
+                          details(results, meta, png, notes))
 
 
 def main(argv=None) -> int:
@@ -394,6 +357,8 @@ def main(argv=None) -> int:
             results.update(saved["results"])
             metas.append(saved["meta"])
         meta = {"started": " and ".join(m["started"] for m in metas),
+                "when": " and ".join(m.get("when", m["started"]) for m in metas),
+                "commit": " / ".join(m.get("commit", "?") for m in metas),
                 "command": " ; ".join(m["command"] for m in metas),
                 "load_start": " / ".join(m["load_start"] for m in metas),
                 "load_end": " / ".join(m["load_end"] for m in metas),
@@ -401,17 +366,12 @@ def main(argv=None) -> int:
         if args.png:
             chart(results, args.png)
         if args.results_md:
-            from pathlib import Path
-
-            sys.path.insert(0, os.path.dirname(HERE))
-            from tools.results_md import replace_section
-
-            replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png, args.note))
+            write_section(args.results_md, results, meta, args.png, args.note)
         print("\n".join(table(results)))
         return 0
 
     if args.child:
-        print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)), flush=True)
+        harness.print_result(run_child(args.child, args.steps, args.warmup, args.nvme_path))
         return 0
 
     args.parts = args.parts or ["speed"]
@@ -427,10 +387,8 @@ def main(argv=None) -> int:
     need, free = disk_needed(names), shutil.disk_usage(nvme_root).free
     print(f"swap space needed (largest contender; each is checked before it runs): {need / GiB:.1f} GiB; "
           f"free under {nvme_root}: {free / GiB:.1f} GiB", flush=True)
-    meta = {"started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python3 bench/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg())}
-    t0 = time.time()
+    meta = dict(harness.provenance(nvme_root),
+                command="python -m bench.scale " + " ".join(argv if argv is not None else sys.argv[1:]))
     rounds = {name: [] for name in names}
     try:
         for k in range(args.rounds):
@@ -448,22 +406,14 @@ def main(argv=None) -> int:
     finally:
         if not args.nvme_path:
             shutil.rmtree(nvme_root, ignore_errors=True)
-    meta.update(load_end=" ".join(f"{x:.2f}" for x in os.getloadavg()), elapsed_s=time.time() - t0)
+    meta.update(load_end=harness.load_average(), elapsed_s=time.time() - meta["t0"])
     results = {name: combine_rounds(rs) for name, rs in rounds.items() if rs}
-    print("\n".join(table(results)))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+    print("\n".join(table(results) + [""] + verdicts(results)))
+    harness.save_json({"meta": meta, "results": results}, args.json, indent=1)
     if args.png:
         chart(results, args.png)
     if args.results_md:
-        from pathlib import Path
-
-        sys.path.insert(0, os.path.dirname(HERE))
-        from tools.results_md import replace_section
-
-        replace_section(Path(args.results_md), SECTION, markdown(results, meta, args.png, args.note))
+        write_section(args.results_md, results, meta, args.png, args.note)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Where an I/O-bound step's time goes: the disk's reads and writes over time, against the step's phases.
 
-    python bench/step_timeline.py --results-md bench/RESULTS.md        # 311M, k = 1, fp32
-    python bench/step_timeline.py --quick                              # a small model, a smoke run
+    python -m bench.step_timeline --results-md bench/RESULTS.md        # 311M, k = 1, fp32
+    python -m bench.step_timeline --quick                              # a small model, a smoke run
 
 The stand-in of bench/io_bound.py (the 311M GPT of zero.examples, batch 1 x 8 tokens,
 parameters and optimizer states on NVMe) trains a few iterations while a sampler thread
@@ -23,20 +23,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
+
+from bench import harness, io_bound  # io_bound: the stand-in's model and config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-import io_bound  # the stand-in's model and config
-from tools.results_md import replace_section
 
 SECTION = "## Step timeline (bench/step_timeline.py)"
 PHASES = ("forward", "backward", "step", "between")
@@ -70,8 +67,7 @@ class Sampler:
             s = f.read().split()
         with open(self.inflight) as f:
             r, w = f.read().split()
-        with open("/proc/self/io") as f:
-            io = {k: int(v) for k, v in (line.split(":") for line in f)}
+        io = harness.proc_io()
         read_wait, write_wait = self.waits()
         # bytes: this process's (/proc/self/io); busy: the device's io_ticks (stat field 9, ms with
         # requests in flight), which counts every process's requests
@@ -164,14 +160,14 @@ def train(model: dict, k: int, dtype: str, iters: int, warmup: int, nvme: str, i
 
     for _ in range(warmup):
         iteration()
-    io_bound._settle()
+    harness.settled_io()
     bounds = []
     sampler.start()
     for _ in range(iters):
         t0 = time.perf_counter()
         iteration()
         bounds.append((t0, time.perf_counter()))
-    io_bound._settle()
+    harness.settled_io()
     samples = sampler.stop()
     engine.destroy()
     return {"samples": samples, "iterations": bounds,
@@ -199,17 +195,6 @@ def summarise(run: dict) -> dict:
     iteration_s = sum(b - a for a, b in run["iterations"]) / n
     return {"iterations": n, "iteration_s": iteration_s,
             "per_iteration": {p: {k: v / n for k, v in d.items()} for p, d in per.items()}}
-
-
-def fio_reference(read: int, written: int, work: str, runs: int) -> dict:
-    from tools import fio
-
-    if not fio.available() or not (read or written):
-        return {}
-    try:
-        return fio.read_write_together(read, written, work, runs=runs)
-    finally:
-        fio.remove_together_files(work)
 
 
 def table(summary: dict, fio_s) -> list:
@@ -286,8 +271,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = io_bound.QUICK_MODEL if args.quick else io_bound.MODEL
     work = tempfile.mkdtemp(prefix="step-timeline-", dir=args.nvme_dir)
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta = harness.provenance(args.nvme_dir)
     try:
         run = train(model, args.k, args.dtype, args.iters, args.warmup, work, args.interval_ms / 1000,
                     args.checksum, loop=args.loop)
@@ -295,31 +279,34 @@ def main(argv=None) -> int:
         per = summary["per_iteration"]
         read = int(sum(d["read"] for d in per.values()))
         written = int(sum(d["written"] for d in per.values()))
-        fio = fio_reference(read, written, work, args.fio_runs)
+        fio = harness.fio_reference(read, written, work, args.fio_runs) if read or written else {}
     finally:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     fio_s = fio.get("seconds")
     rows = table(summary, fio_s)
     print("\n".join(rows))
-    record = {"started": started, "load_start": load_start,
-              "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()), "model": model, "k": args.k,
-              "dtype": args.dtype, "params": run["params"], "summary": summary, "fio": fio,
-              "command": "python bench/step_timeline.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    record = {**meta, "load_end": harness.load_average(), "model": model, "k": args.k, "dtype": args.dtype,
+              "params": run["params"], "summary": summary, "fio": fio,
+              "command": "python -m bench.step_timeline " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**record, "samples": run["samples"], "iterations": run["iterations"]}, f)
     png = os.path.join(HERE, "step_timeline.png")
     chart(run, png)
     if args.results_md:
-        ratio = f"; the iteration is **{summary['iteration_s'] / fio_s:.2f}x** fio's time" if fio_s else ""
-        body = [f"Run {started}, `{record['command']}`; load average {load_start} at the start, {record['load_end']} "
-                f"at the end. {run['params'] / 1e6:.0f}M parameters, k = {args.k}, {args.dtype}, "
-                f"{summary['iterations']} measured iterations of {summary['iteration_s']:.2f} s{ratio}; the disk "
-                f"sampled every {args.interval_ms:g} ms. Per iteration:", "", *rows, "",
-                "![step timeline](step_timeline.png)"]
-        replace_section(Path(args.results_md), SECTION, "\n".join(body))
+        ratio = summary["iteration_s"] / fio_s if fio_s else None
+        details = [f"Run {meta['started']}, commit {meta['commit']}; load average {meta['load_start']} at the start, "
+                   f"{record['load_end']} at the end. {run['params'] / 1e6:.0f}M parameters, k = {args.k}, {args.dtype}, "
+                   f"{summary['iterations']} measured iterations of {summary['iteration_s']:.2f} s"
+                   + (f"; the iteration is **{ratio:.2f}x** fio's time" if ratio else "")
+                   + f"; the disk sampled every {args.interval_ms:g} ms. Per iteration:", "", *rows, "",
+                   "![step timeline](step_timeline.png)"]
+        idle, seconds = sum(d["idle_s"] for d in per.values()), sum(d["seconds"] for d in per.values())
+        figures = [harness.Figure(f"{run['params'] / 1e6:.0f}M, k = {args.k}, {args.dtype}: iteration / fio moving the "
+                                  "same bytes", f"**{ratio:.2f}x**" if ratio else "—", when=meta["when"]),
+                   harness.Figure("disk idle per iteration (all phases, the writes landing after it included)",
+                                  f"{idle:.2f} of {seconds:.2f} s", when=meta["when"])]
+        harness.write_section(args.results_md, SECTION, figures, record["command"], "\n".join(details))
     return 0
 
 

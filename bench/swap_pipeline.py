@@ -1,9 +1,9 @@
 """Swapper pipeline: plain vs pipelined optimizer swapping vs the step work alone.
 
-    python3 bench/swap_pipeline.py                                  # 8 x 32M fp32 sub-groups in /tmp
-    python3 bench/swap_pipeline.py --nvme_path /local_nvme --repeats 5
-    python3 bench/swap_pipeline.py --numel 1M --sub_groups 4        # a quick look
-    python3 bench/swap_pipeline.py --results-md bench/RESULTS.md    # also refresh that section
+    python -m bench.swap_pipeline                                  # 8 x 32M fp32 sub-groups in /tmp
+    python -m bench.swap_pipeline --nvme_path /local_nvme --repeats 5
+    python -m bench.swap_pipeline --numel 1M --sub_groups 4        # a quick look
+    python -m bench.swap_pipeline --results-md bench/RESULTS.md    # also refresh that section
 
 An optimizer state of --sub_groups sub-groups (fp32 master, exp_avg and
 exp_avg_sq of --numel elements each) lives on NVMe. Timed, in rounds:
@@ -27,25 +27,20 @@ end with bit-identical states, which is checked.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper, StepStats
-from tools.results_md import replace_section
 from torch.optim.adamw import adamw
+
+from bench import harness
+from swapper import PartitionedOptimizerSwapper, PipelinedOptimizerSwapper, StepStats
 
 SECTION = "## Swapper pipeline"
 IO_PLAIN = "I/O alone (plain, no-op step)"
@@ -108,16 +103,6 @@ def machine(nvme_path: str) -> str:
             f"--nvme_path on {dev} ({fstype}), torch {torch.__version__}")
 
 
-def git_rev() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "swapper"], cwd=here, capture_output=True, text=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except OSError:
-        return "?"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme_path", default=tempfile.gettempdir())
@@ -136,6 +121,7 @@ def main() -> None:
            "intra_op_parallelism": args.intra_op_parallelism}
     n, groups = args.numel, args.sub_groups
     root = tempfile.mkdtemp(prefix="swap_pipeline_", dir=args.nvme_path)
+    meta = harness.provenance(args.nvme_path)
     load_start = os.getloadavg()[0]
     started = time.perf_counter()
     try:
@@ -242,12 +228,11 @@ def main() -> None:
         f"- load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end (2 CPUs shared with "
         f"other work); run took {elapsed:.0f} s",
     ]
-    cmd = "python3 " + " ".join([os.path.relpath(__file__)] + sys.argv[1:])
+    cmd = " ".join(["python -m bench.swap_pipeline"] + sys.argv[1:])
     section = "\n".join([
         SECTION,
         "",
-        f"Latest run: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')} on "
-        f"{platform.node()}, `{cmd}`, swapper {git_rev()}.",
+        f"Latest run: {meta['started']} on {meta['host']}, commit {meta['commit']}.",
         "",
         f"{groups} sub-groups x {n} fp32 elements (master, exp_avg, exp_avg_sq) on NVMe; aio "
         f"block_size {args.block_size}, queue_depth {args.queue_depth}, intra_op_parallelism "
@@ -264,7 +249,9 @@ def main() -> None:
     if not identical:
         sys.exit("plain and pipelined states differ")
     if args.results_md:
-        replace_section(Path(args.results_md), SECTION, section.split("\n", 1)[1])
+        figure = harness.Figure(f"pipelined swapping + step / max(total I/O, total step), {groups} sub-groups x {n} "
+                                "fp32", f"**{ratio:.2f}**", "≤ 1.2", ratio <= 1.2, meta["when"])
+        harness.write_section(args.results_md, SECTION, [figure], cmd, section.split("\n", 1)[1])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """One training step of a 27M-parameter GPT: plain PyTorch, nvmeio's ZeRO-3, DeepSpeed's ZeRO-3.
 
-    python3 bench/train_step.py                      # every contender, 3 rounds, table on stdout
-    python3 bench/train_step.py --results-md bench/RESULTS.md --json bench/out/train_step.json
-    python3 bench/train_step.py --contenders torch zero-none --rounds 1
+    python -m bench.train_step                       # every contender, 3 rounds, table on stdout
+    python -m bench.train_step --results-md bench/RESULTS.md --json bench/out/train_step.json
+    python -m bench.train_step --contenders torch zero-none --rounds 1
 
 Model: zero.examples.GPT with 6 layers, d_model 512, 8 heads, vocab 8192 (head
 not tied), seq 128, batch 4, fp32, AdamW (lr 1e-4, weight decay 0.01).
@@ -27,21 +27,16 @@ overrides for experiments: ``TRAIN_STEP_SUB_GROUP_SIZE`` (e.g. 1e7) and
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from bench import harness, training
+
 CONTENDERS = ["torch", "zero-none", "zero-cpu", "zero-nvme", "ds-none", "ds-cpu", "ds-nvme"]
 SECTION = "## Training step (bench/train_step.py)"
 MODEL = dict(vocab=8192, d_model=512, heads=8, layers=6, seq=128, tie=False)
@@ -73,90 +68,46 @@ def ds_config(device: str, nvme_path: str) -> dict:
     }
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_child(contender: str, steps: int, warmup: int, nvme_path: str) -> dict:
     """Measure one contender in this process; returns the result dict."""
-    sys.path.insert(0, ROOT)
     import torch
 
-    from zero.examples import GPT, GPTConfig
-
+    kind, _, device = contender.partition("-")
+    ex = training.examples(deepspeed=kind == "ds")
     torch.manual_seed(0)
-    cfg = GPTConfig(**MODEL)
-    model = GPT(cfg)
+    cfg = ex.GPTConfig(**MODEL)
+    model = ex.GPT(cfg)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
     y = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
-    kind, _, device = contender.partition("-")
-
     if kind == "torch":
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
-
-        def step():
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+        step = training.torch_step(model, x, y, LR)
     else:
         config = ds_config(device, nvme_path)
         if kind == "zero":
-            import zero
-
-            engine, _, _, _ = zero.initialize(model=model, config=config)
+            import zero as runtime
         else:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-            import deepspeed
-
-            engine, _, _, _ = deepspeed.initialize(model=model, config=config)
-
-        def step():
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            return loss
-
-    times, losses = [], []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss.detach()))
+            training.join_as_single_rank()
+            import deepspeed as runtime
+        engine, _, _, _ = runtime.initialize(model=model, config=config)
+        step = training.engine_step(engine, x, y)
+    times, losses = training.timed_steps(step, warmup, steps)
     measured = times[warmup:]
     return {"contender": contender, "params": params, "median_ms": 1000 * statistics.median(measured),
-            "times_ms": [round(1000 * t, 2) for t in measured], "peak_rss_gib": _status("VmHWM") / 2 ** 30,
-            "losses": losses}
+            "times_ms": [round(1000 * t, 2) for t in measured],
+            "peak_rss_gib": harness.status_bytes("VmHWM") / 2 ** 30, "losses": losses}
 
 
 def run_contender(contender: str, args, nvme_root: str) -> dict:
-    python = args.ds_python if contender.startswith("ds-") else sys.executable
+    python = args.ds_python if contender.startswith("ds-") else None
     nvme_path = tempfile.mkdtemp(prefix=f"{contender}-", dir=nvme_root)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [python, os.path.abspath(__file__), "--child", contender, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--nvme_path", nvme_path]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+        result = harness.run_child("bench.train_step", ["--child", contender, "--steps", args.steps, "--warmup",
+                                                        args.warmup, "--nvme_path", nvme_path], python, args.timeout)
     finally:
         shutil.rmtree(nvme_path, ignore_errors=True)
-    for line in reversed(out.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    return {"contender": contender, "error": (out.stderr or out.stdout)[-2000:]}
+    return {"contender": contender, **result}
 
 
 def summarize(rounds: list) -> dict:
@@ -198,42 +149,39 @@ def table(summary: dict) -> list:
     return lines
 
 
-def verdicts(summary: dict) -> list:
+def figures(summary: dict, when: str) -> list:
+    """The headline: each mode against plain torch (goal 1.15x, without offload to NVMe) and
+    against DeepSpeed in the same mode (faster, in less memory)."""
     out = []
     base = summary.get("torch", {}).get("median_ms")
     for mode in ("none", "cpu", "nvme"):
         ours, theirs = summary.get(f"zero-{mode}", {}), summary.get(f"ds-{mode}", {})
         if "median_ms" not in ours:
             continue
-        parts = []
         if base and mode in ("none", "cpu"):
             r = ours["median_ms"] / base
-            parts.append(f"{r:.2f}x plain torch ({'meets' if r <= 1.15 else 'misses'} the 1.15 goal)")
+            out.append(harness.Figure(f"zero-{mode} step / plain torch", f"**{r:.2f}x**", "≤ 1.15x", r <= 1.15, when))
         if "median_ms" in theirs:
             r = ours["median_ms"] / theirs["median_ms"]
-            parts.append(f"{r:.2f}x DeepSpeed {mode} ({'faster' if r < 1 else 'not faster'})")
-            m = ours["peak_rss_gib"] / theirs["peak_rss_gib"]
-            parts.append(f"peak RSS {ours['peak_rss_gib']:.2f} vs {theirs['peak_rss_gib']:.2f} GiB "
-                         f"({'below' if m < 1 else 'not below'} DeepSpeed)")
-        out.append(f"- zero-{mode}: " + "; ".join(parts))
+            out.append(harness.Figure(f"zero-{mode} step / DeepSpeed {mode}", f"**{r:.2f}x**", "< 1 (faster)", r < 1,
+                                      when))
+            out.append(harness.Figure(f"zero-{mode} peak RSS / DeepSpeed {mode}'s",
+                                      f"{ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} GiB", "below",
+                                      ours["peak_rss_gib"] < theirs["peak_rss_gib"], when))
     return out
 
 
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
+def verdicts(summary: dict) -> list:
+    out = []
+    for f in figures(summary, ""):
+        out.append(f"- {f.what}: {f.today.strip('*')} ({'meets' if f.met else 'misses'} the goal {f.goal})")
+    return out
 
 
-def write_markdown(path: str, summary: dict, args, started: str, load_start: str, load_end: str,
-                   elapsed: float) -> None:
+def write_markdown(path: str, summary: dict, args, meta: dict) -> None:
     params = next((s["params"] for s in summary.values() if "params" in s), 0)
-    body = [
-        SECTION,
-        "",
-        f"Latest run: {started} on {platform.node()}, `python3 bench/train_step.py "
-        f"--rounds {args.rounds} --steps {args.steps}`.",
+    details = [
+        f"Latest run: {meta['started']} on {meta.get('host', '?')}, commit {meta.get('commit', '?')}.",
         "",
         f"GPT ({params / 1e6:.1f}M parameters: 6 layers, d_model 512, 8 heads, vocab 8192, untied head), "
         f"seq 128, batch {BATCH}, fp32, AdamW; {args.warmup} warm-up steps, median of {args.steps} steps per "
@@ -246,18 +194,15 @@ def write_markdown(path: str, summary: dict, args, started: str, load_start: str
         "",
         *table(summary),
         "",
-        *verdicts(summary),
         "- zero-nvme reads the optimizer states while the backward runs and writes them during the next "
         "forward (zero/optimizer_store.py), so its step waits for no I/O; DeepSpeed reads, steps and writes "
         "inside step()",
-        f"- load average {load_start} at start, {load_end} at end (2 CPUs shared with other work); run took "
-        f"{elapsed:.0f} s",
-        "",
+        f"- load average {meta['load_start']} at start, {meta['load_end']} at end (2 CPUs shared with other work); "
+        f"run took {meta['elapsed_s']:.0f} s",
     ]
-    sys.path.insert(0, ROOT)
-    from tools.results_md import replace_section
-
-    replace_section(Path(path), SECTION, "\n".join(body[1:]))
+    when = meta.get("when", meta["started"])
+    command = meta.get("command", f"python -m bench.train_step --rounds {args.rounds} --steps {args.steps}")
+    harness.write_section(path, SECTION, figures(summary, when), command, "\n".join(details))
 
 
 def main(argv=None) -> int:
@@ -279,18 +224,18 @@ def main(argv=None) -> int:
         with open(args.from_json) as f:
             saved = json.load(f)
         args.rounds = len(saved["rounds"])
-        write_markdown(args.results_md, saved["summary"], args, saved["started"], saved["load_start"],
-                       saved["load_end"], saved.get("elapsed_s", 0.0))
+        write_markdown(args.results_md, saved["summary"], args,
+                       dict(saved, elapsed_s=saved.get("elapsed_s", 0.0)))
         return 0
 
     if args.child:
-        print(json.dumps(run_child(args.child, args.steps, args.warmup, args.nvme_path)))
+        harness.print_result(run_child(args.child, args.steps, args.warmup, args.nvme_path))
         return 0
 
     contenders = [c for c in args.contenders if not c.startswith("ds-") or os.path.exists(args.ds_python)]
     nvme_root = args.nvme_path or tempfile.mkdtemp(prefix="train_step-")
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    load_start, t0 = load_average(), time.time()
+    meta = dict(harness.provenance(), command="python -m bench.train_step " + " ".join(
+        sys.argv[1:] if argv is None else argv))
     rounds = []
     for r in range(args.rounds):
         batch = []
@@ -305,13 +250,10 @@ def main(argv=None) -> int:
         shutil.rmtree(nvme_root, ignore_errors=True)
     summary = summarize(rounds)
     print("\n".join(table(summary) + verdicts(summary)))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"started": started, "rounds": rounds, "summary": summary, "load_start": load_start,
-                       "load_end": load_average(), "elapsed_s": time.time() - t0}, f, indent=1)
+    meta.update(load_end=harness.load_average(), elapsed_s=time.time() - meta["t0"])
+    harness.save_json({**meta, "rounds": rounds, "summary": summary}, args.json, indent=1)
     if args.results_md:
-        write_markdown(args.results_md, summary, args, started, load_start, load_average(), time.time() - t0)
+        write_markdown(args.results_md, summary, args, meta)
     return 0
 
 

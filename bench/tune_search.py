@@ -1,10 +1,10 @@
 """nvme_tune's smart search against the full grid: time, and the quality of the pick.
 
-A plain script, run on purpose (not in CI):
+Run on purpose (not in CI):
 
-    python3 bench/tune_search.py                               # 400M, in the temp dir
-    python3 bench/tune_search.py --nvme_dir /local_nvme --trials 3
-    python3 bench/tune_search.py --results-md bench/RESULTS.md  # also refresh that section
+    python -m bench.tune_search                               # 400M, in the temp dir
+    python -m bench.tune_search --nvme_dir /local_nvme --trials 3
+    python -m bench.tune_search --results-md bench/RESULTS.md  # also refresh that section
 
 One trial, in one process over one shared buffer and file (nvmeio.tune's
 Workload): the full grid (every configuration of ds_nvme_tune's default sweep
@@ -22,26 +22,19 @@ Goals (issue #4): smart time <= 0.25 x grid time, and the re-measured ratio
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 import nvmeio
+from bench import harness
 from nvmeio.tune._dirs import check_dir
 from nvmeio.tune._measure import Workload
 from nvmeio.tune._search import grid_search, smart_search
 from nvmeio.tune._space import build_space, format_size, parse_size
-from tools.results_md import replace_section
 
 SECTION = "## nvme_tune search (bench/tune_search.py)"
 TIME_GOAL, QUALITY_GOAL = 0.25, 0.95
@@ -52,15 +45,6 @@ def uptime() -> str:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
-    return out or "?"
 
 
 def run_trial(workload: Workload, space, rounds: int, grid_first: bool, progress) -> dict:
@@ -114,7 +98,7 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
         SECTION, "",
-        f"{m['date']}, commit {m['commit']}, {m['nproc']} cores, kernel {m['kernel']}, "
+        f"{m['started']}, commit {m['commit']}, {m['nproc']} cores, kernel {m['kernel']}, "
         f"{m['fstype']} on {m['disk_dir']}, io_size {format_size(report['io_size'])}, "
         f"space {report['space_size']} configurations ({report['space']}).",
         f"Load before: `{m['uptime_before']}`; after: `{m['uptime_after']}` "
@@ -160,7 +144,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--backend", nargs="+", help="backends (default: every available one)")
-    p.add_argument("--json", default=str(REPO / "bench" / "out" / "tune_search.json"),
+    p.add_argument("--json", default=os.path.join(harness.ROOT, "bench", "out", "tune_search.json"),
                    help="where to write the JSON report (default bench/out/tune_search.json)")
     p.add_argument("--results-md", help="refresh our section of this markdown file")
     args = p.parse_args()
@@ -174,13 +158,9 @@ def main() -> int:
         print(f"tune_search: {args.nvme_dir} {check.problem}", file=sys.stderr)
         return 2
     bench_dir = tempfile.mkdtemp(prefix="tune_search_", dir=args.nvme_dir)
-    machine = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "nproc": os.cpu_count(), "kernel": platform.release(),
-        "python": platform.python_version(), "nvmeio": nvmeio.__version__,
-        "commit": git_commit(), "disk_dir": args.nvme_dir, "fstype": check.fstype,
-        "direct_io": check.direct_io, "backends": available, "uptime_before": uptime(),
-    }
+    machine = {**harness.provenance(), "nvmeio": nvmeio.__version__, "disk_dir": args.nvme_dir,
+               "fstype": check.fstype, "direct_io": check.direct_io, "backends": available,
+               "uptime_before": uptime()}
     per_trial = len(space) + len(space) // 4 + 2 * args.rounds
     bar = tqdm(total=per_trial * args.trials, desc="tune_search", unit="run", file=sys.stderr)
     trials = []
@@ -202,17 +182,25 @@ def main() -> int:
         "verdict": {"met": all(met), "trials": len(trials), "trials_met": sum(met),
                     "worst_time_ratio": max(t["time_ratio"] for t in trials),
                     "worst_quality_ratio": min(t["quality_ratio"] for t in trials)},
-        "json_path": os.path.relpath(args.json, REPO) if args.json else None,
+        "json_path": os.path.relpath(args.json, harness.ROOT) if args.json else None,
     }
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    harness.save_json(report, args.json, indent=2)
     md = markdown(report)
     print(md)
     if args.results_md:
-        replace_section(Path(args.results_md), SECTION, md.split("\n", 1)[1])
+        harness.write_section(args.results_md, SECTION, figures(report), "python -m bench.tune_search " + " ".join(
+            sys.argv[1:]), md.split("\n", 1)[1])
     return 0 if report["verdict"]["met"] else 1
+
+
+def figures(report: dict) -> list:
+    """The headline (issue #4): the worst trial's search time and pick quality, smart over grid."""
+    v, when, n = report["verdict"], report["machine"]["when"], len(report["trials"])
+    return [harness.Figure(f"smart search time / full grid's (worst of {n} trials)", f"**{v['worst_time_ratio']:.3f}**",
+                           f"≤ {TIME_GOAL}", v["worst_time_ratio"] <= TIME_GOAL, when),
+            harness.Figure(f"smart pick / grid pick, re-measured r+w GB/s (worst of {n} trials)",
+                           f"**{v['worst_quality_ratio']:.3f}**", f"≥ {QUALITY_GOAL}",
+                           v["worst_quality_ratio"] >= QUALITY_GOAL, when)]
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """nvmeio's aio_handle against DeepSpeed's, side by side in one process.
 
-    /opt/dsvenv/bin/python bench/vs_deepspeed.py [--dir DIR] [--repeats 3]
+    /opt/dsvenv/bin/python -m bench.vs_deepspeed [--dir DIR] [--repeats 3]
 
 Both handles get identical settings and identical page-locked buffers, each
 allocated by its own handle's new_cpu_locked_tensor (DeepSpeed stages a
@@ -12,7 +12,9 @@ existing files and to one file at different offsets. Every nvmeio backend is
 also compared with fio running the matching engine (aio: libaio, io_uring:
 io_uring, psync: psync). Without deepspeed installed, says so and exits 0.
 GiB/s = 2**30 bytes per second. Writes JSON (--json) and a table; --results
-updates the "nvmeio vs DeepSpeed" section of bench/RESULTS.md.
+updates the "nvmeio vs DeepSpeed" section of bench/RESULTS.md. (Run from the repository root
+by a Python with both deepspeed and nvmeio: [Note: which nvmeio a benchmark measures] in
+bench/harness.py.)
 """
 
 from __future__ import annotations
@@ -29,11 +31,9 @@ from pathlib import Path
 import torch
 
 import nvmeio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from io_throughput import Unsupported, fio_contender, machine_info
+from bench import harness
+from bench.io_throughput import Unsupported, fio_contender, machine_info
 from tools import fio
-from tools.results_md import replace_section
 
 GIB = 1 << 30
 SMALL, NSMALL = 64 << 10, 10_000
@@ -195,7 +195,7 @@ def fio_rows(d: str, repeats: int, size: int) -> list[dict]:
 
 
 def render(rows: list[dict], fio: list[dict], info: dict, repeats: int) -> str:
-    out = [f"{info['date']}, {info['nproc']} cores, kernel {info['kernel']}, {info['disk']} "
+    out = [f"{info['started']}, {info['nproc']} cores, kernel {info['kernel']}, {info['disk']} "
            f"({info['fstype']}), nvmeio {info['commit']} (auto backend: {info.get('backend')}), "
            f"deepspeed {info.get('deepspeed')}; load {os.getloadavg()[0]:.1f}; "
            f"best of {repeats}, alternating; GiB/s.", "",
@@ -220,6 +220,18 @@ def render(rows: list[dict], fio: list[dict], info: dict, repeats: int) -> str:
     return "\n".join(out)
 
 
+def figures(rows: list[dict], when: str) -> list:
+    """The headline: nvmeio over DeepSpeed, the range over the rows of each kind."""
+    out = []
+    for kind, what in (("MiB", "1 GiB ops (every intra x qd, new file, overwrite, read)"),
+                       ("64 KiB", "10,000 x 64 KiB ops (files, one file)")):
+        ratios = [r["nvmeio_gibps"] / r["deepspeed_gibps"] for r in rows if kind in r["case"]]
+        if ratios:
+            out.append(harness.Figure(f"{what}: nvmeio / DeepSpeed", f"**{min(ratios):.2f}-{max(ratios):.2f}x**",
+                                      when=when))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir)")
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(Path(__file__).parent / "out" / "vs_deepspeed.json"))
     ap.add_argument("--results", action="store_true", help="update bench/RESULTS.md")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: big,small,fio")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     ds = load_deepspeed_aio()
     if ds is None:
@@ -252,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"machine": info, "rows": rows, "fio": fio}, indent=1))
     if args.results:
-        replace_section(Path(__file__).parent / "RESULTS.md", SECTION, text)
+        harness.write_section(str(Path(__file__).parent / "RESULTS.md"), SECTION, figures(rows, info["when"]),
+                              "python -m bench.vs_deepspeed " + " ".join(argv or []), text)
     return 0
 
 

@@ -7,7 +7,7 @@
 The public API is this package's ``__all__`` and the public modules, each with an ``__all__``
 of its own: ``env`` (the environment variables), ``settings``, ``hints``, ``host_sum``,
 ``file_ops``, ``atomic_file``, ``safetensors_file``, ``faults``, ``resources``, ``report``,
-``demo`` and the ``tune`` package. A module whose name starts with an underscore is internal.
+``demo``, ``io`` (DeepSpeed's FastPersist writer API, ``deepspeed.io``) and the ``tune`` package. A module whose name starts with an underscore is internal.
 Importing nvmeio has no side effect on the process (_process.py).
 """
 

@@ -63,20 +63,28 @@ class IOBuffers:
             written) instead of one.
         handle: an aio_handle to use (kept open on close); by default one with
             ``block_size=1 MiB, queue_depth=32, intra_op_parallelism=4``.
+        buffers: the caller's buffers (one or two 1-D uint8 host tensors of one size),
+            used as they are instead of locked ones made here, and never freed here
+            (``buffer_size`` and ``double_buffer`` then follow from them).
 
     One file at a time: opening a second file while one is open raises.
     """
 
     def __init__(self, buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True,
-                 handle: Optional[aio_handle] = None):
+                 handle: Optional[aio_handle] = None, buffers: Optional[list] = None):
+        self._own_buffers = buffers is None
+        if buffers is not None:
+            if not 1 <= len(buffers) <= 2 or len({b.numel() for b in buffers}) != 1:
+                raise ValueError("buffers must be one or two tensors of the same size")
+            buffer_size, double_buffer = buffers[0].numel(), len(buffers) == 2
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size <= 0:
             raise ValueError(f"buffer_size must be a positive number of bytes, got {buffer_size!r}")
-        self.buffer_size = -(-buffer_size // _ALIGN) * _ALIGN
+        self.buffer_size = buffer_size if buffers is not None else -(-buffer_size // _ALIGN) * _ALIGN
         self.double_buffer = bool(double_buffer)
         self._own_handle = handle is None
         self.handle = handle if handle is not None else aio_handle(
             block_size=1 << 20, queue_depth=32, intra_op_parallelism=4)
-        self._buffers: list = []
+        self._buffers: list = list(buffers) if buffers is not None else []
         self._user: Optional[object] = None
         self._lock = threading.Lock()
         self.stats = FastIOStats()
@@ -120,8 +128,9 @@ class IOBuffers:
         if self.closed:
             return
         self.closed = True
-        for b in self._buffers:
-            self.handle.free_cpu_locked_tensor(b)
+        if self._own_buffers:
+            for b in self._buffers:
+                self.handle.free_cpu_locked_tensor(b)
         self._buffers.clear()
         if self._own_handle:
             self.handle.close()

@@ -3,7 +3,7 @@
 Open file descriptors, threads, locked memory (VmLck) and kernel AIO
 contexts (each maps an ``[aio]`` ring into the process; counting them here,
 not in the system-wide ``fs.aio-nr``, keeps other processes out of the
-figure). Used by the tests and by ``bench/reliability.py``: take a
+figure). Used by the tests and by the reliability report (``bench/reliability/``): take a
 ``snapshot()`` before, another after, and ``grown(before, after)`` names what
 was not given back.
 """

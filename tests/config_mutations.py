@@ -1,6 +1,6 @@
 """Fuzzing the ZeRO config loader: real DeepSpeed configs, mutated at random.
 
-Used by tests/test_zero_config_fuzz.py and bench/reliability.py. A mutated
+Used by tests/test_zero_config_fuzz.py and bench/reliability/fuzzing.py. A mutated
 config must either load or raise ConfigError (a ValueError naming the dotted
 key); anything else (TypeError, KeyError, AttributeError, a bare pydantic
 error, a hang) is a finding. Mutations: delete a key, replace a value with
@@ -17,7 +17,10 @@ import random
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from helpers import base_config
+if __package__:  # tests.config_mutations, imported by bench/reliability (run from the repository root)
+    from .helpers import base_config
+else:  # the tests' own import (pytest puts tests/ on sys.path)
+    from helpers import base_config
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

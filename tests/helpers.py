@@ -1,8 +1,9 @@
 """Test helpers: engines built for a test and their weights, the engine training loop, test
 configs, several ranks in one test, and byte-level helpers for the I/O tests.
 
-Tests import this module directly (``from helpers import ...``): pytest puts the
-tests folder on ``sys.path`` (rootdir-relative, no package).
+Tests import this module directly (``from helpers import ...``): pytest's ``pythonpath``
+(pyproject.toml) puts the tests folder on ``sys.path``; their child Pythons find it on the
+PYTHONPATH conftest.py sets; bench/reliability imports it as ``tests.helpers``.
 """
 from __future__ import annotations
 
@@ -283,15 +284,23 @@ def finish_process(proc: "subprocess.Popen", timeout: float = PROCESS_TIMEOUT_S)
                              f"it printed:\n{out or ''}{err or ''}") from None
 
 
+def start_process(args, **kwargs) -> "subprocess.Popen":
+    """``subprocess.Popen(args, stdout=PIPE, stderr=PIPE, text=True, **kwargs)`` in a session of
+    its own (so that what it starts is stopped with it), for a test that runs several at once;
+    each must then be waited for with :func:`finish_process`."""
+    env = dict(kwargs.pop("env", None) or os.environ, PYTHONFAULTHANDLER="1")
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(args, text=True, env=env, start_new_session=True, **kwargs)
+
+
 def run_process(args, timeout: float = PROCESS_TIMEOUT_S, check: bool = False,
                 **kwargs) -> "subprocess.CompletedProcess":
     """``subprocess.run(args, capture_output=True, text=True, **kwargs)`` bounded by
     ``timeout`` (see [Note: timeouts of multi-process tests]); ``check``: a non-zero exit
     fails the test with the output. The process gets a session of its own, so that what
     it starts is stopped with it."""
-    env = dict(kwargs.pop("env", None) or os.environ, PYTHONFAULTHANDLER="1")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True, **kwargs)
+    proc = start_process(args, **kwargs)
     out, err = finish_process(proc, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args!r} failed ({proc.returncode}):\n{out}{err}")

@@ -2,7 +2,7 @@
 in-memory model of it (a bytearray), byte for byte.
 
 Used by tests/test_aio_model.py (a few hundred cases) and by
-bench/reliability.py (many more, counted in bench/RELIABILITY.md).
+bench/reliability/fuzzing.py (many more, counted in bench/RELIABILITY.md).
 
 A sequence mixes sync and async pwrite/pread at any offset and size, whole-file
 write(), truncation from outside, and wait(). A write never overlaps a
@@ -20,7 +20,11 @@ import numpy as np
 from hypothesis import strategies as st
 
 import nvmeio
-from helpers import BACKENDS, random_bytes
+
+if __package__:  # tests.io_model, imported by bench/reliability (run from the repository root)
+    from .helpers import BACKENDS, random_bytes
+else:  # the tests' own import (pytest puts tests/ on sys.path)
+    from helpers import BACKENDS, random_bytes
 
 MAX_OFFSET = 300_000
 MAX_LEN = 200_000

@@ -164,9 +164,10 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_says_so(tmp_p
 CHILD = r"""
 import sys, torch, zero
 from zero.examples import GPT, GPTConfig, make_batches
-sys.path.insert(0, sys.argv[3])
-from helpers import make_engine, train_engine
-engine = make_engine(sys.argv[2], lr=1e-2)
+from helpers import base_config, train_engine  # on the PYTHONPATH tests/conftest.py sets
+torch.manual_seed(0)
+config = base_config("nvme", "nvme", sys.argv[2], lr=1e-2)
+engine, _, _, _ = zero.initialize(model=GPT(GPTConfig()), config=config)
 batches = make_batches(GPTConfig(), 2, 4)
 train_engine(engine, batches[:1], 1)
 engine.save_checkpoint(sys.argv[1])
@@ -186,11 +187,10 @@ def test_a_save_killed_at_random_points_leaves_a_loadable_latest(tmp_path):
     train_engine(engine, batches[1:], 1)
     step2 = weights(model)
     rng = random.Random(11)
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
     for attempt in range(3):
         ckpt, swap = tmp_path / f"ckpt{attempt}", tmp_path / f"swap{attempt}"
         swap.mkdir()
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(swap), tests_dir],
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(ckpt), str(swap)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert wait_for_line(child).strip() == "ready", child.stderr.read()
         time.sleep(rng.uniform(0.0, 0.6))

@@ -1,20 +1,12 @@
-"""Crash anywhere, resume exactly (the small version of bench/crash_soak.py): a training
-job with parameters and optimizer on NVMe, SIGKILLed 20 times at random instants and
-restarted from `latest`, ends bit-identical to an uninterrupted run; every restart loads,
+"""Crash anywhere, resume exactly (tests/crash_soak.py, in the small; the long soak is
+bench/crash_soak.py): a training job with parameters and optimizer on NVMe, SIGKILLed 20
+times at random instants and restarted from `latest`, ends bit-identical to an uninterrupted run; every restart loads,
 every checkpoint reported complete still loads, killed jobs' swap directories are
 reclaimed and a live job's beside them is untouched. Some lives get ENOSPC at a random
 write instead: each fails naming the file, and the next resumes from the checkpoint before.
 The same on two gloo ranks: one rank killed (or given the ENOSPC) per life, the other must
 fail on its own within a bound, and both resume."""
-import importlib.util
-import os
-import sys
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("crash_soak", os.path.join(TESTS, "..", "bench", "crash_soak.py"))
-crash_soak = importlib.util.module_from_spec(_spec)
-sys.modules["crash_soak"] = crash_soak  # its dataclasses look their module up there
-_spec.loader.exec_module(crash_soak)
+import crash_soak
 
 
 def test_twenty_kills_anywhere_resume_bit_identical(tmp_path):

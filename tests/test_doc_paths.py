@@ -28,6 +28,7 @@ ALLOWED = {
     "model.safetensors.index.json": "the shard index of a Hugging Face checkpoint",
     "pytorch_model.bin.index.json": "the shard index of a Hugging Face checkpoint",
     "zero_meta.json": "a file inside a checkpoint that the engine saves",
+    "deepspeed/": "DeepSpeed's own sources (its installed package), where the facts of its checkpoints come from",
     "bench/out/": "benchmark results, written at run time (git-ignored)",
     "bench/reliability.json": "bench/reliability.py's results, written at run time",
 }

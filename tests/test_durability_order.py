@@ -15,7 +15,6 @@ from helpers import PROCESS_TIMEOUT_S
 
 STRACE = shutil.which("strace")
 pytestmark = pytest.mark.skipif(STRACE is None, reason="needs strace (the README's test command installs it)")
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 _CALL = re.compile(r"^\d+ +(\w+)\((.*)\) += (-?\d+)(?:<([^>]*)>)?")
 _FD = re.compile(r"^(-?\d+)<([^>]*)>")
@@ -26,7 +25,7 @@ def trace(tmp_path, code: str, *args: str) -> list:
     """Run ``code`` in a child under strace; its file system calls, in order, as
     (call, [string arguments], first fd's path, result fd's path, result, raw arguments)."""
     script, out = tmp_path / "child.py", tmp_path / "trace.txt"
-    script.write_text(f"import sys\nsys.path.insert(0, {TESTS!r})\n" + code)
+    script.write_text(code)  # it finds helpers on the PYTHONPATH tests/conftest.py sets
     run = subprocess.run([STRACE, "-f", "-y", "-qq", "-s", "4096", "-o", str(out), "-e",
                           "trace=fsync,fdatasync,rename,renameat,renameat2,link,linkat,openat",
                           sys.executable, str(script), *args],
@@ -118,7 +117,7 @@ class Durability:
 
 
 SAVE = """
-import os, torch, zero
+import os, sys, torch, zero
 from zero.examples import GPT, GPTConfig, make_batches
 from helpers import base_config
 d = sys.argv[1]
@@ -152,7 +151,7 @@ def test_a_checkpoint_is_durable_before_latest_names_it(tmp_path):
 
 
 WRITERS = """
-import numpy as np, torch, nvmeio
+import sys, numpy as np, torch, nvmeio
 d = sys.argv[1]
 t = torch.arange(1 << 18, dtype=torch.float32)
 h = nvmeio.aio_handle()

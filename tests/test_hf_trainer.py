@@ -273,3 +273,16 @@ def test_hidden_size_autos_on_a_model_without_hidden_size_are_refused(tmp_path):
 def test_zero_trainer_needs_its_config(tmp_path):
     with pytest.raises(TypeError, match="ZeroTrainer needs zero_config="):
         ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "out"), train_dataset=dataset())
+
+
+def test_save_on_each_node_says_what_it_does_not_change(tmp_path):
+    from zero.config import IgnoredSettingWarning
+
+    with pytest.warns(IgnoredSettingWarning) as caught:
+        ZeroTrainer(model=tiny_gpt2(), args=training_args(tmp_path / "out", save_on_each_node=True),
+                    train_dataset=dataset(), zero_config=nvme_config(tmp_path))
+    assert [str(w.message) for w in caught] == [
+        "TrainingArguments(save_on_each_node=True) has no effect on the engine's checkpoint: the model files and "
+        "the Trainer's state are written on each node, but the optimizer states and parameter shards form one "
+        "checkpoint across the nodes (each rank writes its own, rank 0 publishes it), in an output_dir every "
+        "node must see"]

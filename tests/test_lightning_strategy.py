@@ -5,7 +5,9 @@ and weights); every rung (stages 0, 1, 2, 2 + optimizer offload, 3) on two ranks
 Lightning's DDP on two ranks; configure_model builds under zero.Init straight to NVMe at
 stage 3 and whole below it; each registered name gives its config; save and resume continue
 exactly; convert_zero_checkpoint_to_fp32_state_dict gives a file load_from_checkpoint reads;
-unknown or unsupported arguments and combinations are refused with their message.
+unknown arguments and unsupported combinations are refused with their message. Precision is
+test_lightning_precision.py's; the DeepSpeedStrategy arguments refused before (activation checkpointing,
+full-weights files, frozen parameters) are test_lightning_strategy_arguments.py's.
 """
 import os
 
@@ -288,9 +290,6 @@ def test_unknown_argument_is_refused_with_the_closest_name():
     ({"zero_optimization": False, "stage": 2},
      r"ZeroStrategy\(zero_optimization=False, stage=2\): zero_optimization=False is ZeRO stage 0 \(a config "
      r"without a zero_optimization section\); pass one of the two"),
-    ({"stage": 3, "cpu_checkpointing": True}, r"ZeroStrategy\(cpu_checkpointing=True\) is not supported: "
-                                               r"activation checkpointing is the module's own"),
-    ({"stage": 3, "load_full_weights": True}, r"ZeroStrategy\(load_full_weights=True\) is not supported"),
 ])
 def test_unsupported_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -314,9 +313,7 @@ def test_zero_optimization_false_is_a_config_without_a_zero_section_which_is_sta
     assert ZeroStrategy(stage=0).config["zero_optimization"] == {"stage": 0}
 
 
-def test_accumulation_in_the_config_and_mixed_precision_are_refused(tmp_path):
+def test_accumulation_in_the_config_is_refused(tmp_path):
     config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2}
     with pytest.raises(ValueError, match="do not set gradient_accumulation_steps in the DeepSpeed config"):
         trainer(ZeroStrategy(config=config), tmp_path).fit(GPTModule(), loader())
-    with pytest.raises(ValueError, match=r"ZeroStrategy trains with precision='32-true' \(got 'bf16-mixed'\)"):
-        trainer(ZeroStrategy(stage=3), tmp_path, precision="bf16-mixed").fit(GPTModule(), loader())

@@ -60,9 +60,7 @@ def test_context_managers_clean_up(tmp_path):
 
 def test_a_clean_interpreter_exit_removes_the_swap_files(tmp_path):
     code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {os.path.join(REPO, "tests")!r})
-        from test_swapper_cleanup import _populated_swappers
+        from test_swapper_cleanup import _populated_swappers  # tests/ is on the PYTHONPATH conftest sets
         params, optim = _populated_swappers({str(tmp_path)!r})
         print(len(__import__("os").listdir({str(tmp_path / "run1" / "rank2" / "params")!r})))
     """)  # exits without calling cleanup()

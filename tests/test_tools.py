@@ -9,10 +9,12 @@ import pytest
 from helpers import run_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# tools/ is not installed: the root goes after the installed packages, never before them (it
+# holds the source tree of nvmeio, without the native module CI builds only into the install).
+sys.path.append(REPO)
 
 from tools import fio, readme_commands
-from tools.results_md import bar_chart, chart_link, replace_section
+from tools.results_md import Figure, bar_chart, chart_link, replace_section, section_body
 
 
 def test_replace_section_replaces_only_its_own(tmp_path):
@@ -23,6 +25,17 @@ def test_replace_section_replaces_only_its_own(tmp_path):
     replace_section(md, "## B", "new b")
     replace_section(md, "## C", "c")
     assert md.read_text() == "# results\n\n## A\n\nnew a\nline 2\n\n## B\n\nnew b\n\n## C\n\nc\n"
+
+
+def test_a_section_leads_with_its_headline_and_new_sections_go_before_the_changelog(tmp_path):
+    body = section_body([Figure("x / fio", "**1.10x**", "≤ 1.2x", True, "today"), Figure("y", "3")],
+                        "python -m bench.x", "details")
+    assert body.splitlines()[2:4] == ["| x / fio | **1.10x** | ≤ 1.2x | yes | today |", "| y | 3 | — | — |  |"]
+    assert body.endswith("Reproduce: `python -m bench.x`\n\ndetails")
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# results\n\n## A\n\na\n\n## Changelog\n\n- then\n")
+    replace_section(md, "## B", "b")
+    assert md.read_text() == "# results\n\n## A\n\na\n\n## B\n\nb\n\n## Changelog\n\n- then\n"
 
 
 def test_bar_chart_writes_a_png_linked_relative_to_the_results(tmp_path):

@@ -236,5 +236,5 @@ def test_a_file_missing_on_one_rank_makes_every_rank_refuse_the_load(tmp_path):
     rank0, rank1 = got[0]["missing"], got[1]["missing"]
     assert rank1["error"].startswith("FileNotFoundError") and "rank00001/engine.pt is missing" in rank1["error"]
     assert rank0["error"] == (f"RuntimeError: load_checkpoint({tmp_path}/missing/ckpt/t) failed on another "
-                              f"rank; nothing was loaded")
+                              f"rank (rank 1: {rank1['error']}); nothing was loaded")
     assert rank0["unchanged"] and rank1["unchanged"] and rank0["steps"] == rank1["steps"] == 2

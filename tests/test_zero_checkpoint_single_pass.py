@@ -157,6 +157,6 @@ def test_a_shard_damaged_on_one_rank_leaves_every_rank_untouched(tmp_path):
     assert rank1["error"].startswith("CheckpointCorruptionError") and \
         "rank00001/subgroup00000.safetensors is damaged" in rank1["error"] and "'exp_avg'" in rank1["error"]
     assert rank0["error"] == (f"RuntimeError: load_checkpoint({tmp_path}/damaged/ckpt/t) failed on another "
-                              f"rank; nothing was loaded")
+                              f"rank (rank 1: {rank1['error']}); nothing was loaded")
     for r in (rank0, rank1):
         assert r["unchanged"] and r["steps"] == 2 and r["leftovers"] == []

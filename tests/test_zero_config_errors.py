@@ -307,3 +307,18 @@ def test_aio_given_twice_with_different_values_is_refused():
                                "aio": {"queue_depth": 64}})
     assert problems["aio"] == ("aio is given both at the top level ({'queue_depth': 64}) and in "
                                "zero_optimization ({'queue_depth': 32}) with different values; keep one")
+
+
+@pytest.mark.parametrize("section, message", [
+    ("amp", 'NVIDIA Apex AMP is not supported by this engine; use fp16 / bf16 instead ("bf16": {"enabled": true}, '
+            'or "fp16": {"enabled": true} with its loss scaling)'),
+    ("pipeline", "pipeline parallelism is not supported by this engine: every rank holds the whole model "
+                 "(partitioned by ZeRO); remove the section"),
+    ("tensor_parallel", "tensor parallelism (AutoTP) is not supported by this engine: every rank holds the whole "
+                        "model (partitioned by ZeRO); remove the section"),
+    ("sparse_attention", "DeepSpeed's sparse attention kernels are not supported by this engine; remove the "
+                         "section (the model's own attention runs)"),
+])
+def test_a_section_of_a_deepspeed_feature_this_engine_lacks_says_so(section, message):
+    _, problems = problems_of({**STAGE3, section: {"enabled": True}})
+    assert problems == {section: message}  # not a did-you-mean to a key of another meaning

@@ -47,3 +47,9 @@ def test_partial_optimizer_offload_ratio_is_refused_with_the_way_out():
             "offload_optimizer.device to 'none'") in str(info.value)
     config = load_config({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.0}}})
     assert config.zero_optimization.offload_optimizer.ratio == 1.0
+
+
+def test_node_local_storage_takes_effect_and_warns_nothing():
+    """Implemented (zero/checkpoint/storage.py): neither value warns."""
+    assert _messages({}, {"checkpoint": {"use_node_local_storage": True}}) == []
+    assert _messages({}, {"checkpoint": {"use_node_local_storage": False}}) == []

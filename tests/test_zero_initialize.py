@@ -183,7 +183,8 @@ def test_model_parameters_must_belong_to_the_model():
 
 
 def test_a_config_is_required():
-    with pytest.raises(ValueError, match=r"zero.initialize needs a config \(config=path or dict\)"):
+    with pytest.raises(ValueError, match=r"zero.initialize needs a config \(config=path or dict, or "
+                                         r"args.deepspeed_config\)"):
         zero.initialize(model=GPT(CFG))
 
 

@@ -1,32 +1,67 @@
 """bench/RESULTS.md holds one ``## `` section per benchmark; each script replaces only its own.
 
-    from tools.results_md import replace_section, bar_chart
+    from tools.results_md import Figure, bar_chart, replace_section, section_body
     png = bar_chart(Path("bench/io_throughput.png"), "1 GiB, GiB/s", ["write", "read"],
                     {"fio best": [7.4, 3.4], "aio_handle best": [7.3, 3.5]})
+    body = section_body([Figure("write, aio_handle / fio", "**1.07x**")],
+                        "python -m bench.io_throughput --results-md bench/RESULTS.md", details)
     replace_section(Path("bench/RESULTS.md"), "## I/O throughput", body + f"\n\n![chart]({png.name})")
 
+A section opens with its headline (today's figures against their goals) and the
+command that reproduces them; the details of the run follow. How the figures got
+there is history: it goes to the ``## Changelog`` section, which stays last.
 The chart is optional: without matplotlib ``bar_chart`` returns None and the
 section keeps its table only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["replace_section", "bar_chart", "chart_link"]
+__all__ = ["Figure", "section_body", "replace_section", "bar_chart", "chart_link", "CHANGELOG"]
+
+CHANGELOG = "## Changelog"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of a section's headline: what is measured, today's value, the goal (``—``:
+    none set), whether today's value meets it (None: no goal) and when it was measured."""
+
+    what: str
+    today: str
+    goal: str = "—"
+    met: Optional[bool] = None
+    when: str = ""
+
+
+def section_body(figures: Sequence[Figure], command: str, details: str = "") -> str:
+    """A section's body: the headline table, the command that reproduces it, the details."""
+    rows = ["| figure | today | goal | met | measured |", "|---|---:|---|---|---|"]
+    for f in figures:
+        met = "—" if f.met is None else ("yes" if f.met else "**no**")
+        rows.append(f"| {f.what} | {f.today} | {f.goal} | {met} | {f.when} |")
+    return "\n".join(rows) + f"\n\nReproduce: `{command}`\n\n" + details.strip()
 
 
 def replace_section(path: Path, heading: str, body: str) -> None:
     """Writes ``heading`` + ``body`` in place of the section under ``heading`` (up to the
-    next ``## `` heading), or appends it; the other sections are left as they are."""
+    next ``## `` heading), or adds it before the changelog (at the end without one); the
+    other sections are left as they are."""
     path = Path(path)
     text = path.read_text() if path.exists() else "# nvmeio benchmark results\n"
     section = f"{heading}\n\n{body.strip()}\n"
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
     if start is None:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
+        log = next((i for i, line in enumerate(lines) if line.rstrip() == CHANGELOG), None)
+        if log is None:
+            path.write_text(text.rstrip("\n") + "\n\n" + section)
+        else:
+            head = "".join(lines[:log]).rstrip("\n")
+            path.write_text(head + "\n\n" + section + "\n" + "".join(lines[log:]))
         return
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     tail = "".join(lines[end:])

@@ -3,7 +3,10 @@
     engine, optimizer, _, scheduler = zero.initialize(model=model, config="ds_config.json")
     loss = engine(batch); engine.backward(loss); engine.step()
 
-Also: ``zero.Init`` (build a model partitioned from the start),
+Also: ``zero.init_distributed`` and ``zero.add_config_arguments`` (DeepSpeed's
+script-level calls: the process group from torchrun, MPI or Slurm; the
+``--deepspeed_config`` arguments ``initialize(args=...)`` reads),
+``zero.Init`` (build a model partitioned from the start; also a decorator),
 ``zero.GatheredParameters``, ``zero.load_pretrained`` (checkpoint tensors into
 partitions, one at a time), ``engine.save_checkpoint / load_checkpoint /
 save_16bit_model``, ``get_fp32_state_dict_from_zero_checkpoint``,
@@ -26,6 +29,8 @@ from .config import ConfigError, DeepSpeedConfig, load_config, resolve_auto
 
 _LAZY = {  # public name: the module it comes from
     "initialize": "engine.entry",
+    "init_distributed": "engine.distributed",
+    "add_config_arguments": "engine.entry",
     "ZeroEngine": "engine.zero_engine",
     "EngineStateError": "engine.backward_pass",
     "CheckpointTagError": "checkpoint.format",

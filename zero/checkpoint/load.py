@@ -1,5 +1,8 @@
 """``load_checkpoint``: checks everything, on every rank, before changing anything.
 
+A directory of DeepSpeed's files (a DeepSpeed ZeRO checkpoint) is loaded by
+deepspeed_load.py, under the same protocol.
+
 A load checks everything first (the tag, the model, every file it will read,
 the counters) and changes the engine only when all of it is there: a
 missing or damaged file (a shard whose bytes differ from the checksums it
@@ -31,9 +34,12 @@ from nvmeio import SafetensorsReader
 from swapper.checksum import ChecksumAlgorithm
 
 from ..runtime.timers import log_rank0
-from .format import (BUFFERS, LATEST, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
+from .deepspeed_files import is_deepspeed_checkpoint
+from .deepspeed_load import load_deepspeed_checkpoint
+from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
                      sub_group_file, unsafe_error)
 from .shard_io import CheckpointIO, check_digests, shard_checksums
+from .storage import agreed_local_tag, check_local_files, check_same_copies
 
 
 def _check_same_model(meta: dict, engine) -> None:
@@ -167,16 +173,34 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
     _check_carried(cio, paths, keys)
 
 
+def _files_read(engine, checkpoint: str, reader: ShardReader, own_shards: bool, same_layout: bool) -> list:
+    """Every file of ``checkpoint`` this rank's load reads."""
+    comm, layout = engine.comm, engine.rank_layout
+    paths = [engine_file(checkpoint, comm.rank if same_layout else 0), os.path.join(checkpoint, BUFFERS)]
+    for sg in layout.sub_groups:
+        if own_shards:
+            paths.append(sub_group_file(checkpoint, comm.rank, sg.index))
+            continue
+        for index in sg.units:
+            first = layout.units[index].shard_start(comm.rank)
+            paths.extend(reader.files(index, first, first + layout.units[index].shard_numel))
+    return paths
+
+
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> Tuple[Optional[str], Optional[dict]]:
     """Checks everything, on every rank, before changing anything (see the [Note] above)."""
     comm = engine.comm
-    tag = resolve_tag(load_dir, tag)
+    # Each node reads its own copy ([Note: node-local storage] in storage.py); they must agree.
+    node_local = engine.config.checkpoint.use_node_local_storage
+    tag = agreed_local_tag(comm, load_dir, tag) if node_local else resolve_tag(load_dir, tag)
     if tag is None:
         log_rank0(comm.rank, f"no checkpoint to load: {os.path.join(load_dir, LATEST)} does not exist",
                   logging.WARNING)
         return None, None
     checkpoint = checkpoint_path(load_dir, tag)
+    if not os.path.exists(os.path.join(checkpoint, META)) and is_deepspeed_checkpoint(checkpoint):
+        return load_deepspeed_checkpoint(engine, checkpoint, load_optimizer_states, load_lr_scheduler_states)
     cio = CheckpointIO(engine.config.checkpoint.writer)
     reader = None
     error = None
@@ -191,6 +215,9 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         load_states = load_optimizer_states and set(names) <= set(meta.get("state_names", []))
         keys = ["master"] + (list(names) if load_states else [])
         reader = ShardReader(checkpoint, meta)
+        if node_local:
+            check_local_files(checkpoint, comm.rank, _files_read(engine, checkpoint, reader, own_shards, same_layout),
+                              resharding=not own_shards)
         _check_shards(engine, cio, checkpoint, reader, own_shards, keys, load_states, staged)
         path = engine_file(checkpoint, comm.rank if same_layout else 0)
         state = _load_object(cio, path, checkpoint)
@@ -199,10 +226,15 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
-        if comm.any(error is not None, engine.device):
+        failed = [(r, m) for r, m in enumerate(comm.all_gather_object(
+            None if error is None else f"{type(error).__name__}: {error}")) if m is not None]
+        if failed:
             if error is not None:
                 raise error
-            raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank; nothing was loaded")
+            raise RuntimeError(f"load_checkpoint({checkpoint}) failed on another rank (rank {failed[0][0]}: "
+                               f"{failed[0][1]}); nothing was loaded")
+        if node_local:
+            check_same_copies(comm, checkpoint, state)
         try:
             _apply(engine, cio, reader, checkpoint, own_shards, keys, load_states, state, buffers,
                    load_optimizer_states, load_lr_scheduler_states, staged)

@@ -29,6 +29,7 @@ with the same bits plus search (0700): model state is the user's data.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -40,6 +41,8 @@ from .format import NAME_MAX, OLD_COPY
 
 PARTIAL = ".partial-"  # in ".partial-<random>": a save in progress (or one that died); older
                        # saves named theirs ".<tag>.partial-<random>", which cleanup finds alike
+PROBE = ".node-probe-"  # in ".node-probe-<random>": a file that tells which ranks share a directory
+                        # (storage.py); removed by the save that made it, or by the next one
 
 
 def create_file(path: str, mode: int):
@@ -71,12 +74,17 @@ def discard(save_dir: str, path: str) -> None:
 
 
 def remove_leftovers(save_dir: str) -> None:
-    """Partial directories of saves that died go; a complete copy moved aside by a re-save cut
-    between its renames is renamed back to its tag when the tag is missing, else deleted.
-    Every ``.old`` directory is complete (:func:`discard`), so whichever is renamed back is."""
-    entries = sorted(os.listdir(save_dir), key=lambda e: -os.lstat(os.path.join(save_dir, e)).st_mtime)
+    """Partial directories of saves that died go (and their probe files); a complete copy moved
+    aside by a re-save cut between its renames is renamed back to its tag when the tag is
+    missing, else deleted. Every ``.old`` directory is complete (:func:`discard`), so whichever
+    is renamed back is."""
+    entries = sorted(os.listdir(save_dir), key=lambda e: -_mtime(os.path.join(save_dir, e)))
     for entry in entries:
         path = os.path.join(save_dir, entry)
+        if entry.startswith(PROBE) and not os.path.isdir(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            continue
         if not entry.startswith(".") or os.path.islink(path) or not os.path.isdir(path):
             continue
         if PARTIAL in entry or entry.endswith(".partial"):
@@ -88,6 +96,13 @@ def remove_leftovers(save_dir: str) -> None:
             else:
                 os.rename(path, os.path.join(save_dir, tag))  # the newest moved-aside copy comes first
                 fsync_directory(save_dir)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except FileNotFoundError:  # a probe its maker removed meanwhile
+        return 0.0
 
 
 def publish(save_dir: str, partial: str, tag: str) -> None:

@@ -1,5 +1,6 @@
 """``save_checkpoint``: every rank writes its part under a partial directory that rank 0
-then publishes (publish.py); load.py reads it back.
+then publishes (publish.py); load.py reads it back. With node-local storage each node's
+first rank does rank 0's part in its node's copy (storage.py, [Note: node-local storage]).
 
 NVMe-resident state is part of the checkpoint: each sub-group's swap file
 becomes its shard by a hard link, or is copied file to file where no link
@@ -25,6 +26,7 @@ from ..runtime.timers import log_rank0
 from .format import BUFFERS, LATEST, META, check_tag, engine_file, meta_dict, rank_dir, resolve_tag, sub_group_file
 from .publish import PARTIAL, create_file, make_dir, publish, remove_leftovers, set_file_modes
 from .shard_io import CheckpointIO
+from .storage import SaveRoles, gather_checked, save_roles
 
 
 def _agreed_tag(engine, tag: str) -> str:
@@ -68,8 +70,9 @@ def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
         state.save_shard(sg, cio, sub_group_file(partial, engine.comm.rank, sg.index))
 
 
-def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> None:
-    """Counters, optimizer settings, schedule, client state (every rank); meta and buffers (rank 0)."""
+def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict, roles: SaveRoles) -> None:
+    """Counters, optimizer settings, schedule, client state (every rank); meta and buffers (the
+    leader of each copy: rank 0, or each node's first rank with node-local storage)."""
     comm = engine.comm
     mine = rank_dir(partial, comm.rank)
     state = {
@@ -84,7 +87,7 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> N
     file_mode = engine.config.checkpoint.file_mode
     set_file_modes(mine, file_mode)
     fsync_directory(mine)
-    if comm.rank == 0:
+    if roles.leads:
         zc = engine.config.zero_optimization
         meta = meta_dict(list(engine.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
         meta["state_names"] = list(engine.checkpointed_state.state_names)
@@ -98,34 +101,41 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict) -> N
         fsync_directory(partial)
 
 
+def _prepare(save_dir: str, tag: str, dir_mode: int) -> str:
+    """The partial directory a copy's leader makes for this save (see publish.py)."""
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final) and (os.path.islink(final) or not os.path.isdir(final)):
+        raise FileExistsError(f"cannot save checkpoint {tag!r}: {final} exists and is not a checkpoint "
+                              f"directory")
+    os.makedirs(save_dir, mode=dir_mode, exist_ok=True)
+    remove_leftovers(save_dir)
+    # A fixed-length name, not ".<tag>.partial-...": any tag a directory can be named (255 bytes) saves.
+    name = os.path.basename(tempfile.mkdtemp(prefix=PARTIAL, dir=save_dir))
+    os.chmod(os.path.join(save_dir, name), dir_mode)
+    return name
+
+
 def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool) -> bool:
     comm = engine.comm
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     tag = _agreed_tag(engine, tag)
-    file_mode, dir_mode = engine.config.checkpoint.file_mode, engine.config.checkpoint.dir_mode
+    checkpoint = engine.config.checkpoint
+    file_mode, dir_mode = checkpoint.file_mode, checkpoint.dir_mode
     _check_loadable(client_state)
-    name = None
-    if comm.rank == 0:
-        final = os.path.join(save_dir, tag)
-        if os.path.lexists(final) and (os.path.islink(final) or not os.path.isdir(final)):
-            raise FileExistsError(f"cannot save checkpoint {tag!r}: {final} exists and is not a checkpoint "
-                                  f"directory")
-        os.makedirs(save_dir, mode=dir_mode, exist_ok=True)
-        remove_leftovers(save_dir)
-        # A fixed-length name, not ".<tag>.partial-...": any tag a directory can be named (255 bytes) saves.
-        name = os.path.basename(tempfile.mkdtemp(prefix=PARTIAL, dir=save_dir))
-        os.chmod(os.path.join(save_dir, name), dir_mode)
-    partial = os.path.join(save_dir, comm.broadcast_object(name, 0))
-    comm.barrier()
+    # One copy of the directory (rank 0 leads it), or one per node's storage ([Note: node-local storage]).
+    roles = save_roles(comm, save_dir, checkpoint.use_node_local_storage, dir_mode)
+    names = gather_checked(comm, lambda: _prepare(save_dir, tag, dir_mode) if roles.leads else None,
+                           f"preparing to save checkpoint {tag!r}")
+    partial = os.path.join(save_dir, names[roles.leader])
 
     make_dir(rank_dir(partial, comm.rank), dir_mode)
-    cio = CheckpointIO(engine.config.checkpoint.writer)
+    cio = CheckpointIO(checkpoint.writer)
     try:
         _save_shards(engine, cio, partial)
-        _save_rest(engine, cio, partial, client_state)
+        _save_rest(engine, cio, partial, client_state, roles)
     except BaseException as exc:
         # Free what this save wrote (a full disk most of all); the checkpoints saved before stay.
-        shutil.rmtree(partial if comm.rank == 0 else rank_dir(partial, comm.rank), ignore_errors=True)
+        shutil.rmtree(partial if roles.leads else rank_dir(partial, comm.rank), ignore_errors=True)
         if isinstance(exc, OSError):
             try:
                 latest = repr(resolve_tag(save_dir, None))
@@ -139,12 +149,10 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dic
         cio.close("saved", comm.rank)
     comm.barrier()
 
-    if comm.rank == 0:
+    if roles.leads:
         publish(save_dir, partial, tag)
         if save_latest:
             write_atomically(os.path.join(save_dir, LATEST), tag.encode("utf-8"), mode=file_mode)
     comm.barrier()
     log_rank0(comm.rank, f"saved checkpoint {os.path.join(save_dir, tag)}")
     return True
-
-

@@ -12,6 +12,9 @@ Each section of the DeepSpeed JSON is a frozen pydantic model deriving from
   ``_upgrade`` hook for old forms that change shape (``cpu_offload: true``);
 - ``_inert``: keys accepted for compatibility that nvmeio has no feature for;
   setting one to a non-default value is noted for an IgnoredSettingWarning;
+- ``_unsupported``: DeepSpeed keys of features this engine does not have
+  (``pipeline``, ``amp``, ...): still errors, but the message says so and
+  what to use instead, not a did-you-mean to a key of another meaning;
 - reading a key that still holds ``"auto"`` raises, see the note below.
 
 Notes (deprecations, inert settings) are collected on the section while it is
@@ -105,6 +108,7 @@ class StrictModel(BaseModel):
     _aliases: ClassVar[Mapping[str, str]] = {}
     _renamed: ClassVar[Mapping[str, str]] = {}
     _inert: ClassVar[frozenset[str]] = frozenset()
+    _unsupported: ClassVar[Mapping[str, str]] = {}
     _auto_fields: ClassVar[frozenset[str]] = frozenset()
 
     _path: str = PrivateAttr("")
@@ -295,6 +299,9 @@ def _unknown_key_message(root: type[StrictModel], loc: tuple[Any, ...], raw: Any
     section = _section_at(root, loc[:-1], raw)
     if section is None:
         return "unknown key"
+    unsupported = section._unsupported.get(key)
+    if unsupported is not None:
+        return unsupported
     known = section.known_keys()
     elsewhere = [h for h in key_homes(root).get(key, []) if h != (dotted(loc[:-1]) or "the top level")]
     where = f" ('{key}' is a key of {', '.join(elsewhere[:4])})" if elsewhere else ""

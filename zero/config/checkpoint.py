@@ -59,7 +59,10 @@ class CheckpointConfig(StrictModel):
     _inert: ClassVar[frozenset[str]] = frozenset({"load_universal", "parallel_write"})
 
     use_node_local_storage: Flag = False
-    """Each node writes its ranks' shards to its own storage (no shared file system)."""
+    """The save directory is on each node's own storage (no shared file system): each node's
+    first rank (LOCAL_RANK 0) writes the shared files (``latest``, ``zero_meta.json``,
+    ``buffers.pt``) into its node's copy, every rank its own shards, and a load reads only its
+    node's copy (zero/checkpoint/storage.py, [Note: node-local storage])."""
     tag_validation: Choice("Ignore", "Warn", "Fail", what="tag_validation") = "Warn"
     """What to do when ranks disagree on the checkpoint tag."""
     load_universal: Flag = False

@@ -42,6 +42,16 @@ class DeepSpeedConfig(StrictModel):
     _inert: ClassVar[frozenset[str]] = frozenset({
         "sparse_gradients", "disable_allgather", "dump_state", "memory_breakdown", "prescale_gradients",
         "zero_force_ds_cpu_optimizer"})
+    _unsupported: ClassVar[Mapping[str, str]] = {
+        "amp": ("NVIDIA Apex AMP is not supported by this engine; use fp16 / bf16 instead "
+                "(\"bf16\": {\"enabled\": true}, or \"fp16\": {\"enabled\": true} with its loss scaling)"),
+        "pipeline": ("pipeline parallelism is not supported by this engine: every rank holds the whole model "
+                     "(partitioned by ZeRO); remove the section"),
+        "tensor_parallel": ("tensor parallelism (AutoTP) is not supported by this engine: every rank holds the "
+                            "whole model (partitioned by ZeRO); remove the section"),
+        "sparse_attention": ("DeepSpeed's sparse attention kernels are not supported by this engine; remove the "
+                             "section (the model's own attention runs)"),
+    }
 
     train_batch_size: Optional[Int(minimum=1, auto=True)] = None
     train_micro_batch_size_per_gpu: Optional[Int(minimum=1, auto=True)] = None

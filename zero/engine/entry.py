@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import tempfile
+import warnings
 from typing import Optional
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn as nn
 
 from .build import OptimizerSpec, check_params_known
 from ..runtime.comm import compute_device, init_distributed
-from ..config import ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
+from ..config import ConfigDeprecationWarning, ConfigError, DeepSpeedConfig, Problem, load_config, resolve_auto
 from .zero_engine import ZeroEngine
 from .lr_schedules import build_scheduler
 from .optimizer import AdamKind
@@ -107,13 +108,55 @@ def _resolve(config, model, optimizer, world_size: int) -> DeepSpeedConfig:
     return resolve_auto(config, hidden_size=_hidden_size(model), world_size=world_size, **known)
 
 
+def refuse_mpu(caller: str, mpu) -> None:
+    """``mpu`` (Megatron's model-parallel unit) would make the data-parallel group a subset of the ranks."""
+    if mpu is not None:
+        raise ValueError(f"{caller}(mpu=...): model parallelism is not supported by this engine: its data-parallel "
+                         f"group is every rank of the process group, so with model-parallel ranks the gradients "
+                         f"would be averaged across them too; run without model parallelism (mpu=None)")
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's ``deepspeed.add_config_arguments``: ``--deepspeed``, ``--deepspeed_config`` and the
+    deprecated ``--deepscale`` / ``--deepscale_config`` on an ``argparse`` parser; pass the parsed
+    ``args`` to :func:`initialize`, which reads ``args.deepspeed_config``. Returns the parser."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated DeepSpeed json configuration file.")
+    return parser
+
+
+def config_from_args(args):
+    """``args.deepspeed_config``, or the deprecated ``args.deepscale_config`` (warned), as DeepSpeed reads them."""
+    if args is None:
+        return None
+    config, old = getattr(args, "deepspeed_config", None), getattr(args, "deepscale_config", None)
+    if old is not None:
+        if config is not None:
+            raise ValueError("args has both deepscale_config and deepspeed_config; keep --deepspeed_config "
+                             "(--deepscale_config is its deprecated name)")
+        warnings.warn("--deepscale_config is deprecated; use --deepspeed_config", ConfigDeprecationWarning,
+                      stacklevel=3)
+        config = old
+    return config
+
+
 def initialize(args=None, model: nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None, collate_fn=None,
                config=None, config_params=None):
     """Wrap ``model`` in a :class:`~zero.engine.ZeroEngine`.
 
-    ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a
-    DeepSpeed JSON path, dict or :class:`~zero.config.DeepSpeedConfig`.
+    ``config`` (or ``config_params``, or ``args.deepspeed_config`` of an
+    ``argparse`` namespace, see :func:`add_config_arguments`: one of them) is a
+    DeepSpeed JSON path, dict or :class:`~zero.config.DeepSpeedConfig`. ``mpu``
+    (model parallelism) is refused. ``dist_init_required``: None joins the process
+    group a launcher started the ranks for (none for a single process), True also
+    makes one for a single process, False never makes one (the script's is used).
     ``optimizer``: a torch optimizer (Adam/AdamW run as the ZeRO optimizer;
     others need ``zero_allow_untested_optimizer``) or a callable making one;
     omit it to use the config's ``optimizer`` section. ``lr_scheduler``: a
@@ -123,15 +166,23 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
     """
     if model is None:
         raise ValueError("zero.initialize needs model=")
+    refuse_mpu("zero.initialize", mpu)
     if config is not None and config_params is not None:
         raise ValueError("pass the config as config= or config_params=, not both")
     source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    from_args = config_from_args(args)
+    if from_args is not None and source is not None:
+        raise ValueError(f"zero.initialize got a config both in args.deepspeed_config ({from_args!r}) and as "
+                         f"config=; pass one (DeepSpeed refuses both too)")
+    source = from_args if source is None else source
     if source is None:
-        raise ValueError("zero.initialize needs a config (config=path or dict)")
+        raise ValueError("zero.initialize needs a config (config=path or dict, or args.deepspeed_config)")
 
-    comm = init_distributed()
+    if dist_init_required:  # DeepSpeed's: make the process group even for one process
+        from .distributed import init_distributed as make_process_group
+
+        make_process_group(verbose=False)
+    comm = init_distributed(join=dist_init_required is not False)
     device = compute_device(comm.local_rank)
     loaded = load_config(source, world_size=comm.world_size, hidden_size=_hidden_size(model))
     loaded = _resolve(loaded, model, optimizer, comm.world_size)
@@ -172,4 +223,4 @@ def _dataloader(data, config: DeepSpeedConfig, comm, collate_fn):
                       pin_memory=torch.cuda.is_available())
 
 
-__all__ = ["initialize"]
+__all__ = ["add_config_arguments", "initialize"]

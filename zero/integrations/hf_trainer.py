@@ -60,6 +60,7 @@ import copy
 import logging
 import os
 import threading
+import warnings
 from typing import List, Optional
 
 import torch
@@ -68,6 +69,7 @@ from transformers import Trainer
 
 
 from ..checkpoint.model_file import fp32_state_dict
+from ..config import IgnoredSettingWarning
 from ..partitioning.full_state_dict import full_state_dict
 from ..engine.entry import initialize
 from ..partitioning.hf_hook import check_transformers_version
@@ -157,6 +159,12 @@ class ZeroTrainer(Trainer):
         if self.args.deepspeed:
             raise ValueError("ZeroTrainer runs nvmeio's engine, not DeepSpeed: remove deepspeed= from the "
                              "TrainingArguments and pass that config as ZeroTrainer(zero_config=...)")
+        if self.args.save_on_each_node:
+            warnings.warn("TrainingArguments(save_on_each_node=True) has no effect on the engine's checkpoint: the "
+                          "model files and the Trainer's state are written on each node, but the optimizer states "
+                          "and parameter shards form one checkpoint across the nodes (each rank writes its own, "
+                          "rank 0 publishes it), in an output_dir every node must see", IgnoredSettingWarning,
+                          stacklevel=2)
 
     # -- the engine in place of the model and optimizer ---------------------------------------------
     def create_accelerator_and_postprocess(self):

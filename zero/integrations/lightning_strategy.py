@@ -1,10 +1,10 @@
 """``ZeroStrategy``: Lightning's ``strategy=`` on nvmeio's ZeRO engine, stages 0-3 (``pip install "nvmeio[lightning]"``).
 
     import zero.lightning                       # registers the strategy names below
-    trainer = Trainer(strategy="zero_stage_2_offload")                  # or:
+    trainer = Trainer(strategy="zero_stage_2_offload", precision="bf16-mixed")   # or:
     trainer = Trainer(strategy=zero.lightning.ZeroStrategy(stage=3, offload_optimizer=True,
         offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
-        offload_optimizer_device="nvme", nvme_path="/local_nvme"))     # DeepSpeedStrategy's arguments
+        offload_optimizer_device="nvme", nvme_path="/local_nvme"), precision=16)  # DeepSpeedStrategy's arguments
     zero.lightning.convert_zero_checkpoint_to_fp32_state_dict("epoch=0-step=100.ckpt", "model.ckpt")
 
 Registered names, mirroring DeepSpeedStrategy's ``deepspeed*``: ``zero`` (the
@@ -25,6 +25,21 @@ or ``remote_device`` below the stage that has it, ``stage=`` beside
 stage 3 ``configure_model`` runs under ``zero.Init`` (parameters partitioned,
 to NVMe with ``remote_device="nvme"``, as they are built); below it the module
 is built as it is without ZeRO, as DeepSpeedStrategy does.
+
+``precision=`` becomes the config's ``fp16`` / ``bf16`` section, with the
+loss-scale arguments (``loss_scale``, ``initial_scale_power``,
+``loss_scale_window``, ``hysteresis``, ``min_loss_scale``) in ``fp16``
+(lightning_precision.py). DeepSpeed's activation-checkpointing arguments become
+the config's ``activation_checkpointing`` section: ``cpu_checkpointing`` keeps
+the tensors a ``train_batch`` window saves in host memory (with
+``use_train_batch=True``; warned without), ``partition_activations``,
+``contiguous_memory_optimization`` and ``synchronize_checkpoint_boundary`` are
+DeepSpeed's model-parallel features, warned by the config as without effect.
+``save_full_weights`` (Lightning 1.4's) makes ``Trainer.save_checkpoint`` write
+one file with the gathered weights (``exclude_frozen_parameters`` leaves the
+frozen ones out of it), ``load_full_weights`` loads such a file, or any
+Lightning checkpoint of the module, into the partitions
+(lightning_checkpoints.py). The options themselves live in lightning_options.py.
 Tested with lightning 2.6.6.
 
 [Note: where the engine enters Lightning]
@@ -71,6 +86,7 @@ import copy
 import functools
 import logging
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Dict, Mapping, Optional
 
@@ -82,134 +98,16 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from nvmeio.hints import did_you_mean
-
+from ..config import IgnoredSettingWarning
 from ..engine.entry import initialize
 from ..partitioning.init_context import Init
 from ..runtime.timers import log_rank0
+from .lightning_options import config_stage, strategy_config
+from .lightning_checkpoints import EXCLUDED, load_full_state_dict, plain, save_full_weights
+from .lightning_precision import ZeroPrecision, apply_precision, zero_precision_of
 from .lightning_windows import Window, WindowLoader
 
 CHECKPOINT_TAG = "checkpoint"
-
-# DeepSpeedStrategy's arguments (lightning 2.6) and their defaults; those marked None below have no
-# equivalent here and are refused when given another value.
-OPTIONS: Dict[str, Any] = {
-    "zero_optimization": True, "stage": 2, "remote_device": None, "offload_optimizer": False,
-    "offload_parameters": False, "offload_params_device": "cpu", "nvme_path": "/local_nvme",
-    "params_buffer_count": 5, "params_buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
-    "offload_optimizer_device": "cpu", "optimizer_buffer_count": 4, "block_size": 1048576, "queue_depth": 8,
-    "single_submit": False, "overlap_events": True, "thread_count": 1, "pin_memory": False,
-    "sub_group_size": 1_000_000_000_000, "contiguous_gradients": True, "overlap_comm": True,
-    "allgather_partitions": True, "reduce_scatter": True, "allgather_bucket_size": 200_000_000,
-    "reduce_bucket_size": 200_000_000, "zero_allow_untested_optimizer": True, "logging_batch_size_per_gpu": "auto",
-    "logging_level": logging.WARN, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-    "hysteresis": 2, "min_loss_scale": 1, "partition_activations": False, "cpu_checkpointing": False,
-    "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary": False,
-    "load_full_weights": False, "exclude_frozen_parameters": False,
-}
-ZERO_KEYS = ("sub_group_size", "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
-             "allgather_bucket_size", "reduce_bucket_size")
-UNSUPPORTED = {
-    "partition_activations": "activation checkpointing is the module's own (torch.utils.checkpoint)",
-    "cpu_checkpointing": "activation checkpointing is the module's own (torch.utils.checkpoint)",
-    "contiguous_memory_optimization": "activation checkpointing is the module's own (torch.utils.checkpoint)",
-    "synchronize_checkpoint_boundary": "activation checkpointing is the module's own (torch.utils.checkpoint)",
-    "load_full_weights": "resume from the checkpoint directory, or load a converted file with "
-                         "LightningModule.load_from_checkpoint",
-    "exclude_frozen_parameters": "checkpoints hold every parameter",
-}
-
-
-STAGES = (0, 1, 2, 3)
-
-
-def _refusals(o: Dict[str, Any], given: Mapping[str, Any]) -> None:
-    """The combinations of DeepSpeedStrategy's arguments that DeepSpeed would run while ignoring one of
-    them: refused, the message naming the fix. ``given``: the arguments the caller passed."""
-    if not o["zero_optimization"]:
-        if "stage" in given:
-            raise ValueError(f"ZeroStrategy(zero_optimization=False, stage={o['stage']!r}): zero_optimization=False "
-                             "is ZeRO stage 0 (a config without a zero_optimization section); pass one of the two")
-        for name in ("offload_optimizer", "offload_parameters"):
-            if o[name]:
-                raise ValueError(f"ZeroStrategy(zero_optimization=False, {name}=True): offload needs ZeRO "
-                                 f"(zero_optimization=False is stage 0); drop zero_optimization=False and pass "
-                                 f"stage={1 if name == 'offload_optimizer' else 3}")
-        return
-    stage = o["stage"]
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"ZeroStrategy(stage={stage!r}): ZeRO stages are 0, 1, 2 and 3")
-    if o["offload_parameters"] and stage < 3:
-        raise ValueError(f"ZeroStrategy(stage={stage}, offload_parameters=True): parameters are partitioned, and "
-                         f"so offloaded, only at ZeRO stage 3 (below it every rank keeps them whole); pass stage=3, "
-                         f"or drop offload_parameters (offload_optimizer=True alone is ZeRO-Offload at stage "
-                         f"{max(stage, 1)})")
-    if o["offload_optimizer"] and stage == 0:
-        raise ValueError("ZeroStrategy(stage=0, offload_optimizer=True): optimizer states are partitioned, and so "
-                         "offloaded, from ZeRO stage 1 on; pass stage=1, 2 or 3")
-    if o["remote_device"] is not None and stage < 3:
-        raise ValueError(f"ZeroStrategy(stage={stage}, remote_device={o['remote_device']!r}): remote_device places "
-                         "the parameters configure_model builds under zero.Init, which runs at ZeRO stage 3 only; "
-                         "pass stage=3, or drop remote_device")
-
-
-def _config_stage(config: Mapping[str, Any]):
-    """The ZeRO stage a DeepSpeed config dict asks for (no ``zero_optimization`` section: 0, as in
-    DeepSpeed); a malformed section is left for the engine's config check to report."""
-    section = config.get("zero_optimization")
-    if section is None:
-        return 0
-    return section.get("stage", 0) if isinstance(section, Mapping) else None
-
-
-def _config_from_options(o: Dict[str, Any]) -> dict:
-    """The DeepSpeed config DeepSpeedStrategy builds from its arguments (checked by :func:`_refusals`)."""
-    config: Dict[str, Any] = {
-        "aio": {"block_size": o["block_size"], "queue_depth": o["queue_depth"],
-                "single_submit": o["single_submit"], "overlap_events": o["overlap_events"],
-                "intra_op_parallelism": o["thread_count"]}}
-    if o["logging_batch_size_per_gpu"] != "auto":
-        config["train_micro_batch_size_per_gpu"] = o["logging_batch_size_per_gpu"]
-    if not o["zero_optimization"]:
-        return config  # no zero_optimization section: stage 0, as DeepSpeedStrategy's config is
-    # Only the ZeRO keys the user gave: DeepSpeedStrategy's defaults are not the engine's (its
-    # sub_group_size of 1e12 would step the whole model's optimizer state at once, in memory).
-    zero_section: Dict[str, Any] = {"stage": o["stage"]}
-    zero_section.update({key: o[key] for key in ZERO_KEYS if o[key] != OPTIONS[key]})
-    if o["offload_optimizer"]:
-        zero_section["offload_optimizer"] = {
-            "device": o["offload_optimizer_device"], "nvme_path": o["nvme_path"],
-            "buffer_count": o["optimizer_buffer_count"], "pin_memory": o["pin_memory"]}
-    if o["offload_parameters"]:
-        zero_section["offload_param"] = {
-            "device": o["offload_params_device"], "nvme_path": o["nvme_path"],
-            "buffer_count": o["params_buffer_count"], "buffer_size": o["params_buffer_size"],
-            "max_in_cpu": o["max_in_cpu"], "pin_memory": o["pin_memory"]}
-    config["zero_allow_untested_optimizer"] = o["zero_allow_untested_optimizer"]
-    config["zero_optimization"] = zero_section
-    return config
-
-
-def _read_config(config) -> dict:
-    if isinstance(config, (str, os.PathLike)):
-        from ..config.load import read_json
-
-        if not os.path.isfile(config):
-            raise FileNotFoundError(f"ZeroStrategy(config=...): no DeepSpeed config file at {os.fspath(config)}")
-        return read_json(os.fspath(config))
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(f"ZeroStrategy(config=...) takes a path to a DeepSpeed JSON file or a dict, "
-                    f"got {type(config).__name__}")
-
-
-def _plain(value):
-    """Lightning's checkpoint state with its dict subclasses (AttributeDict, ...) as plain dicts."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_plain(v) for v in value)
-    return value
 
 
 def _loss_in(output) -> torch.Tensor:
@@ -242,8 +140,10 @@ class ZeroStrategy(DDPStrategy):
 
     Takes DeepSpeedStrategy's arguments (``stage`` 0-3, default 2; see the module
     docstring for what each needs) or ``config`` (a DeepSpeed JSON path or dict,
-    which then replaces them, as in Lightning; its ``zero_optimization.stage`` rules).
-    An unknown argument is a TypeError naming the closest known one.
+    which then replaces those that build a config, as in Lightning, with a warning
+    naming them; its ``zero_optimization.stage`` rules), plus ``save_full_weights``.
+    An unknown argument is a TypeError naming the closest known one. Its precision
+    plugin is always a :class:`ZeroPrecision` (lightning_precision.py).
     ``use_train_batch=True``: with ``accumulate_grad_batches`` above 1, each window
     runs through ``engine.train_batch`` (see [Note: accumulation windows in Lightning]).
     """
@@ -253,26 +153,7 @@ class ZeroStrategy(DDPStrategy):
     def __init__(self, accelerator=None, config=None, parallel_devices=None, cluster_environment=None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = None,
                  precision_plugin: Optional[Precision] = None, use_train_batch: bool = False, **options: Any):
-        unknown = [name for name in options if name not in OPTIONS]
-        if unknown:
-            hints = []
-            for name in unknown:
-                close = did_you_mean(name, list(OPTIONS))
-                hints.append(f"'{name}'" + (f" (did you mean '{close}'?)" if close else ""))
-            raise TypeError(f"ZeroStrategy got unknown argument(s) {', '.join(hints)}; it takes "
-                            f"DeepSpeedStrategy's arguments: {', '.join(sorted(OPTIONS))}")
-        o = dict(OPTIONS, **options)
-        if config is None:
-            _refusals(o, options)
-        built = _read_config(config) if config is not None else _config_from_options(o)
-        if config is not None and o["remote_device"] is not None and _config_stage(built) in (0, 1, 2):
-            raise ValueError(f"ZeroStrategy(remote_device={o['remote_device']!r}) with a config at ZeRO stage "
-                             f"{_config_stage(built)}: remote_device places the parameters configure_model builds "
-                             "under zero.Init, which runs at ZeRO stage 3 only; set zero_optimization.stage to 3, "
-                             "or drop remote_device")
-        for name, why in UNSUPPORTED.items():
-            if o[name] != OPTIONS[name]:
-                raise ValueError(f"ZeroStrategy({name}={o[name]!r}) is not supported: {why}")
+        built, o = strategy_config(config, options)
         kwargs = {"timeout": timeout} if timeout is not None else {}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
@@ -280,6 +161,10 @@ class ZeroStrategy(DDPStrategy):
         self.config = built
         self.options = o
         self.remote_device = o["remote_device"]
+        self.load_full_weights = o["load_full_weights"]
+        self.save_full_weights = o["save_full_weights"]
+        self.exclude_frozen_parameters = o["exclude_frozen_parameters"]
+        self._full_weights_loaded = False  # load_checkpoint read a single file: load_model_state_dict loads it
         logging.getLogger("zero").setLevel(o["logging_level"])
         self.engine = None
         self.use_train_batch = use_train_batch
@@ -306,6 +191,16 @@ class ZeroStrategy(DDPStrategy):
                                    offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
                                    offload_optimizer_device="nvme")
 
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        """Always a :class:`ZeroPrecision`: the setter takes the plugin Lightning made from ``precision=``
+        (lightning_precision.py, [Note: how the Trainer's precision reaches the strategy])."""
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else zero_precision_of(plugin)
+
     def setup_distributed(self) -> None:
         if self.num_processes * self.num_nodes > 1:
             return super().setup_distributed()
@@ -315,7 +210,7 @@ class ZeroStrategy(DDPStrategy):
     @property
     def zero_stage_3(self) -> bool:
         """The config asks for ZeRO stage 3 (DeepSpeedStrategy's property of the same name)."""
-        return _config_stage(self.config) == 3
+        return config_stage(self.config) == 3
 
     @contextlib.contextmanager
     def model_sharded_context(self):
@@ -339,12 +234,10 @@ class ZeroStrategy(DDPStrategy):
             config["gradient_clipping"] = trainer.gradient_clip_val or 0.0
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError("ZeroStrategy clips gradients by norm only (gradient_clip_algorithm='norm')")
+        apply_precision(config, self.precision_plugin.precision, self.options)  # fp16 / bf16, as DeepSpeedStrategy
         return config
 
     def setup(self, trainer) -> None:
-        if type(self.precision_plugin) is not Precision:
-            raise ValueError(f"ZeroStrategy trains with precision='32-true' (got {self.precision_plugin.precision!r}): "
-                             "fp16 / bf16 come from the config's fp16 / bf16 sections")
         self.accelerator.setup(trainer)
         config = self._trainer_config(trainer)
         self._choose_windows(trainer, config["gradient_accumulation_steps"])
@@ -366,6 +259,7 @@ class ZeroStrategy(DDPStrategy):
         if not fitting:
             config.pop("optimizer", None)
             config.pop("scheduler", None)
+        module = self.precision_plugin.convert_module(module)  # 16-true / bf16-true: 16-bit before the engine
         engine, zero_optimizer, _, _ = initialize(model=module, config=config, optimizer=optimizer)
         for sc in scheduler_configs:  # the script's scheduler now drives the engine's param groups
             for old, new in zip(optimizer.param_groups, zero_optimizer.param_groups):
@@ -385,6 +279,7 @@ class ZeroStrategy(DDPStrategy):
         itself refuses k > 1 under manual optimization: there a script calls engine.train_batch.)"""
         if trainer.state.fn != TrainerFn.FITTING or self.window_size > 1:
             return
+        self._warn_cpu_checkpointing_without_windows(k)
         if self.use_train_batch and any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
             raise ValueError("ZeroStrategy(use_train_batch=True) takes one accumulate_grad_batches for the whole "
                              "fit; remove the GradientAccumulationScheduler callback")
@@ -398,6 +293,18 @@ class ZeroStrategy(DDPStrategy):
             how = "as Lightning's batch loop (ZeroStrategy(use_train_batch=True) runs them unit-major)"
         log_rank0(self.global_rank, f"[zero] ZeroStrategy runs each accumulation window of {k} batches {how}",
                   logging.INFO)
+
+    def _warn_cpu_checkpointing_without_windows(self, k: int) -> None:
+        section = self.config.get("activation_checkpointing")
+        if not (isinstance(section, Mapping) and section.get("cpu_checkpointing") is True):
+            return
+        if self.use_train_batch and k > 1:
+            return
+        warnings.warn(f"activation_checkpointing.cpu_checkpointing has no effect here: it keeps the tensors an "
+                      f"accumulation window saves for backward in host memory (past its budget on NVMe) when windows "
+                      f"run through engine.train_batch, which takes ZeroStrategy(use_train_batch=True) and "
+                      f"accumulate_grad_batches > 1 (this fit: use_train_batch={self.use_train_batch}, "
+                      f"accumulate_grad_batches={k})", IgnoredSettingWarning, stacklevel=2)
 
     def process_dataloader(self, dataloader):
         trainer = self.lightning_module.trainer
@@ -481,16 +388,31 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError("ZeroStrategy saves through the engine, without CheckpointIO: storage_options is "
                             "not supported")
         filepath = self.broadcast(os.fspath(filepath))
-        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=_plain(state))
+        if self.save_full_weights:  # one file (lightning_checkpoints.py)
+            save_full_weights(self.lightning_module, checkpoint, filepath, self.global_rank,
+                              self.exclude_frozen_parameters)
+            return
+        state = {k: v for k, v in checkpoint.items() if k not in EXCLUDED}
+        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=plain(state))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        path = os.fspath(checkpoint_path)
+        path = self.broadcast(os.fspath(checkpoint_path))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if self.load_full_weights and os.path.isfile(path):
+            checkpoint = super().load_checkpoint(path, weights_only)
+            if "state_dict" not in checkpoint:
+                raise KeyError(f"{path} holds no 'state_dict': load_full_weights=True reads a Lightning checkpoint "
+                               f"file (or one convert_zero_checkpoint_to_fp32_state_dict wrote)")
+            self._full_weights_loaded = True
+            if fitting:
+                warnings.warn("ZeroStrategy(load_full_weights=True) loads the weights of a single file, which holds "
+                              "no optimizer states: Adam's moments start again (resume from the checkpoint "
+                              "directory to restore them)", UserWarning, stacklevel=2)
+            return checkpoint
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (it holds 'latest' and "
                                     f"'{CHECKPOINT_TAG}/'); a single-file checkpoint loads with "
-                                    "LightningModule.load_from_checkpoint")
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+                                    "ZeroStrategy(load_full_weights=True) or LightningModule.load_from_checkpoint")
         _, client_state = self.engine.load_checkpoint(path, load_optimizer_states=fitting,
                                                       load_lr_scheduler_states=False)
         return client_state
@@ -504,35 +426,15 @@ class ZeroStrategy(DDPStrategy):
         return False  # the engine restored the optimizer states
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        return None  # the engine restored the parameters
+        if self._full_weights_loaded:  # a single file: into the engine's partitions
+            self._full_weights_loaded = False
+            load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict)
+        return None  # else the engine restored the parameters with its checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         return None
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag: Optional[str] = None) -> dict:
-    """A ZeroStrategy checkpoint directory as one Lightning checkpoint file.
-
-    Lightning's own state (epoch, loops, callbacks, hyper-parameters) plus
-    ``state_dict``: the consolidated fp32 weights. The file loads with
-    ``LightningModule.load_from_checkpoint``. Returns what it wrote.
-    """
-    from ..checkpoint.format import checkpoint_path, engine_file, load_state, resolve_tag
-    from ..checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
-
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
-    saved = checkpoint_path(checkpoint_dir, resolve_tag(checkpoint_dir, tag))
-    client_state = load_state(engine_file(saved, 0)).get("client_state") or {}
-    out = dict(client_state, state_dict=state)
-    output_file = os.fspath(output_file)
-    os.makedirs(os.path.dirname(os.path.abspath(output_file)), exist_ok=True)
-    tmp = f"{output_file}.tmp-{os.getpid()}"
-    torch.save(out, tmp)
-    os.replace(tmp, output_file)
-    return out
-
-
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ZeroStrategy", "convert_zero_checkpoint_to_fp32_state_dict"]
+__all__ = ["ZeroStrategy"]

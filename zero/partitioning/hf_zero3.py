@@ -99,8 +99,14 @@ def activate(source: Zero3Source) -> None:
 
 
 def deactivate(source: Optional[Zero3Source]) -> None:
+    """Undo one :func:`activate` of ``source`` (activated twice, as a re-entered context is, it stays
+    active until deactivated twice)."""
     with _LOCK:
-        _SOURCES[:] = [ref for ref in _SOURCES if ref() is not None and ref() is not source]
+        _SOURCES[:] = [ref for ref in _SOURCES if ref() is not None]
+        for i in range(len(_SOURCES) - 1, -1, -1):
+            if _SOURCES[i]() is source:
+                del _SOURCES[i]
+                break
         _sync()
 
 

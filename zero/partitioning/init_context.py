@@ -142,11 +142,13 @@ def _init_subclass(cls, **kwargs):
     _wrap_init(cls)
 
 
-class Init:
+class Init(contextlib.ContextDecorator):
     """Partition parameters as modules are built (see the module docstring).
 
+    A context manager, or a decorator of a function that builds a model
+    (``@zero.Init(config_dict_or_path=...)``: each call runs inside the context).
     Arguments follow DeepSpeed's ``zero.Init``; ``module`` partitions an
-    existing model at once instead. ``remote_device`` (``"none"``, ``"cpu"``,
+    existing model at once instead; ``mpu`` (model parallelism) is refused. ``remote_device`` (``"none"``, ``"cpu"``,
     ``"nvme"``) defaults to the config's ``offload_param.device``; ``"nvme"``
     takes ``nvme_path``, ``max_in_cpu``, ``buffer_count`` and ``pin_memory``
     from the config's ``offload_param`` section and the handle settings from
@@ -158,6 +160,11 @@ class Init:
                  mem_efficient_linear: bool = True, remote_device: Optional[str] = None,
                  pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True,
                  dtype: Optional[torch.dtype] = None, mpu=None):
+        if mpu is not None:
+            raise ValueError("zero.Init(mpu=...): model parallelism is not supported by this engine: its "
+                             "data-parallel group is every rank of the process group, so with model-parallel ranks "
+                             "each would keep a slice of the others' parameters; run without model parallelism "
+                             "(mpu=None)")
         self.enabled = enabled
         self.dtype = dtype  # floating-point parameters are kept in this dtype (DeepSpeed's meaning)
         self.comm = init_distributed()
@@ -187,8 +194,9 @@ class Init:
         self.materialize = True  # give meta parameters values when their module is built
         self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one
         self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (stores/malloc_trim.py)
+        self._outer: list = []  # the context active where each open entry of this one began (re-entered: nested)
         hf_config = loaded.model_dump(exclude_unset=True) if loaded is not None else {"zero_optimization": {"stage": 3}}
-        self._hf_source = hf_zero3.Zero3Source("zero.Init", hf_config)
+        self._hf_source = hf_zero3.Zero3Source("zero.Init", hf_config)  # active while an entry is open
         if module is not None and enabled:
             try:
                 for p in module.parameters():
@@ -267,7 +275,7 @@ class Init:
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        self._previous = current_context()
+        self._outer.append(current_context())
         set_current_context(self)
         if _DEPTH[0] == 0:
             try:
@@ -282,7 +290,7 @@ class Init:
                     install()
             except BaseException:
                 _unpatch()  # no half-patched nn.Module is left behind
-                set_current_context(self._previous)
+                set_current_context(self._outer.pop())
                 raise
         _DEPTH[0] += 1
         try:  # transformers sees ZeRO-3 while the context is open (hf_zero3.py)
@@ -297,7 +305,7 @@ class Init:
             return
         hf_zero3.deactivate(self._hf_source)
         _DEPTH[0] -= 1
-        set_current_context(self._previous)
+        set_current_context(self._outer.pop())
         if _DEPTH[0] == 0:
             _unpatch()
         if exc is None:

@@ -1,8 +1,8 @@
 """Ranks, the compute device and the collectives the engine uses.
 
-A process started by a launcher (``torchrun``, ``deepspeed``, ``mpirun`` with
-the usual ``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` variables) joins the default
-process group, NCCL when compute runs on CUDA, gloo otherwise. A process
+A process started by a launcher (``torchrun``, ``deepspeed``, Open MPI's or
+MPICH's ``mpirun``, Slurm's ``srun``: launcher.py reads which rank it is) joins
+the default process group, NCCL when compute runs on CUDA, gloo otherwise. A process
 started without one is a world of one: no process group is created and every
 collective below is the identity, so a single-process run never needs a port
 or a rendezvous. A process group the script created itself is used as it is.
@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from nvmeio import env
 
+from .launcher import discover, join_process_group
+
 # torch 2.13 names the flat collectives *_single and warns (FutureWarning) on the old names,
 # which older torch has alone.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,10 +33,6 @@ def compute_device(local_rank: int = 0) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
-
-
-def _launched() -> bool:
-    return env.is_set("WORLD_SIZE") and env.is_set("RANK") and env.is_set("MASTER_ADDR")
 
 
 @dataclass
@@ -100,6 +98,14 @@ class Comm:
         self.all_reduce(t, "max")
         return bool(t.item() > 0)
 
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def broadcast_object(self, obj, src: int = 0):
         if not self.distributed:
             return obj
@@ -120,20 +126,26 @@ def process_group_timeout() -> Optional[timedelta]:
     return timedelta(minutes=minutes) if minutes else None
 
 
-def init_distributed(dist_backend: Optional[str] = None) -> Comm:
-    """The :class:`Comm` of this process, joining the default process group if launched
-    (with :func:`process_group_timeout`).
+def process_group_backend(dist_backend: Optional[str] = None) -> str:
+    """``dist_backend``, else NCCL when CUDA is available, else gloo."""
+    return dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
 
-    ``dist_backend`` overrides the choice of NCCL (CUDA) or gloo (CPU).
+
+def init_distributed(dist_backend: Optional[str] = None, join: bool = True) -> Comm:
+    """The :class:`Comm` of this process, joining the default process group if launched
+    (with :func:`process_group_timeout`): by torchrun (even as one rank), or by MPI or Slurm
+    with more than one rank (one needs no group, and no port).
+
+    ``dist_backend`` overrides the choice of NCCL (CUDA) or gloo (CPU). ``join=False`` never
+    creates the group: the script's, else one rank.
     """
+    launch = discover()
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    elif dist.is_available() and _launched():
-        backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        timeout = process_group_timeout()
-        dist.init_process_group(backend=backend, **({"timeout": timeout} if timeout else {}))
+    elif join and dist.is_available() and (launch.launcher == "torchrun" or launch.world_size > 1):
+        join_process_group(launch, process_group_backend(dist_backend), process_group_timeout())
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1
-    local_rank = env.get("LOCAL_RANK")
+    local_rank = launch.local_rank if launch.local_rank is not None else env.get("LOCAL_RANK")
     return Comm(rank=rank, world_size=world, local_rank=rank if local_rank is None else local_rank)
