@@ -70,6 +70,11 @@ def test_init_turns_it_on_and_puts_back_what_was_there():
             with zero.Init():
                 assert seen()
             assert seen() and deepspeed_standin.installed()  # the outer one is still open
+        again = zero.Init(config_dict_or_path=STAGE_3)
+        with again:
+            with again:  # re-entered, as a decorator nests
+                assert seen()
+            assert seen()  # until its last exit
         assert not stand_in_loaded()
         assert hf_deepspeed.deepspeed_config() is theirs.config
     finally:
