@@ -56,6 +56,12 @@ class RecordingBackend:
     def broadcast_object_list(self, objects, src=0, group=None, device=None):
         self.calls.append(("broadcast_object_list", [device]))
 
+    def all_gather_object(self, objects, obj, group=None):
+        """Every rank gave the same object (the ranks are one process here); torch's NCCL path
+        pickles it through the current CUDA device, which the engine set."""
+        self.calls.append(("all_gather_object", []))
+        objects[:] = [obj] * len(objects)
+
     def barrier(self, group=None, device_ids=None):
         self.calls.append(("barrier", [torch.device("cuda", device_ids[0]) if device_ids else torch.device("cpu")]))
 
@@ -78,7 +84,7 @@ def backend(monkeypatch):
     b = RecordingBackend()
     monkeypatch.setattr(comm_module, "_ALL_GATHER", b.all_gather)
     monkeypatch.setattr(comm_module, "_REDUCE_SCATTER", b.reduce_scatter)
-    for name in ("all_reduce", "broadcast", "broadcast_object_list", "barrier"):
+    for name in ("all_reduce", "broadcast", "broadcast_object_list", "all_gather_object", "barrier"):
         monkeypatch.setattr(dist, name, getattr(b, name))
     monkeypatch.setattr(comm_module, "_to_device", fake_move)
     return b

@@ -1,13 +1,16 @@
-"""``save_16bit_model``: the whole model in its compute dtype, one unit gathered at a time."""
+"""``save_16bit_model``: the whole model in its compute dtype, one unit gathered at a time; and
+``fp32_state_dict``: the whole model in fp32 from the optimizer's master weights."""
 from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 
 import torch
 
 from nvmeio import FastFileWriter, SafetensorsWriter
 
+from ..partitioning.full_state_dict import full_state_dict
 from ..runtime.timers import log_rank0
 
 
@@ -78,3 +81,39 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
         os.chmod(path, engine.config.checkpoint.file_mode)
     comm.barrier()
     return True
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() else t
+
+
+def fp32_state_dict(engine) -> "OrderedDict[str, torch.Tensor]":
+    """The module's ``state_dict`` with every parameter whole, in fp32 from the optimizer's master
+    weights (what ``zero_to_fp32`` makes of a checkpoint, without writing one); floating-point
+    buffers upcast. Each unit's master shards are all-gathered in turn, so every rank must call it;
+    each gets the whole dict in host memory. Without an optimizer (no master weights) the gathered
+    parameters are upcast instead.
+    """
+    store = engine.parts.optimizer_store
+    if store is None:
+        return OrderedDict((name, _fp32(t)) for name, t in full_state_dict(engine.module).items())
+    comm, layout = engine.comm, engine.rank_layout
+    device = comm.collective_device  # NCCL gathers device tensors, gloo host tensors
+    values = {}
+    for sg in layout.sub_groups:
+        with store.viewed(sg) as (master, _):
+            for index in sg.units:
+                unit = layout.units[index]
+                start, stop = layout.unit_range(index)
+                shard = master[start - sg.start:stop - sg.start]
+                full = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
+                comm.all_gather_into(full, shard)  # copied to the collective device by Comm
+                full = full.cpu()
+                for slot in unit.slots:
+                    value = full[slot.offset:slot.stop].view(slot.shape).clone()
+                    for name in slot.names:
+                        values[name] = value
+    state = OrderedDict()
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        state[name] = values[name] if name in values else _fp32(tensor.detach().cpu())
+    return state

@@ -37,7 +37,7 @@ from nvmeio.atomic_file import write_atomically
 
 from ..runtime.comm import init_distributed
 from ..stores.malloc_trim import FreedBytes
-from ..partitioning.init_context import is_init_partitioned, store_init_shard
+from ..partitioning.init_store import is_init_partitioned, store_init_shard
 from .pretrained_files import CheckpointError, TensorEntry, checkpoint_files, open_tensors, tensor_entries
 
 

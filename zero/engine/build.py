@@ -62,7 +62,7 @@ from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
 from ..stores import malloc_settings
 from ..partitioning.active_context import meta_parameter_names
-from ..partitioning.init_context import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
+from ..partitioning.init_store import forget_init_shard, full_param_value, init_shard_lost, is_init_partitioned
 from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer, stash_norm_ranges, step_in_backward_blocker

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 import weakref
 from typing import Optional
@@ -24,6 +25,7 @@ from .backward_pass import BackwardPass, EngineStateError
 from .build import EngineParts, OptimizerSpec, build_parts, release_after_failure
 from ..runtime.comm import Comm
 from ..config import DeepSpeedConfig, IgnoredSettingWarning
+from ..partitioning import hf_zero3
 from ..runtime.timers import Timers, log_rank0
 from ..stores.param_store import MasterFromParameters
 
@@ -75,6 +77,16 @@ class ZeroEngine(nn.Module):
             self.backward_pass = BackwardPass(self.parts, self.optimizer, comm, self.timers,
                                               config.gradient_accumulation_steps, offload.step_in_backward,
                                               self.mark_unusable)
+            # transformers sees ZeRO-3 while a stage-3 engine exists (partitioning/hf_zero3.py); held here
+            # only, so the source goes when the engine is destroyed or collected
+            self._hf_source = hf_zero3.Zero3Source("ZeroEngine", config.model_dump(exclude_unset=True)) \
+                if config.zero_optimization.stage == 3 else None
+            if self._hf_source is not None:
+                if "transformers" in sys.modules:  # its model building meets the flag on our paths
+                    from ..partitioning.hf_hook import install
+
+                    install()
+                hf_zero3.activate(self._hf_source)
         except BaseException as error:
             self._release_failed(error)
             raise
@@ -346,6 +358,7 @@ class ZeroEngine(nn.Module):
         if self._closed:
             return
         self._closed = True
+        hf_zero3.deactivate(getattr(self, "_hf_source", None))
         self._finalizer()
 
     def _release_failed(self, error: BaseException) -> None:
@@ -355,5 +368,6 @@ class ZeroEngine(nn.Module):
         if self._closed:
             return
         self._closed = True
+        hf_zero3.deactivate(getattr(self, "_hf_source", None))
         self._finalizer.detach()
         release_after_failure(self.parts.release, error)

@@ -8,11 +8,14 @@
 The DeepSpeed config (a path or dict, ``"auto"`` values allowed) moves from
 ``TrainingArguments(deepspeed=...)`` to ``zero_config=``; everything else of a
 Trainer script stays. Its ``zero_optimization.stage`` rules: HF's stage-2 and
-stage-3 templates run unchanged. Nothing here depends on the stage; below
-stage 3 ``save_model`` writes the parameters every rank holds whole, and
-transformers takes none of its ZeRO-3 branches (``is_deepspeed_zero3_enabled()``
-stays False: HF's DeepSpeed integration is not involved at any stage). Tested
-with transformers 5.23 (accelerate 1.15).
+stage-3 templates run unchanged. At stage 3 transformers sees ZeRO-3 while the
+engine exists (``is_deepspeed_zero3_enabled()``, partitioning/hf_zero3.py), so
+``generate`` syncs the ranks as under DeepSpeed; below it, it takes none of its
+ZeRO-3 branches. ``save_model`` writes what the Trainer writes under DeepSpeed
+(16-bit with ``stage3_gather_16bit_weights_on_model_save``, see its docstring);
+``load_best_model_at_end`` loads the best checkpoint's engine checkpoint.
+``ZeroSeq2SeqTrainer`` (hf_seq2seq.py) is the ``Seq2SeqTrainer`` on it. Tested
+with transformers 5.23 and 5.24 (accelerate 1.15).
 
 [Note: where the engine enters the Trainer]
 The Trainer's DeepSpeed path runs through accelerate's DeepSpeed plugin, which
@@ -76,6 +79,7 @@ import transformers
 from transformers import Trainer
 
 
+from ..checkpoint.model_file import fp32_state_dict
 from ..config import IgnoredSettingWarning
 from ..partitioning.full_state_dict import full_state_dict
 from ..engine.entry import initialize
@@ -314,11 +318,31 @@ class ZeroTrainer(Trainer):
         if checkpoint is not None:
             self.zero_engine.load_checkpoint(checkpoint)
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint folder's engine checkpoint (weights, optimizer and
+        scheduler states), as the Trainer loads DeepSpeed's."""
+        if self.zero_engine is None:
+            return super()._load_best_model()
+        log_rank0(self.zero_engine.comm.rank, f"[zero] loading the best model from {self.state.best_model_checkpoint} "
+                  f"(score: {self.state.best_metric})", logging.INFO)
+        self.zero_engine.load_checkpoint(self.state.best_model_checkpoint)
+
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """The consolidated fp32 weights, as ``save_pretrained`` writes them (every rank gathers)."""
+        """The whole model for ``from_pretrained``, as the Trainer writes it under DeepSpeed (every rank
+        gathers; the main process writes). At stage 3 with ``stage3_gather_16bit_weights_on_model_save``:
+        the parameters in the compute dtype, 16-bit with fp16 / bf16 (DeepSpeed's ``save_16bit_model``);
+        at stage 3 without it: fp32 from the master weights (where DeepSpeed writes an engine checkpoint
+        for ``zero_to_fp32`` instead of weights); below stage 3: the parameters every rank holds, in the
+        compute dtype, as DeepSpeed does."""
         if self.zero_engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state = full_state_dict(self.model)
+        zc = self.zero_engine.config.zero_optimization
+        if zc.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
+            state = fp32_state_dict(self.zero_engine)
+        else:
+            state = full_state_dict(self.model)
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

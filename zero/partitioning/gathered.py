@@ -20,7 +20,7 @@ from typing import Iterable, List, Optional, Union
 import torch
 
 from ..runtime.comm import init_distributed
-from .init_context import full_param_value, is_init_partitioned, store_init_shard
+from .init_store import full_param_value, is_init_partitioned, store_init_shard
 from ..runtime.unit import ParamUnit, empty_like_released
 
 

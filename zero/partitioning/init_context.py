@@ -31,7 +31,9 @@ partitioned at once.
 
 Code that changes parameter values after construction (custom weight
 initialisation) must gather them first: ``with zero.GatheredParameters(params,
-modifier_rank=0): ...``.
+modifier_rank=0): ...``; transformers' ``_init_weights`` is, module by module
+(hf_hook.py), so a transformers model built here gets its usual values. While
+the context is open transformers sees ZeRO-3 (hf_zero3.py).
 
 [Note: how constructors are intercepted]
 Entering the context wraps ``__init__`` of every ``nn.Module`` subclass that
@@ -52,54 +54,17 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from ..runtime.comm import Comm, choose_compute_device, init_distributed, process_place
+from ..runtime.comm import choose_compute_device, init_distributed, process_place
 from ..stores.malloc_trim import FreedBytes
+from . import hf_zero3
 from .active_context import current_context, set_current_context
-from .init_store import InitShard, NvmeInitStore
+from .init_store import InitShard, NvmeInitStore, is_init_partitioned
 
 _PATCHED: Dict[type, object] = {}
 _DEPTH = [0]
 _HOOK = [None]
 _ORIGINAL_INIT_SUBCLASS = nn.Module.__dict__.get("__init_subclass__")
 _REMOTE_DEVICES = ("none", "cpu", "nvme")
-
-
-def is_init_partitioned(p: torch.Tensor) -> bool:
-    return getattr(p, "_zero_init_shard", None) is not None
-
-
-def init_shard_lost(p: torch.Tensor) -> bool:
-    """``p``'s :class:`Init` slice was deleted with a context that failed (init_store.py)."""
-    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
-    return s is not None and s.lost
-
-
-def forget_init_shard(p: torch.Tensor) -> None:
-    """Drop ``p``'s :class:`Init` slice (its swap file too): an engine holds its values now."""
-    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
-    if s is not None:
-        s.drop()
-        p._zero_init_shard = None
-
-
-def full_param_value(p: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """The full value of a parameter, all-gathered when :class:`Init` partitioned it."""
-    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
-    if s is None:
-        return p.data
-    shard = s.read()
-    if comm.world_size == 1:
-        return shard[:s.numel].view(s.shape)
-    full = torch.empty(s.shard_numel * comm.world_size, dtype=s.dtype, device=comm.collective_device)
-    comm.all_gather_into(full, shard)
-    return full[:s.numel].view(s.shape)
-
-
-def store_init_shard(p: torch.Tensor, full: torch.Tensor, comm: Comm) -> None:
-    """Keep this rank's slice of ``full`` as ``p``'s shard."""
-    s: InitShard = p._zero_init_shard
-    n = s.shard_numel
-    s.write(full.reshape(-1)[comm.rank * n:(comm.rank + 1) * n])
 
 
 def _replace_param(root: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
@@ -235,6 +200,8 @@ class Init(contextlib.ContextDecorator):
         self.accept_assigned: Optional[Callable[[nn.Parameter], bool]] = None  # None: partition every one
         self.freed = FreedBytes()  # full values dropped once partitioned, returned to the OS (stores/malloc_trim.py)
         self._outer: list = []  # the context active where each open entry of this one began (re-entered: nested)
+        hf_config = loaded.model_dump(exclude_unset=True) if loaded is not None else {"zero_optimization": {"stage": 3}}
+        self._hf_source = hf_zero3.Zero3Source("zero.Init", hf_config)  # active while an entry is open
         if module is not None and enabled:
             try:
                 for p in module.parameters():
@@ -322,7 +289,7 @@ class Init(contextlib.ContextDecorator):
                         _wrap_init(cls)
                 nn.Module.__init_subclass__ = _init_subclass
                 _HOOK[0] = register_module_parameter_registration_hook(_on_parameter_registered)
-                if "transformers" in sys.modules:  # from_pretrained loads into partitions (hf_hook.py)
+                if "transformers" in sys.modules:  # from_pretrained / from_config build partitioned (hf_hook.py)
                     from .hf_hook import install
 
                     install()
@@ -331,11 +298,17 @@ class Init(contextlib.ContextDecorator):
                 set_current_context(self._outer.pop())
                 raise
         _DEPTH[0] += 1
+        try:  # transformers sees ZeRO-3 while the context is open (hf_zero3.py)
+            hf_zero3.activate(self._hf_source)
+        except BaseException as error:
+            self.__exit__(type(error), error, error.__traceback__)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        hf_zero3.deactivate(self._hf_source)
         _DEPTH[0] -= 1
         set_current_context(self._outer.pop())
         if _DEPTH[0] == 0:

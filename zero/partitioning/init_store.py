@@ -9,6 +9,10 @@ So building a model costs about one module of memory whatever its size:
 the slices of the modules built before are on disk. ``zero.initialize``
 reads them back one unit at a time and deletes each file once its values
 are in the engine's stores; the directory goes with the last file.
+
+Below the store, the functions that read, gather or replace one parameter's
+slice (``full_param_value``, ``store_init_shard``, ...), for ``Init``,
+``GatheredParameters`` and ``zero.initialize`` alike.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import itertools
 from typing import Optional, Set, Tuple
 
 import torch
+
+from ..runtime.comm import Comm
 
 _JOBS = itertools.count()
 _ABANDONED = ("this parameter's zero.Init slice was deleted with its context's swap files when the context "
@@ -172,3 +178,43 @@ class NvmeInitStore:
             steps.callback(self.swapper.swap_dir.cleanup)
             steps.callback(self.swapper.pool.close)
             self.swapper.close()
+
+
+# -- a parameter's slice, for the code that reads or replaces it ------------------------------------
+
+def is_init_partitioned(p: torch.Tensor) -> bool:
+    return getattr(p, "_zero_init_shard", None) is not None
+
+
+def init_shard_lost(p: torch.Tensor) -> bool:
+    """``p``'s :class:`Init` slice was deleted with a context that failed (init_store.py)."""
+    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
+    return s is not None and s.lost
+
+
+def forget_init_shard(p: torch.Tensor) -> None:
+    """Drop ``p``'s :class:`Init` slice (its swap file too): an engine holds its values now."""
+    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
+    if s is not None:
+        s.drop()
+        p._zero_init_shard = None
+
+
+def full_param_value(p: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The full value of a parameter, all-gathered when :class:`Init` partitioned it."""
+    s: Optional[InitShard] = getattr(p, "_zero_init_shard", None)
+    if s is None:
+        return p.data
+    shard = s.read()
+    if comm.world_size == 1:
+        return shard[:s.numel].view(s.shape)
+    full = torch.empty(s.shard_numel * comm.world_size, dtype=s.dtype, device=comm.collective_device)
+    comm.all_gather_into(full, shard)
+    return full[:s.numel].view(s.shape)
+
+
+def store_init_shard(p: torch.Tensor, full: torch.Tensor, comm: Comm) -> None:
+    """Keep this rank's slice of ``full`` as ``p``'s shard."""
+    s: InitShard = p._zero_init_shard
+    n = s.shard_numel
+    s.write(full.reshape(-1)[comm.rank * n:(comm.rank + 1) * n])
