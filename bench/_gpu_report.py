@@ -39,7 +39,8 @@ def _install(st: dict) -> str:
     uring = next((s["io_uring"] for s in st.get("steps", []) if s.get("io_uring")), None)
     gpu = p.get("gpu") or "no CUDA device"
     gds = "gds_handle runs" if p.get("gds_unavailable") is None else "gds_handle: " + p["gds_unavailable"][:120]
-    return (f"nvmeio {p['version']} from the {p['nvmeio_from']} ({p['nvmeio']}); backends {', '.join(p['backends'])}"
+    where = "tree" if p["nvmeio_from"] == "tree" else "installed package"
+    return (f"nvmeio {p['version']} from the {where} ({p['nvmeio']}); backends {', '.join(p['backends'])}"
             + (f" ({uring})" if uring else "") + f"; torch {p.get('torch')} (CUDA {p.get('torch_cuda')}), {gpu}; {gds}")
 
 
@@ -120,7 +121,8 @@ def markdown(record: dict) -> str:
     for name, st in stages.items():
         result = SUMMARIES[name](st) if st["status"] not in ("skipped",) else st.get("error", "")
         note = f" *{st['note']}.*" if st.get("note") else ""
-        error = f" **{st['error']}**" if st.get("error") and st["status"] not in ("ok", "dry") else ""
+        error = (f" **{st['error']}**" if st.get("error") and st["status"] not in ("ok", "dry")
+                 and st["error"] not in result else "")
         lines.append(f"| {name} | {st['status']} | {st['seconds']} ({st['budget_s']}) | "
                      f"{(result + error + note).replace('|', '/')} |")
     lines.append("")

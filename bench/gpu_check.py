@@ -106,6 +106,7 @@ print(json.dumps(out))
 class Stage:
     name: str
     deadline: float
+    start: float = field(default_factory=time.monotonic)
 
     def left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -146,7 +147,7 @@ class Run:
         return dict(os.environ, PYTHONSAFEPATH="1", PYTHONPATH=path)
 
     def child(self, module: str, args: list, timeout: float) -> dict:
-        return harness.run_child(module, [str(a) for a in args], None, max(1.0, timeout), self.first_on_path)
+        return harness.run_child(module, [str(a) for a in args], None, round(max(1.0, timeout)), self.first_on_path)
 
     def command(self, title: str, cmd: list, timeout: float, cwd: str = ROOT) -> dict:
         """Runs ``cmd`` (its output into the log); returncode, seconds, and its last lines."""
@@ -401,50 +402,60 @@ def child_aio(spec: dict) -> dict:
 # -- train -----------------------------------------------------------------------------------------
 
 def stage_train(run: Run, stage: Stage) -> dict:
+    """Plain torch per dtype, then ours at each (k, dtype), the smallest and largest k first (what a
+    short budget keeps); the stage's record is rewritten after every run."""
     s, device = run.sizes, ("cuda" if run.cuda else "cpu")
     jobs = [{"kind": "compute", "spec": {"model": s.model, "dtype": d, "warmup": 3, "iters": 10, "device": device,
                                          "iteration_ks": list(s.ks), "iteration_iters": s.torch_iters}}
             for d in s.dtypes]
+    ks = list(dict.fromkeys([s.ks[0], s.ks[-1], *s.ks[1:-1]]))
     jobs += [{"kind": "train", "spec": {"contender": "ours", "dtype": d, "k": k, "model": s.model, "warmup": s.warmup,
-                                        "iters": s.iters, "train_batch": "auto"}} for k in s.ks for d in s.dtypes]
-    batches = [[j] for j in jobs] if s.one_process_per_run else [jobs]
-    results = []
-    for batch in batches:
-        left = stage.left()
-        if left < max(1.0, s.min_run_s):
-            results += [{"skipped": "the stage's time ran out"} for _ in batch]
-            continue
-        for j in batch:
-            if j["kind"] == "train":
-                j["spec"]["nvme_path"] = tempfile.mkdtemp(prefix="ours-", dir=run.scratch)
-        run.say("train: " + ", ".join(_job_label(j) for j in batch))
-        try:
-            got = run.child("bench.gpu_check", ["--child", "runs", json.dumps(batch)], min(left, s.run_cap_s))
-        finally:
-            for j in batch:
-                shutil.rmtree(j["spec"].get("nvme_path", ""), ignore_errors=True)
-        results += got["results"] if "results" in got else [dict(got) for _ in batch]
-        for j, r in zip(batch, results[-len(batch):]):
-            run.say(f"train: {_job_label(j)}: " + (_gpu_report.run_line(r)))
-    disk = run.record["stages"].get("disk", {})
-    out = {"model": s.model, "device": device, "compute": {}, "runs": []}
-    for j, r in zip(jobs, results):
-        if j["kind"] == "compute":
-            out["compute"][j["spec"]["dtype"]] = r
-            continue
-        row = {"dtype": j["spec"]["dtype"], "k": j["spec"]["k"], **r}
-        if "median_s" in row:
-            row["disk"] = disk_reference(run, disk, row["read_bytes"], row["write_bytes"])
-        out["runs"].append(row)
-    for d, comp in out["compute"].items():
-        if "params" in comp:
-            out.setdefault("disk_min", {})[d] = disk_reference(run, disk, *io_bound.min_bytes(d, comp["params"]))
-    bad = [r for r in [*out["compute"].values(), *out["runs"]] if "error" in r or "skipped" in r]
-    out["status"] = "ok" if not bad else "failed" if any("error" in r for r in bad) else "partial"
-    if bad:
-        out["error"] = f"{len(bad)} of {len(jobs)} runs did not finish: " + (bad[0].get("error") or bad[0]["skipped"])
+                                        "iters": s.iters, "train_batch": "auto"}} for k in ks for d in s.dtypes]
+    out = {"model": s.model, "device": device, "compute": {}, "runs": [], "disk_min": {}}
     if not run.cuda:
         out["note"] = f"{NO_CUDA}, a tiny model" if run.rehearse else NO_CUDA
+    disk = run.record["stages"].get("disk", {})
+    for batch in [[j] for j in jobs] if s.one_process_per_run else [jobs]:
+        left = stage.left()
+        if left < max(1.0, s.min_run_s):
+            results = [{"skipped": "the stage's time ran out"} for _ in batch]
+        else:
+            for j in batch:
+                if j["kind"] == "train":
+                    j["spec"]["nvme_path"] = tempfile.mkdtemp(prefix="ours-", dir=run.scratch)
+            run.say("train: " + ", ".join(_job_label(j) for j in batch))
+            try:
+                got = run.child("bench.gpu_check", ["--child", "runs", json.dumps(batch)], min(left, s.run_cap_s))
+            finally:
+                for j in batch:
+                    shutil.rmtree(j["spec"].pop("nvme_path", ""), ignore_errors=True)
+            results = got["results"] if "results" in got else [dict(got) for _ in batch]
+        for j, r in zip(batch, results):
+            run.say(f"train: {_job_label(j)}: " + _gpu_report.run_line(r))
+            d = j["spec"]["dtype"]
+            if j["kind"] == "compute":
+                out["compute"][d] = r
+                if "params" in r:
+                    out["disk_min"][d] = disk_reference(run, disk, *io_bound.min_bytes(d, r["params"]))
+                continue
+            row = {"dtype": d, "k": j["spec"]["k"], **r}
+            if "median_s" in row:
+                row["disk"] = disk_reference(run, disk, row["read_bytes"], row["write_bytes"])
+            out["runs"].append(row)
+        out["runs"].sort(key=lambda row: (s.dtypes.index(row["dtype"]), row["k"]))
+        run.record["stages"]["train"] = {**out, "status": "running", "seconds": round(time.monotonic() - stage.start),
+                                         "budget_s": round(stage.deadline - stage.start)}
+        run.write()  # what has finished survives a run stopped from outside
+    failed = [r for r in [*out["compute"].values(), *out["runs"]] if "error" in r]
+    skipped = [r for r in [*out["compute"].values(), *out["runs"]] if "skipped" in r]
+    out["status"] = "failed" if failed else "partial" if skipped else "ok"
+    problems = []
+    if failed:
+        problems.append(f"{len(failed)} of {len(jobs)} runs failed, the first: {failed[0]['error']}")
+    if skipped:
+        problems.append(f"{len(skipped)} of {len(jobs)} skipped: {skipped[0]['skipped']}")
+    if problems:
+        out["error"] = "; ".join(problems)
     return out
 
 

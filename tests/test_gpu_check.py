@@ -32,8 +32,8 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     for name in ("tests", "aio", "train"):  # the CUDA parts say they ran on the CPU
         assert gpu_check.NO_CUDA in record["stages"][name]["note"]
     train = record["stages"]["train"]
-    assert [(row["dtype"], row["k"]) for row in train["runs"]] == [(d, k) for k in gpu_check.REHEARSAL.ks
-                                                                   for d in gpu_check.REHEARSAL.dtypes]
+    assert [(row["dtype"], row["k"]) for row in train["runs"]] == [(d, k) for d in gpu_check.REHEARSAL.dtypes
+                                                                   for k in gpu_check.REHEARSAL.ks]
     assert all(row["median_s"] > 0 and row["disk"]["seconds"] > 0 for row in train["runs"])
     md = (out / "gpu_check.md").read_text()
     for name in gpu_check.STAGES:
