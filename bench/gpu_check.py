@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -153,13 +154,19 @@ class Run:
         """Runs ``cmd`` (its output into the log); returncode, seconds, and its last lines."""
         self.say(f"{title}: " + " ".join(a if "\n" not in a else "'...'" for a in cmd))
         t = time.monotonic()
+        # A session of its own: on timeout its whole process group goes (pip's compilers, pytest's
+        # children), and none is left holding the pipe that communicate() reads to its end.
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                             env=self.env(), start_new_session=True)
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout), cwd=cwd, env=self.env())
-            rc, text = p.returncode, p.stdout + p.stderr
-        except subprocess.TimeoutExpired as e:
-            rc = None
-            text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                           for x in (e.stdout, e.stderr)) + f"\ntimed out after {timeout:.0f} s"
+            text, rc = p.communicate(timeout=max(1.0, timeout))[0], p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            try:
+                text = p.communicate(timeout=10)[0]
+            except subprocess.TimeoutExpired:  # a process of another session still holds the pipe
+                text = ""
+            rc, text = None, text + f"\ntimed out after {timeout:.0f} s"
         self.log(f"----- {title} (exit {rc}) -----\n{text}\n----- end of {title} -----")
         return {"command": cmd, "returncode": rc, "seconds": round(time.monotonic() - t, 1),
                 "tail": text.strip().splitlines()[-12:], "output": text}
