@@ -44,14 +44,15 @@ GiB = 1 << 30
 # -- child processes ---------------------------------------------------------------------------------------
 
 def run_child(module: str, args: Sequence[str], python: Optional[str] = None,
-              timeout: Optional[float] = None) -> dict:
+              timeout: Optional[float] = None, first_on_path: str = ROOT) -> dict:
     """Runs ``python -m module *args`` (see [Note: which nvmeio a benchmark measures]) and
     returns its result: the last line of its stdout that is a JSON object (with ``returncode``
     added when the child failed after printing it, in its teardown). A child that printed none
     (it failed, or ran past ``timeout`` s) gives ``{"error": the line saying why, "returncode",
-    "tail": its last lines}``."""
+    "tail": its last lines}``. ``first_on_path``: what goes first on its PYTHONPATH (the root;
+    bench/gpu_check.py may name a folder of bench and tools alone, for the installed nvmeio)."""
     env = dict(os.environ, PYTHONSAFEPATH="1",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (first_on_path, os.environ.get("PYTHONPATH")) if p))
     cmd = [python or sys.executable, "-m", module, *map(str, args)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,

@@ -94,32 +94,60 @@ def config(contender: str, dtype: str, k: int, nvme_path: str) -> dict:
 
 
 def child_compute(spec: dict) -> dict:
-    """Plain torch, the model in memory: forward + backward of one micro-batch (batch 1 x SEQ)."""
+    """Plain torch, the model in memory on ``spec["device"]`` (default the CPU): forward + backward of
+    one micro-batch (batch 1 x SEQ); with ``spec["iteration_ks"]``, also whole iterations per k: k
+    micro-batches and a fused AdamW step (bench/gpu_check.py's plain torch on the GPU)."""
     import dataclasses
 
     import torch
 
     ex = training.examples()
+    device = torch.device(spec.get("device", "cpu"))
     if spec.get("malloc_tuning", True):  # plain torch at its best: the engine's glibc malloc settings
         from zero.stores import malloc_settings
 
         malloc_settings.hold()
     cfg = ex.GPTConfig(**spec["model"])
     torch.manual_seed(0)
-    model = ex.GPT(cfg)
+    model = ex.GPT(cfg).to(device)
     if spec["dtype"] == "bf16":
         model = model.to(torch.bfloat16)
-    x, y = ex.make_batches(dataclasses.replace(cfg, seq=SEQ), 1, 1)[0]
+    ks = spec.get("iteration_ks", [])
+    batches = [(x.to(device), y.to(device)) for x, y in
+               ex.make_batches(dataclasses.replace(cfg, seq=SEQ), max([1, *ks]), 1)]
+    x, y = batches[0]
+
+    def synced(fn) -> float:  # seconds, the device's queued work included
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
     times = []
     for _ in range(spec["warmup"] + spec["iters"]):
-        t0 = time.perf_counter()
-        model(x, y).backward()
-        times.append(time.perf_counter() - t0)
+        times.append(synced(lambda: model(x, y).backward()))
         model.zero_grad(set_to_none=True)
     measured = times[spec["warmup"]:]
-    return {"params": sum(p.numel() for p in model.parameters()), "compute_s": statistics.median(measured),
-            "compute_min_s": min(measured), "times_s": [round(t, 4) for t in times],
-            "peak_rss_bytes": harness.status_bytes("VmHWM")}
+    out = {"params": sum(p.numel() for p in model.parameters()), "compute_s": statistics.median(measured),
+           "compute_min_s": min(measured), "times_s": [round(t, 4) for t in times], "device": str(device)}
+    if ks:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+
+        def iteration(k: int) -> None:
+            for bx, by in batches[:k]:
+                (model(bx, by) / k).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out["iteration_s"] = {}  # per k: the median of spec["iteration_iters"], after one warm-up
+        for k in ks:
+            seconds = [synced(lambda: iteration(k)) for _ in range(1 + spec["iteration_iters"])]
+            out["iteration_s"][str(k)] = statistics.median(seconds[1:])
+    out["peak_rss_bytes"] = harness.status_bytes("VmHWM")
+    if device.type == "cuda":
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
 
 
 def child_train(spec: dict) -> dict:
@@ -183,7 +211,9 @@ def child_train(spec: dict) -> dict:
         reads.append(io1["read_bytes"] - io0["read_bytes"])
         writes.append(written(io1) - written(io0))
     train_peak = harness.status_bytes("VmHWM")
-    return {"params": params, "init_s": round(init_s, 1),
+    device = getattr(engine, "device", None)
+    on_cuda = {"cuda_peak_bytes": torch.cuda.max_memory_allocated(device)} if str(device).startswith("cuda") else {}
+    return {"params": params, "init_s": round(init_s, 1), "device": str(device), **on_cuda,
             "path": "train_batch" if use_train_batch else "loop" + ("" if has else " (engine has no train_batch)"),
             # bytes: the mean (writes in flight at the end of one iteration count in the next)
             "median_s": statistics.median(times[w:]), "read_bytes": int(statistics.mean(reads[w:])),

@@ -306,6 +306,7 @@ def test_a_saved_tensor_used_after_its_window_ended_is_refused():
         out.backward()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: saved tensors copied to pinned host memory "
                                                           "and back (no GPU here)")
 def test_on_cuda_saved_tensors_go_to_host_memory_and_back_unchanged(tmp_path):

@@ -102,6 +102,7 @@ def test_engine_refuses_use_gds_instead_of_dropping_it(tmp_path, offload):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(nvmeio.gds_unavailable_reason() is not None, reason="needs a CUDA GPU and kvikio")
 def test_use_gds_selects_gds_handle():
     h = nvmeio.new_handle({"use_gds": True, "queue_depth": 4})

@@ -27,7 +27,10 @@ from nvmeio._buffers import DeviceBuffer
 from nvmeio._cuda_staging import FILE_ALIGN, StagingConfig, StagingEngine, plan_chunks
 from nvmeio._device_ops import DeviceOpQueue
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+def needs_gpu(test):
+    """Runs only with a CUDA GPU; marked ``cuda``, as every such test is (bench/gpu_check.py runs them)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 # -- the CPU stand-in for a GPU -----------------------------------------------------------------

@@ -31,6 +31,9 @@ ALLOWED = {
     "deepspeed/": "DeepSpeed's own sources (its installed package), where the facts of its checkpoints come from",
     "bench/out/": "benchmark results, written at run time (git-ignored)",
     "bench/reliability.json": "bench/reliability.py's results, written at run time",
+    "gpu_check.json": "bench/gpu_check.py's results, written to its --out at run time",
+    "gpu_check.md": "bench/gpu_check.py's report, written to its --out at run time",
+    "liburing.h": "liburing's header: the system's, or the kit's that tools/gpu_kit.sh fetches",
 }
 
 _EXTENSIONS = "py|pyi|md|rst|txt|cpp|cc|c|h|hpp|cu|json|toml|cfg|ini|yaml|yml|sh|cmake"

@@ -32,8 +32,10 @@ def _has_kvikio() -> bool:
         return False
 
 
-needs_gds = pytest.mark.skipif(not (torch.cuda.is_available() and _has_kvikio()),
-                               reason="needs a CUDA GPU and kvikio (pip install nvmeio[gds])")
+def needs_gds(test):
+    """Runs only with a CUDA GPU and kvikio; marked ``cuda`` (bench/gpu_check.py runs the marked tests)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not (torch.cuda.is_available() and _has_kvikio()),
+                                               reason="needs a CUDA GPU and kvikio (pip install nvmeio[gds])")(test))
 
 
 # -- refusals --------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""bench/gpu_check.py, the one call that verifies nvmeio on a GPU machine, and tools/gpu_kit.sh, the kit
+it installs from: the rehearsal on the CPU runs every stage, and the kit the script lays out is found."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import run_process
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench/ and tools/ are not installed: the root goes after the installed packages (test_tools.py's reason).
+sys.path.append(REPO)
+
+from bench import gpu_check
+from bench._gpu_install import Kit, find_kit, fits, install_plan
+
+SCRIPT = os.path.join(REPO, "tools", "gpu_kit.sh")
+
+
+def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # -m from the root finds bench/
+    r = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--out", str(out)], timeout=400,
+                    cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    record = json.loads((out / "gpu_check.json").read_text())
+    assert list(record["stages"]) == list(gpu_check.STAGES)
+    statuses = {name: st["status"] for name, st in record["stages"].items()}
+    assert statuses == {"install": "dry", "tests": "ok", "disk": "ok", "aio": "ok", "train": "ok"}, \
+        json.dumps(record["stages"], indent=1)[:4000]
+    for name in ("tests", "aio", "train"):  # the CUDA parts say they ran on the CPU
+        assert gpu_check.NO_CUDA in record["stages"][name]["note"]
+    train = record["stages"]["train"]
+    assert [(row["dtype"], row["k"]) for row in train["runs"]] == [(d, k) for d in gpu_check.REHEARSAL.dtypes
+                                                                   for k in gpu_check.REHEARSAL.ks]
+    assert all(row["median_s"] > 0 and row["disk"]["seconds"] > 0 for row in train["runs"])
+    md = (out / "gpu_check.md").read_text()
+    for name in gpu_check.STAGES:
+        assert f"| {name} | {statuses[name]} |" in md
+    assert "[gpu_check" in r.stdout and (out / "gpu_check.log").stat().st_size > 0
+
+
+def test_kit_script_is_valid_bash():
+    subprocess.run(["bash", "-n", SCRIPT], check=True)
+
+
+def fake_kit(root):
+    """A tiny kit laid out as tools/gpu_kit.sh lays one out (its header), with empty files."""
+    wheels = ["pydantic-2.13.4-py3-none-any.whl",
+              "pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+              "kvikio_cu13-26.10.0-cp311-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+              "nvmeio_kit_test_only-1.0-py3-none-any.whl"]  # a distribution installed nowhere
+    for rel in [*(f"wheels/{w}" for w in wheels), "liburing/include/liburing.h",
+                "liburing/include/liburing/io_uring.h", "liburing/lib/liburing.a", "fio/bin/fio", "MANIFEST.txt"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"")
+    return wheels
+
+
+def test_kit_detection_finds_a_kit_laid_out_as_the_script_lays_it_out(tmp_path):
+    script = open(SCRIPT).read()
+    for path in ('"$KIT/wheels"', "$KIT/liburing/include/", "$KIT/liburing/lib/", '"$KIT/fio"', "$KIT/MANIFEST.txt"):
+        assert path in script  # the layout this test fakes is the script's
+    wheels = fake_kit(tmp_path)
+    kit = find_kit(str(tmp_path))
+    assert [os.path.basename(w) for w in kit.wheels] == sorted(wheels)
+    assert kit.liburing_include == str(tmp_path / "liburing" / "include")
+    assert kit.liburing_library == str(tmp_path / "liburing" / "lib" / "liburing.a")
+    assert kit.fio_bin == str(tmp_path / "fio" / "bin") and kit.manifest
+    plan = install_plan(kit, REPO)
+    (_, pip_wheels), (_, build) = plan["commands"]
+    assert str(tmp_path / "wheels" / "nvmeio_kit_test_only-1.0-py3-none-any.whl") in pip_wheels
+    assert "--no-index" in build and "--no-build-isolation" in build and build[-1] == REPO
+    assert f"--config-settings=cmake.define.LIBURING_LIBRARY={kit.liburing_library}" in build
+    assert f"--config-settings=cmake.define.LIBURING_INCLUDE_DIR={kit.liburing_include}" in build
+
+
+def test_no_kit_is_the_empty_kit_and_the_build_takes_the_systems_liburing(tmp_path):
+    kit = find_kit(str(tmp_path / "absent"))
+    assert kit == Kit()
+    plan = install_plan(kit, REPO)
+    assert [title for title, _ in plan["commands"]] == ["pip install nvmeio from the tree"]
+    assert not any("LIBURING" in a for a in plan["commands"][0][1])
+    assert any("no kit" in w for w in plan["warnings"])
+
+
+def test_wheel_tags_for_cpython_3_12_on_manylinux_x86_64():
+    assert fits("pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl")
+    assert fits("kvikio_cu13-26.10.0-cp311-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl")  # abi3 from 3.11
+    assert fits("rapids_logger-0.3.0-py3-none-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl")
+    assert not fits("pydantic_core-2.46.4-cp311-cp311-manylinux_2_17_x86_64.whl")
+    assert not fits("pydantic_core-2.46.4-cp312-cp312-manylinux_2_17_aarch64.whl")
+    assert not fits("kvikio_cu13-26.10.0-cp313-abi3-manylinux_2_28_x86_64.whl")
+
+
+def test_junit_counts_passed_failed_errors_skipped(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="t" name="a"/>'
+                   '<testcase classname="t" name="b"><failure message="assert 1 == 2&#10;more"/></testcase>'
+                   '<testcase classname="t" name="c"><skipped/></testcase>'
+                   '<testcase classname="t" name="d"><error message="fixture broke"/></testcase></testsuite></testsuites>')
+    got = gpu_check.junit_counts(str(xml))
+    assert {k: got[k] for k in ("passed", "failed", "errors", "skipped")} == {"passed": 1, "failed": 1, "errors": 1,
+                                                                             "skipped": 1}
+    assert got["failures"] == [{"test": "t::b", "kind": "failure", "message": "assert 1 == 2"},
+                               {"test": "t::d", "kind": "error", "message": "fixture broke"}]
+    assert gpu_check.junit_counts(str(tmp_path / "none.xml")) == {"report": "none: pytest did not finish"}
