@@ -186,7 +186,8 @@ def initialize(args=None, model: nn.Module = None, optimizer=None, model_paramet
 
         make_process_group(verbose=False)
     place = process_place()  # the device (and so the process group's backend) comes from the config
-    loaded = load_config(source, world_size=place.world_size, hidden_size=_hidden_size(model))
+    world = place.world_size if dist_init_required is not False else 1  # False: no group is joined
+    loaded = load_config(source, world_size=world, hidden_size=_hidden_size(model))
     device = choose_compute_device(place.local_rank, compute_device, loaded.compute_device)
     comm = init_distributed(device=device, join=dist_init_required is not False)
     loaded = _resolve(loaded, model, optimizer, comm.world_size)

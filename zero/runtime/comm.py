@@ -313,5 +313,7 @@ def init_distributed(dist_backend: Optional[str] = None, device: Optional[torch.
         device_id = device if device.type == "cuda" and "nccl" in backend.lower() else None
         join_process_group(launch, backend, process_group_timeout(), device_id=device_id)
         place = Place(dist.get_rank(), dist.get_world_size(), place.local_rank)
+    else:  # no group (join=False, or one rank that needs none): a world of one
+        place = Place(0, 1, place.local_rank)
     return Comm(rank=place.rank, world_size=place.world_size, local_rank=place.local_rank, backend=backend,
                 collective_device=collective_device(backend, device, place.local_rank))
