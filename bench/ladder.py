@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     print(table(rows))
     if args.no_results or args.quick:
         return 0
-    when = meta.get("date", "")
+    when = meta.get("when", "")
     details = (f"{table(rows)}\n\nModel: zero.examples GPT {MODEL} (112M parameters), batch {BATCH} × "
                f"{MODEL['seq']} per rank, fp32, AdamW, clipping 1.0; {args.warmup} warm-up steps, median of "
                f"{args.steps}. Two ranks: gloo on this machine's 2 CPUs, one thread each. DeepSpeed 0.19.8: stage 1 "
