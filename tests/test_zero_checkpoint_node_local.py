@@ -13,13 +13,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers import (finish_process, free_port, load_error, make_engine, run_ranks,
+from helpers import (finish_process, load_error, make_engine, run_ranks,
                      start_process, train_engine, wait_for_line, weight_digests)
 from zero.examples import GPTConfig, make_batches
 
@@ -30,23 +31,36 @@ TIMEOUT_S = 240.0
 SAVE_AT = 2
 
 
-def _torchrun(scratch: str, phase: str, per_node: int, port: int, node: int):
+def _torchrun(scratch: str, phase: str, per_node: int, port: int, node: int, name: str):
     env = dict(os.environ, OMP_NUM_THREADS="1", DEEPSPEED_TIMEOUT="3",
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     return start_process([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                           "--nproc_per_node", str(per_node), "--node_rank", str(node),
                           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                          f"--rdzv_id=node-local-{phase}", "--max_restarts", "0", WORKER, scratch, phase],
+                          f"--rdzv_id=node-local-{name}-{phase}", "--max_restarts", "0", WORKER, scratch, phase],
                          stderr=subprocess.STDOUT, env=env)
 
 
 def _start(scratch, phase: str) -> dict:
     """Both nodes of every topology, started at once (a launch is mostly waiting)."""
     nodes = {}
-    for name, per_node in TOPOLOGIES.items():
-        port = free_port()
-        nodes[name] = [_torchrun(os.path.join(scratch, name), phase, per_node, port, node) for node in (0, 1)]
+    for (name, per_node), port in zip(TOPOLOGIES.items(), _distinct_ports(len(TOPOLOGIES))):
+        nodes[name] = [_torchrun(os.path.join(scratch, name), phase, per_node, port, node, name) for node in (0, 1)]
     return nodes
+
+
+def _distinct_ports(count: int) -> list:
+    """``count`` free ports, all different: each socket is held until the last is chosen (one
+    at a time, the system may hand out the same port twice, and two topologies would then meet
+    in one rendezvous and wait for ever)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _wait_until_done(node, count: int, deadline: float) -> None:
