@@ -290,21 +290,7 @@ class FastFileWriter(io.RawIOBase):
 
     def _submit(self, last: bool = False) -> None:
         """Sends the current buffer to the file and switches to the other one."""
-        handle = self._io.handle
-        if self._pending:  # the other buffer's write must be done before it is refilled
-            handle.wait()
-            self._pending = False
-        nbytes = self._fill
-        preallocate(self._fd, self._base, nbytes, self.name)
-        handle.async_pwrite(self._bufs[self._cur][:nbytes], self._fd, self._base)
-        self._pending = True
-        self._base += nbytes
-        self._fill = 0
-        if len(self._bufs) == 1 or last:
-            handle.wait()
-            self._pending = False
-        else:
-            self._cur ^= 1
+        self._base += submit_buffer(self, last)
 
     def _close_fds(self) -> None:
         for attr in ("_copy_fd", "_fd"):
@@ -320,3 +306,24 @@ class FastFileWriter(io.RawIOBase):
             io_.release(self)
             if self._own_io:
                 io_.close()
+
+
+def submit_buffer(writer, last: bool) -> int:
+    """A double-buffered writer's current buffer (``_bufs[_cur][:_fill]``) written at ``_base``
+    of ``_fd`` through ``_io.handle``, after the other buffer's write is done; switches buffers
+    (a single buffer, or ``last``: waits for this write too). Returns the bytes submitted."""
+    handle = writer._io.handle
+    if writer._pending:  # the other buffer's write must be done before it is refilled
+        handle.wait()
+        writer._pending = False
+    nbytes = writer._fill
+    preallocate(writer._fd, writer._base, nbytes, writer.name)
+    handle.async_pwrite(writer._bufs[writer._cur][:nbytes], writer._fd, writer._base)
+    writer._pending = True
+    writer._fill = 0
+    if len(writer._bufs) == 1 or last:
+        handle.wait()
+        writer._pending = False
+    else:
+        writer._cur ^= 1
+    return nbytes

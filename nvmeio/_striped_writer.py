@@ -39,9 +39,9 @@ import warnings
 
 from . import _native
 from ._fast_buffers import IOBuffers
-from ._fast_writer import _byte_view
+from ._fast_writer import _byte_view, submit_buffer
 from .atomic_file import fsync_file, is_device_node
-from .file_ops import open_direct, preallocate
+from .file_ops import open_direct
 
 __all__ = ["StripedFileWriter", "DEFAULT_STRIPE_BYTES"]
 
@@ -128,21 +128,7 @@ class StripedFileWriter:
             self._submit()
 
     def _submit(self, last: bool = False) -> None:
-        handle = self._io.handle
-        if self._pending:  # the other buffer must be written before it is refilled
-            handle.wait()
-            self._pending = False
-        nbytes = self._fill
-        preallocate(self._fd, self._base, nbytes, self.name)
-        handle.async_pwrite(self._bufs[self._cur][:nbytes], self._fd, self._base)
-        self._pending = True
-        self.bytes_written += nbytes
-        self._fill = 0
-        if len(self._bufs) == 1 or last:
-            handle.wait()
-            self._pending = False
-        else:
-            self._cur ^= 1
+        self.bytes_written += submit_buffer(self, last)
 
     def close(self) -> None:
         """Writes the rest, sets the file's size to the whole stream's and fsyncs; idempotent."""

@@ -145,7 +145,8 @@ class BaseFileWriter:
         return self._file_path
 
     def write(self, buffer) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} writes nothing: use FastFileWriter, PyFileWriter "
+                                  f"or MockFileWriter")
 
     def flush(self) -> None:
         self._stats["flush"] += 1
