@@ -31,6 +31,7 @@ import abc
 import logging
 
 import time
+import warnings
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -201,7 +202,7 @@ class NvmeParamStore(ParamStore):
     READ_AHEAD_BATCHES = READ_QUEUES - 1
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int,
-                 master=None):
+                 master=None, device: Optional[torch.device] = None):
         from swapper import PackedSpans, PartitionedParamSwapper
         from swapper import HOME_SLACK_BYTES
 
@@ -224,6 +225,11 @@ class NvmeParamStore(ParamStore):
             read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
             pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
+        if device is not None and device.type == "cuda":
+            why = self.swapper.pool.register_with_cuda()
+            if why is not None:
+                warnings.warn(f"nvmeio: the parameter swap pool could not be registered with CUDA ({why}); "
+                              "training goes on, with slower copies to the GPU", RuntimeWarning, stacklevel=2)
         try:
             for u in rank_layout.units:
                 self.swapper.register(self._ids[u.index], u.shard_numel)
