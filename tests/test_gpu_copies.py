@@ -98,7 +98,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.mark.parametrize("train_batch", [False, True], ids=["loop", "train_batch"])
 def test_no_stream_or_device_synchronize_per_unit_on_cuda(tmp_path, monkeypatch, train_batch):
     """A step with parameters and optimizer on NVMe, computing on CUDA: the units' copies wait on
-    their own events; the step may synchronize once (optimizer.py), never once per unit."""
+    their own events; the step may synchronize once (zero/engine/optimizer.py), never once per unit."""
     k = 4
     engine = make_engine(tmp_path / "nvme", "nvme", accumulation=k, overrides={"compute_device": "cuda"})
     units = len(engine.units)
