@@ -117,3 +117,33 @@ def test_no_stream_or_device_synchronize_per_unit_on_cuda(tmp_path, monkeypatch,
         train_engine(engine, batches, steps, accumulation=k)
     assert syncs.count("stream") == 0, syncs
     assert syncs.count("device") <= 2 * steps < units, syncs
+
+
+def test_pinned_host_tensors_are_their_size_registered_once_each_and_released_at_close():
+    from zero.stores.pinned_host import PinnedHost
+
+    backend = RecordingBackend()
+    pinned = PinnedHost(backend)
+    a = pinned.empty(1000)
+    b = pinned.empty(3, torch.bfloat16)
+    assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, 1000, torch.bfloat16, 3)
+    assert backend.pinned == [(a.data_ptr(), 4000), (b.data_ptr(), 6)]
+    assert a.data_ptr() % 4096 == 0
+    pinned.close()
+    assert sorted(backend.unpinned) == sorted([a.data_ptr(), b.data_ptr()])
+    a.fill_(1.5)  # the memory outlives its registration
+    assert torch.equal(a, torch.full((1000,), 1.5))
+
+
+def test_pinned_host_refused_warns_once_and_still_gives_memory():
+    from zero.stores.pinned_host import PinnedHost
+
+    class Refusing(RecordingBackend):
+        def pin_host(self, ptr, nbytes):
+            return "cudaHostRegister returned error 1"
+
+    pinned = PinnedHost(Refusing())
+    with pytest.warns(RuntimeWarning, match="could not be registered with CUDA .cudaHostRegister returned error 1"):
+        t = pinned.empty(10)
+    t2 = pinned.empty(10)  # no second warning (pytest would fail on an unexpected one under -W error)
+    assert t.numel() == t2.numel() == 10 and pinned.refused == "cudaHostRegister returned error 1"

@@ -38,6 +38,7 @@ import torch
 
 from ..config import ConfigError, Problem
 from .layouts import RankLayout, SubGroup, UnitLayout
+from .pinned_host import for_gpu_copies
 
 
 def swap_checksum(setting: str):
@@ -145,10 +146,17 @@ class FlatParamStore(ParamStore):
                  pin_memory: bool = False, flat: Optional[torch.Tensor] = None):
         self.rank_layout = rank_layout
         self.aliased = flat is not None
+        self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" else None
         if flat is None:
-            pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-            flat = torch.empty(rank_layout.numel, dtype=dtype, device=device, pin_memory=pin)
+            if self._pinned is not None:
+                flat = self._pinned.empty(rank_layout.numel, dtype)
+            else:
+                flat = torch.empty(rank_layout.numel, dtype=dtype, device=device)
         self.flat = flat
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.close()
 
     def shard(self, layout: UnitLayout) -> torch.Tensor:
         start, stop = self.rank_layout.unit_range(layout.index)
