@@ -174,7 +174,10 @@ class FlatParamStore(ParamStore):
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         if not self.aliased:
-            self.shard(layout).copy_(values, non_blocking=True)
+            shard = self.shard(layout)
+            if values.device != shard.device and values.dtype != shard.dtype:
+                values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
+            shard.copy_(values, non_blocking=True)
 
 
 def swap_buffer_count(offload, largest_shard: int, total_numel: int) -> int:
