@@ -516,6 +516,8 @@ def main(argv=None) -> int:
     p.add_argument("--nvme-dir", help="where swap and test files go (default the temporary folder, unless "
                                       "it is in memory (tmpfs): then the repository's)")
     p.add_argument("--total-s", type=float, help="seconds for all stages (default 470; --rehearse 240)")
+    p.add_argument("--ks", help="micro-batches per iteration to train, comma-separated (default 1,4,16)")
+    p.add_argument("--dtypes", help="fp32 and / or bf16, comma-separated (default both)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -527,6 +529,13 @@ def main(argv=None) -> int:
     sizes = REHEARSAL if args.rehearse else REAL
     if args.total_s:
         sizes = Sizes(**{**asdict(sizes), "total_s": args.total_s})
+    if args.ks:
+        sizes = Sizes(**{**asdict(sizes), "ks": tuple(int(k) for k in args.ks.split(","))})
+    if args.dtypes:
+        dtypes = tuple(args.dtypes.split(","))
+        if not set(dtypes) <= {"fp32", "bf16"}:
+            p.error(f"--dtypes takes fp32 and bf16, got {args.dtypes}")
+        sizes = Sizes(**{**asdict(sizes), "dtypes": dtypes})
     os.makedirs(args.out, exist_ok=True)
     kit = find_kit(args.kit or os.path.join(ROOT, "gpu_kit"))
     if kit.fio_bin:  # fio from the kit: harness.fio_reference and the children find it on PATH

@@ -29,6 +29,7 @@ except ImportError as _e:
 
 from . import faults  # noqa: F401 - nvmeio.faults.inject(...), as the README shows
 from ._backend_choice import available_backends
+from ._cuda import CudaBackend
 from .errors import AioError, ShortReadError, ValidationError
 from ._fast_buffers import FastIOStats
 from ._fast_io import FastIO
@@ -46,4 +47,4 @@ __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
            "AioSettings", "new_handle", "require_gds", "ShortReadError", "ValidationError", "FastIO",
            "FastIOStats", "FastFileWriter", "FastFileReader", "PlainFileWriter", "SafetensorsWriter",
-           "SafetensorsReader", "SafetensorsError", "huge_page_tensor", "__version__"]
+           "SafetensorsReader", "SafetensorsError", "huge_page_tensor", "CudaBackend", "__version__"]

@@ -149,6 +149,25 @@ class StagingPool(abc.ABC):
     def release(self, buffers: Iterable[PoolBuffer]) -> None:
         """Give buffers back. Releasing one that is not out is an error."""
 
+    def register_with_cuda(self, backend=None) -> Optional[str]:
+        """Registers the pool's memory with CUDA (``cudaHostRegister``, once for the whole
+        allocation) so that copies between it and a GPU are DMA that overlap other work; locked
+        or huge-page memory is not what CUDA calls pinned until then. Returns why it could not,
+        or None. Unregistered when the pool dies, before its memory is freed."""
+        if getattr(self, "_cuda_registered", False):
+            return None
+        if backend is None:
+            from nvmeio import CudaBackend
+
+            backend = CudaBackend()
+        ptr = self._storage.data_ptr()
+        why = backend.pin_host(ptr, self.nbytes)
+        if why is None:
+            self._cuda_registered = True
+            # Registered last, so it runs before the memory's own finalizer frees it.
+            weakref.finalize(self, backend.unpin_host, ptr)
+        return why
+
     @abc.abstractmethod
     def close(self) -> None:
         """Free the memory; every buffer must be back."""

@@ -285,7 +285,7 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
     if offload.device == "nvme":
         shared = opt_store if dtype == torch.float32 and isinstance(opt_store, NvmeOptimizerStore) else None
         store: ParamStore = _swap_store(lambda: NvmeParamStore(
-            rank_layout, dtype, offload, aio, job_id, comm.rank, master=shared))
+            rank_layout, dtype, offload, aio, job_id, comm.rank, master=shared, device=device))
     else:
         home = device if offload.device == "none" else torch.device("cpu")
         alias = None

@@ -27,6 +27,13 @@ the partition when it is needed: before the elements in flight would pass
 end of backward (:meth:`GradReducer.flush`). Results are added in the order
 the reductions started, so the sums are the same as without overlap.
 
+[Note: gradients cross to the host once]
+Computing on CUDA with the partition in host memory, a window's k gradients of a parameter are
+summed on the device (fp32, in micro-batch order) and cross once; a partial sum already on the
+host comes back to the device for the adds. These are the fp32 additions, in the order, that the
+host would make, so the result is bit-identical, and the PCIe bytes do not grow with k (they
+were k copies, each waited for).
+
 [Note: every rank reduces the same units in the same order]
 Collectives must match across ranks. A unit is reduced when the last of its
 gradients arrives, which happens in the same order on every rank as long as
@@ -55,6 +62,33 @@ def _sum_in_torch(dst: torch.Tensor, grads: List[torch.Tensor], first: Optional[
         dst.copy_(first)
     for g in grads:
         dst.add_(g)
+
+
+def _fold_on_device(grads: List[torch.Tensor], add: bool) -> bool:
+    """Whether summing on the device moves fewer bytes than sending each gradient: an fp32 sum
+    crosses once, plus the host's partial sum coming over when ``add``."""
+    return sum(g.element_size() for g in grads) > 4 * (1 + add)
+
+
+def _cross_to_host(dst: torch.Tensor, grads: List[torch.Tensor], add: bool) -> None:
+    """Gradients on the compute device into their host slice ``dst`` (copied, or added to it when
+    ``add``) with one transfer: see [Note: gradients cross to the host once]."""
+    if not _fold_on_device(grads, add):
+        if not add:
+            # A dtype change is made on the host (a blocking copy_): a 16-bit gradient crosses in
+            # 2 bytes, where a non_blocking copy_ would widen it to 4 on the device first.
+            dst.copy_(grads[0], non_blocking=grads[0].dtype == dst.dtype)
+            grads = grads[1:]
+        sum_series(dst, [g.to(dst.device) for g in grads])
+        return
+    if add:
+        acc = dst.to(grads[0].device, non_blocking=True)
+    else:
+        acc = grads[0].to(torch.float32, copy=True)
+        grads = grads[1:]
+    for g in grads:
+        acc.add_(g)
+    dst.copy_(acc)
 
 
 class GradReducer:
@@ -136,15 +170,14 @@ class GradReducer:
             combine(held, flats)
             return
         dst = self._target(layout.index)[slot.offset:slot.stop]
-        first = None
-        if not fresh[slot_index]:
-            first = flats.pop(0)
-            fresh[slot_index] = True
-            self._zero[layout.index][slot_index] = False
-            if first.device != dst.device:  # from the compute device: an asynchronous copy
-                dst.copy_(first, non_blocking=True)
-                first = None
-        combine(dst, [g.to(dst.device) if g.device != dst.device else g for g in flats], first)
+        was_fresh = fresh[slot_index]
+        fresh[slot_index] = True
+        self._zero[layout.index][slot_index] = False
+        if flats[0].device != dst.device:
+            _cross_to_host(dst, flats, add=was_fresh)
+            return
+        first = None if was_fresh else flats.pop(0)
+        combine(dst, flats, first)
 
     def reduce(self, unit: ParamUnit) -> None:
         """One micro-batch's gradients of ``unit`` are in: reduce-scatter them (several ranks)."""

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import host_to_device
 from .comm import Comm
 from .param_state import ParamState
 from ..stores.param_store import ParamStore
@@ -179,11 +180,15 @@ class ParamUnit:
                 full = shard
             else:
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+                copied = None
                 if shard.device != self.device:
-                    shard = shard.to(self.device, non_blocking=True)
+                    if self.device.type == "cuda":
+                        shard, copied = host_to_device.to_device(shard, self.device)
+                    else:
+                        shard = shard.to(self.device)
                 self.comm.all_gather_into(full, shard)
-                if full.is_cuda and not self.store.resident:
-                    torch.cuda.current_stream(full.device).synchronize()  # before the pool buffer is reused
+                if copied is not None and not self.store.resident:
+                    copied.synchronize()  # the pool buffer is reused next: its copy alone is waited for
         finally:
             if shard is not None and not lent:
                 self.store.fetched(self.layout)

@@ -26,6 +26,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 import torch
 
 from .layouts import RankLayout, SubGroup
+from .pinned_host import PinnedHost, for_gpu_copies
 
 StepFn = Callable[[SubGroup, torch.Tensor, Dict[str, torch.Tensor], torch.Tensor], None]
 
@@ -46,9 +47,13 @@ def nvme_buffer_count(offload, steps_in_backward: bool) -> int:
     return 1 + nvme_read_ahead(offload, steps_in_backward) + int(offload.pipeline_write)
 
 
-def _host_or_device(numel: int, device: torch.device, pin: bool, zero: bool = False) -> torch.Tensor:
-    pin = pin and device.type == "cpu" and torch.cuda.is_available()
-    t = torch.empty(numel, dtype=torch.float32, device=device, pin_memory=pin)
+def _host_or_device(numel: int, device: torch.device, pinned: Optional[PinnedHost],
+                    zero: bool = False) -> torch.Tensor:
+    """fp32 on ``device``; on the host registered with CUDA through ``pinned`` when given."""
+    if pinned is not None and device.type == "cpu":
+        t = pinned.empty(numel)
+    else:
+        t = torch.empty(numel, dtype=torch.float32, device=device)
     return t.zero_() if zero else t
 
 
@@ -167,9 +172,14 @@ class FlatOptimizerStore(OptimizerStore):
                  pin_memory: bool = False):
         super().__init__(rank_layout, state_names)
         n = rank_layout.numel
-        self.master = _host_or_device(n, device, pin_memory)
-        self.states = {name: _host_or_device(n, device, pin_memory, zero=True) for name in self.state_names}
-        self.grads = _host_or_device(n, device, pin_memory)
+        self._pinned = for_gpu_copies(pin_memory)
+        self.master = _host_or_device(n, device, self._pinned)
+        self.states = {name: _host_or_device(n, device, self._pinned, zero=True) for name in self.state_names}
+        self.grads = _host_or_device(n, device, self._pinned)
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.close()
 
     def init_master(self, unit_index: int, values: torch.Tensor) -> None:
         start, stop = self.rank_layout.unit_range(unit_index)

@@ -31,12 +31,14 @@ import abc
 import logging
 
 import time
+import warnings
 from typing import Dict, Iterable, List, Optional
 
 import torch
 
 from ..config import ConfigError, Problem
 from .layouts import RankLayout, SubGroup, UnitLayout
+from .pinned_host import for_gpu_copies
 
 
 def swap_checksum(setting: str):
@@ -144,10 +146,17 @@ class FlatParamStore(ParamStore):
                  pin_memory: bool = False, flat: Optional[torch.Tensor] = None):
         self.rank_layout = rank_layout
         self.aliased = flat is not None
+        self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" else None
         if flat is None:
-            pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-            flat = torch.empty(rank_layout.numel, dtype=dtype, device=device, pin_memory=pin)
+            if self._pinned is not None:
+                flat = self._pinned.empty(rank_layout.numel, dtype)
+            else:
+                flat = torch.empty(rank_layout.numel, dtype=dtype, device=device)
         self.flat = flat
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            self._pinned.close()
 
     def shard(self, layout: UnitLayout) -> torch.Tensor:
         start, stop = self.rank_layout.unit_range(layout.index)
@@ -165,7 +174,10 @@ class FlatParamStore(ParamStore):
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         if not self.aliased:
-            self.shard(layout).copy_(values, non_blocking=True)
+            shard = self.shard(layout)
+            if values.device != shard.device and values.dtype != shard.dtype:
+                values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
+            shard.copy_(values, non_blocking=True)
 
 
 def swap_buffer_count(offload, largest_shard: int, total_numel: int) -> int:
@@ -201,7 +213,7 @@ class NvmeParamStore(ParamStore):
     READ_AHEAD_BATCHES = READ_QUEUES - 1
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int,
-                 master=None):
+                 master=None, device: Optional[torch.device] = None):
         from swapper import PackedSpans, PartitionedParamSwapper
         from swapper import HOME_SLACK_BYTES
 
@@ -224,6 +236,11 @@ class NvmeParamStore(ParamStore):
             read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
             pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
+        if device is not None and device.type == "cuda":
+            why = self.swapper.pool.register_with_cuda()
+            if why is not None:
+                warnings.warn(f"nvmeio: the parameter swap pool could not be registered with CUDA ({why}); "
+                              "training goes on, with slower copies to the GPU", RuntimeWarning, stacklevel=2)
         try:
             for u in rank_layout.units:
                 self.swapper.register(self._ids[u.index], u.shard_numel)

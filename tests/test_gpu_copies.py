@@ -1,0 +1,149 @@
+"""The CUDA path's copies (issue 30): gradients cross to the host once per window, a unit's
+host-to-GPU copy waits for nothing but itself, and swap pools are registered with CUDA.
+
+The arithmetic of the crossing runs here on CPU tensors (it is the same torch code on either
+side); the stream protocol is checked on a GPU (marked cuda), where a training step with its
+parameters on NVMe must not synchronize a stream or the device per unit.
+"""
+import gc
+
+import pytest
+import torch
+
+from helpers import make_engine, train_engine
+from swapper import PinnedBufferPool, SpanPool
+from zero.examples import GPTConfig, make_batches
+from zero.runtime.grad_reducer import _cross_to_host, _fold_on_device
+
+
+def in_loop_order(dst: torch.Tensor, grads, add: bool) -> torch.Tensor:
+    """What the micro-batch loop leaves: copied, then added one by one on the host."""
+    out = dst.clone()
+    for i, g in enumerate(grads):
+        if i == 0 and not add:
+            out.copy_(g)
+        else:
+            out.add_(g)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 2, 3, 16])
+@pytest.mark.parametrize("add", [False, True])
+def test_a_windows_gradients_cross_once_with_the_loops_sums(dtype, k, add):
+    gen = torch.Generator().manual_seed(k)
+    grads = [(torch.randn(1031, generator=gen) * 10 ** (i % 5)).to(dtype) for i in range(k)]
+    dst = torch.randn(1031, generator=gen)
+    expected = in_loop_order(dst, grads, add)
+    _cross_to_host(dst, grads, add)
+    assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("dtypes,add,on_device", [
+    ([torch.bfloat16], False, False), ([torch.float32], False, False),  # one crossing either way
+    ([torch.bfloat16], True, False),  # 2 bytes over and added there, not 4 over, 4 back
+    ([torch.bfloat16] * 2, False, False), ([torch.bfloat16] * 3, False, True),
+    ([torch.float32] * 2, False, True), ([torch.float32] * 2, True, False),
+    ([torch.bfloat16] * 16, True, True), ([torch.float32] * 16, False, True)])
+def test_the_sum_is_made_where_fewer_bytes_cross(dtypes, add, on_device):
+    assert _fold_on_device([torch.zeros(1, dtype=d) for d in dtypes], add) is on_device
+
+
+class RecordingBackend:
+    def __init__(self):
+        self.pinned, self.unpinned = [], []
+
+    def pin_host(self, ptr, nbytes):
+        self.pinned.append((ptr, nbytes))
+        return None
+
+    def unpin_host(self, ptr):
+        self.unpinned.append(ptr)
+
+
+@pytest.mark.parametrize("make", [lambda: PinnedBufferPool(3, 5000, pin_memory=False),
+                                  lambda: SpanPool(3 * 5000, pin_memory=False)], ids=["buffers", "spans"])
+def test_a_pool_is_registered_with_cuda_once_whole_and_unregistered_when_it_dies(make):
+    backend = RecordingBackend()
+    pool = make()
+    start, nbytes = pool._storage.data_ptr(), pool.nbytes
+    assert pool.register_with_cuda(backend) is None
+    assert pool.register_with_cuda(backend) is None  # once
+    assert backend.pinned == [(start, nbytes)]
+    pool.close()
+    del pool
+    gc.collect()
+    assert backend.unpinned == [start]
+
+
+def test_a_refused_registration_says_why_and_registers_nothing():
+    class Refusing(RecordingBackend):
+        def pin_host(self, ptr, nbytes):
+            return "cudaHostRegister returned error 2"
+
+    backend = Refusing()
+    pool = PinnedBufferPool(2, 1000, pin_memory=False)
+    assert pool.register_with_cuda(backend) == "cudaHostRegister returned error 2"
+    pool.close()
+    del pool
+    gc.collect()
+    assert backend.unpinned == []
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("train_batch", [False, True], ids=["loop", "train_batch"])
+def test_no_stream_or_device_synchronize_per_unit_on_cuda(tmp_path, monkeypatch, train_batch):
+    """A step with parameters and optimizer on NVMe, computing on CUDA: the units' copies wait on
+    their own events; the step may synchronize once (zero/engine/optimizer.py), never once per unit."""
+    k = 4
+    engine = make_engine(tmp_path / "nvme", "nvme", accumulation=k, overrides={"compute_device": "cuda"})
+    units = len(engine.units)
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 3 * k, 4, seed=1)]
+    syncs = []
+    real_stream_sync, real_device_sync = torch.cuda.Stream.synchronize, torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                        lambda self: (syncs.append("stream"), real_stream_sync(self))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: (syncs.append("device"), real_device_sync(device))[1])
+    steps = 3
+    if train_batch:
+        for s in range(steps):
+            engine.train_batch(batches[s * k:(s + 1) * k])
+    else:
+        train_engine(engine, batches, steps, accumulation=k)
+    assert syncs.count("stream") == 0, syncs
+    assert syncs.count("device") <= 2 * steps < units, syncs
+
+
+def test_pinned_host_tensors_are_their_size_registered_once_each_and_released_at_close():
+    from zero.stores.pinned_host import PinnedHost
+
+    backend = RecordingBackend()
+    pinned = PinnedHost(backend)
+    a = pinned.empty(1000)
+    b = pinned.empty(3, torch.bfloat16)
+    assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, 1000, torch.bfloat16, 3)
+    assert backend.pinned == [(a.data_ptr(), 4000), (b.data_ptr(), 6)]
+    assert a.data_ptr() % 4096 == 0
+    pinned.close()
+    assert sorted(backend.unpinned) == sorted([a.data_ptr(), b.data_ptr()])
+    a.fill_(1.5)  # the memory outlives its registration
+    assert torch.equal(a, torch.full((1000,), 1.5))
+
+
+def test_pinned_host_refused_warns_once_and_still_gives_memory():
+    from zero.stores.pinned_host import PinnedHost
+
+    class Refusing(RecordingBackend):
+        def pin_host(self, ptr, nbytes):
+            return "cudaHostRegister returned error 1"
+
+    pinned = PinnedHost(Refusing())
+    with pytest.warns(RuntimeWarning, match="could not be registered with CUDA .cudaHostRegister returned error 1"):
+        t = pinned.empty(10)
+    t2 = pinned.empty(10)  # no second warning (pytest would fail on an unexpected one under -W error)
+    assert t.numel() == t2.numel() == 10 and pinned.refused == "cudaHostRegister returned error 1"

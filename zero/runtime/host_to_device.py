@@ -1,0 +1,47 @@
+"""Host-to-device copies of parameter shards on a stream of their own.
+
+[Note: a unit's copy waits for nothing but itself]
+A shard fetched from a swap pool must stay put until its bytes are on the device; only then may
+the pool reuse the buffer. Waiting for that by synchronizing the compute stream also waits for
+every kernel queued before the copy: once per unit, the CPU stops queueing work and the GPU
+runs dry between units. Here the copy runs on a copy stream of the device; the compute stream
+waits for the copy's event (on the device, not the CPU) before anything reads the result, the
+result is marked as used by the compute stream for the caching allocator, and the caller waits
+for that event alone before it hands the host buffer back. From memory registered with CUDA
+(the swap pools are, swapper.StagingPool.register_with_cuda) the copy is a DMA of its own, so
+it also overlaps kernels still running.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, Tuple
+
+import torch
+
+_streams: Dict[int, "torch.cuda.Stream"] = {}
+_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The device's copy stream (one per device and process)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+
+def to_device(shard: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
+    """``shard`` (host memory) copied to CUDA ``device``: the copy, ready for the current stream's
+    work queued from now on, and the event that says when ``shard`` may be reused (see the [Note])."""
+    stream = copy_stream(device)
+    current = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        out = torch.empty(shard.shape, dtype=shard.dtype, device=device)
+        out.copy_(shard, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    current.wait_event(done)
+    out.record_stream(current)  # its memory is not reused before the compute stream is done with it
+    return out, done
