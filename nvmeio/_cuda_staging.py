@@ -12,9 +12,9 @@ starts at a file offset that is a multiple of 4096, so each chunk's middle
 goes O_DIRECT; the first chunk sits in its host chunk at ``file_offset %
 4096`` so that memory and file alignment agree there as well.
 
-File ops go through ``LANES`` private native handles ("lanes") used in
+File ops go through ``lanes`` private native handles (default 2) used in
 turn: chunk i + 1's file op is submitted before chunk i's is waited for, so
-the disk always has a chunk's requests queued. A native handle only has
+(with two lanes or more) the disk always has a chunk's requests queued. A native handle only has
 wait-all, so with one handle the queue would drain at every chunk boundary
 (16 times per GiB with 64 MiB chunks) while the host path submits a whole
 op at once. A lane holds one file op at a time; ops are waited for in chunk
@@ -22,24 +22,24 @@ order, so the first error raised is the earliest chunk's.
 
 - write (device -> file): the device-to-host copies of the first
   ``num_chunks`` chunks are queued on the stream at once. Then, for chunk i:
-  wait for the file op of chunk i - LANES (this lane's last op), queue the
-  copy of chunk i - LANES + num_chunks into the host chunk that op freed,
+  wait for the file op of chunk i - lanes (this lane's last op), queue the
+  copy of chunk i - lanes + num_chunks into the host chunk that op freed,
   wait for chunk i's copy, submit chunk i's file op. While chunks go to the
   file, the copies of the next chunks run on the GPU's copy engine.
 - read (file -> device): for chunk i: wait for the file op of chunk
-  i - LANES and queue its copy to the device; wait until the copy of chunk
+  i - lanes and queue its copy to the device; wait until the copy of chunk
   i - num_chunks (the last user of this host chunk) is done; submit chunk
   i's file op. While chunks are read from the file, the copies of earlier
   ones run on the GPU.
 
 A host chunk is reused only after both its file op and its copy are done
-(``num_chunks >= LANES`` makes the first hold by the time it is needed).
+(``num_chunks >= lanes`` makes the first hold by the time it is needed).
 After a failure, the file ops still in flight and the copies still queued
 are waited for before the op returns, so nothing runs into a host chunk
 that the next op reuses. Each chunk is itself split over the handle's
 ``intra_op_parallelism`` workers. PCIe copies are usually several times
 faster than an NVMe drive, so a transfer should run near the speed of the
-same transfer from locked host memory (measured: bench/gpu_check.py).
+same transfer from locked host memory (bench/gpu_check.py measures both).
 
 [Note: async ops on CUDA tensors and data races]
 ``async_pread``/``async_pwrite`` of a CUDA tensor check the file when they
@@ -57,8 +57,11 @@ bytes are complete on the device for every stream.
 
 Tuning (read once per handle): ``NVMEIO_STAGING_CHUNK_BYTES`` (default
 32 MiB, at least ``block_size * intra_op_parallelism``; rounded up to 4096)
-and ``NVMEIO_STAGING_CHUNKS`` (default 3, at least 2). A handle allocates
-its chunks on its first CUDA op and keeps them until it is collected.
+, ``NVMEIO_STAGING_CHUNKS`` (default 3, at least 2) and
+``NVMEIO_STAGING_LANES`` (default 2, at most the chunks). A handle allocates
+its chunks and its lanes' native handles (their worker threads and, on aio
+or io_uring, their kernel contexts) on its first CUDA op and keeps them
+until it is closed or collected.
 Events are created with ``blocking=True``: the background thread sleeps
 while it waits for a copy instead of spinning on a core the I/O needs.
 """
@@ -79,14 +82,12 @@ from ._device_ops import DeviceOpQueue
 from . import env
 from ._file_checks import compare_with_file, prepare_target
 
-__all__ = ["Chunk", "plan_chunks", "StagingConfig", "StagingEngine", "run_write", "run_read",
-           "LANES"]
+__all__ = ["Chunk", "plan_chunks", "StagingConfig", "StagingEngine", "run_write", "run_read"]
 
 FILE_ALIGN = 4096  # chunk boundaries in the file; the O_DIRECT alignment nvmeio uses
 DEFAULT_CHUNK_BYTES = 32 << 20
 DEFAULT_NUM_CHUNKS = env.default("NVMEIO_STAGING_CHUNKS")
-# Native handles taking chunk file ops in turn; at most StagingConfig's minimum num_chunks.
-LANES = 2
+DEFAULT_LANES = env.default("NVMEIO_STAGING_LANES")
 
 
 def _round_up(n: int, k: int) -> int:
@@ -134,10 +135,12 @@ def plan_chunks(nbytes: int, file_offset: int, chunk_bytes: int) -> list[Chunk]:
 
 @dataclass(frozen=True)
 class StagingConfig:
-    """Host staging of one handle: ``num_chunks`` chunks of ``chunk_bytes``."""
+    """Host staging of one handle: ``num_chunks`` chunks of ``chunk_bytes``,
+    their file ops on ``lanes`` native handles."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     num_chunks: int = DEFAULT_NUM_CHUNKS
+    lanes: int = DEFAULT_LANES
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0 or self.chunk_bytes % FILE_ALIGN:
@@ -145,6 +148,9 @@ class StagingConfig:
                              f"got {self.chunk_bytes}")
         if self.num_chunks < 2:
             raise ValueError(f"num_chunks must be at least 2 to overlap, got {self.num_chunks}")
+        if not 1 <= self.lanes <= self.num_chunks:
+            raise ValueError(f"lanes must be between 1 and num_chunks ({self.num_chunks}): a file op "
+                             f"in flight holds a host chunk; got {self.lanes}")
 
     @classmethod
     def from_env(cls, block_size: int, intra_op_parallelism: int) -> "StagingConfig":
@@ -152,7 +158,11 @@ class StagingConfig:
         with a chunk big enough to give every worker thread a full block."""
         default = max(DEFAULT_CHUNK_BYTES, _round_up(block_size, FILE_ALIGN) * intra_op_parallelism)
         chunk = env.get("NVMEIO_STAGING_CHUNK_BYTES")
-        return cls(_round_up(default if chunk is None else chunk, FILE_ALIGN), env.get("NVMEIO_STAGING_CHUNKS"))
+        chunks, lanes = env.get("NVMEIO_STAGING_CHUNKS"), env.get("NVMEIO_STAGING_LANES")
+        if lanes > chunks:
+            raise ValueError(f"NVMEIO_STAGING_LANES={lanes} must be at most NVMEIO_STAGING_CHUNKS "
+                             f"({chunks}): a file op in flight holds a host chunk")
+        return cls(_round_up(default if chunk is None else chunk, FILE_ALIGN), chunks, lanes)
 
 
 # -- the pipeline (device side injected: CUDA in use, a CPU stand-in in tests) ---------------------
@@ -185,7 +195,7 @@ def run_write(chunks: list[Chunk], src, slots: list, copier, lanes: list) -> Non
             copy_in(i)
         for i, c in enumerate(chunks):
             if len(flight) == len(lanes):
-                retire()  # chunk i - LANES, whose lane chunk i takes
+                retire()  # chunk i - lanes, whose lane chunk i takes
             slot = i % k
             copier.wait(tokens[slot])
             tokens[slot] = None
@@ -308,7 +318,7 @@ class StagingEngine:
 
     Args:
         new_native: makes a private ``_native.Handle`` with the settings of
-            the aio_handle; the engine makes ``LANES`` of them (a handle's
+            the aio_handle; the engine makes ``config.lanes`` of them (a handle's
             ``wait()`` must see only the engine's own chunks).
         config: chunk size and count.
         backend: the device side; :class:`CudaBackend` unless a test injects
@@ -318,7 +328,7 @@ class StagingEngine:
     def __init__(self, new_native: Callable[[], Any], config: StagingConfig,
                  backend: Any = None) -> None:
         self._config = config
-        self._natives = [new_native() for _ in range(LANES)]
+        self._natives = [new_native() for _ in range(config.lanes)]
         self._backend = backend if backend is not None else CudaBackend()
         self._lock = threading.Lock()
         self._copiers: dict = {}
