@@ -130,12 +130,12 @@ class aio_handle:  # the name users know from DeepSpeed
             direct_io=self._direct_io)
 
     def _device_engine(self):
-        """Runs the ops on CUDA tensors: staging through host memory, with a
-        native handle of its own so that its waits never see this handle's ops."""
+        """Runs the ops on CUDA tensors: staging through host memory, with
+        native handles of its own so that its waits never see this handle's ops."""
         with self._lock:
             if self._device_ops is None:
                 self._device_ops = StagingEngine(
-                    self._new_native(),
+                    self._new_native,
                     StagingConfig.from_env(self._block_size, self._intra_op_parallelism))
             return self._device_ops
 

@@ -63,6 +63,13 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "bytes of each host chunk a CUDA tensor on `aio_handle` is staged through (rounded up to 4096); "
              "unset: 32 MiB, or a `block_size` per worker thread where that is more", minimum=1),
     Variable("NVMEIO_STAGING_CHUNKS", int, 3, "host chunks of that staging in flight", minimum=2),
+    Variable("NVMEIO_STAGING_LANES", int, 2,
+             "native handles that take that staging's chunk file ops in turn, so the disk's queue does not drain "
+             "between chunks (at most `NVMEIO_STAGING_CHUNKS`)", minimum=1),
+    Variable("KVIKIO_AUTO_DIRECT_IO_READ", str, None,
+             "kvikio's own: O_DIRECT for its POSIX reads (compatibility mode). Unset, a `gds_handle` turns it on "
+             "process-wide (kvikio's default is off; nvmeio's own reads use O_DIRECT), unless `NVMEIO_DIRECT_IO` "
+             "is off; set, kvikio's reading of it stands"),
     Variable("NVMEIO_FAULTS", str, None,
              "a fault injection plan for tests (`nvmeio/faults.py`), armed at the first native handle"),
     Variable("NVMEIO_JOB_ID", str, "zero_stage_3",

@@ -7,8 +7,11 @@ ordering and overlap logic runs here for real. On a machine with a GPU the
 last section runs the same round trips on real CUDA tensors.
 """
 
+import ctypes
 import errno
+import itertools
 import os
+import random
 import threading
 import time
 import uuid
@@ -72,11 +75,15 @@ class FakeCopier:
 
         def run():
             start = time.monotonic()
-            time.sleep(b.delay)
-            if fail:
-                raise RuntimeError("injected copy failure")
-            dst.copy_(src)
-            b.log.append((kind, start, time.monotonic()))
+            try:
+                time.sleep(b.delay)
+                if fail:
+                    raise RuntimeError("injected copy failure")
+                dst.copy_(src)
+                b.log.append((kind, start, time.monotonic()))
+            finally:
+                with b.lock:
+                    b.finished += 1
 
         return self.stream.submit(run)
 
@@ -94,7 +101,8 @@ class FakeBackend:
     def __init__(self, delay=0.0):
         self.delay = delay
         self.lock = threading.Lock()
-        self.copies = 0
+        self.copies = 0    # queued
+        self.finished = 0  # run to their end, failed or not
         self.fail_at = None
         self.fences = 0
         self.log = []
@@ -114,27 +122,92 @@ class FakeBackend:
 
 
 class RecordingNative:
-    """A native handle that logs each file op (and can take its time)."""
+    """A native handle that logs each file op (and can take its time): ``log``
+    gets (kind, submitted, waited) per op, ``events`` ("submit" | "waited",
+    file offset) in the order they happen, across the engine's lanes."""
 
-    def __init__(self, native, log, delay=0.0):
+    def __init__(self, native, log, delay=0.0, events=None):
         self.native, self.log, self.delay = native, log, delay
+        self.events = events if events is not None else []
+
+    def _submitted(self, write, offset):
+        self.current = ("write" if write else "read", time.monotonic(), offset)
+        self.events.append(("submit", offset))
 
     def submit(self, write, ptr, nbytes, path, offset):
-        self.current = ("write" if write else "read", time.monotonic())
+        self._submitted(write, offset)
         self.native.submit(write, ptr, nbytes, path, offset)
 
     def submit_fd(self, write, ptr, nbytes, fd, offset):
-        self.current = ("write" if write else "read", time.monotonic())
+        self._submitted(write, offset)
         self.native.submit_fd(write, ptr, nbytes, fd, offset)
 
     def wait(self):
         n = self.native.wait()
         time.sleep(self.delay)
         self.log.append((self.current[0], self.current[1], time.monotonic()))
+        self.events.append(("waited", self.current[2]))
         return n
 
     def refused_direct(self):
         return self.native.refused_direct()
+
+
+class LaggingNative:
+    """A native handle whose file op runs on a thread of its own, ``lag()``
+    seconds after it is submitted, and is known done only at ``wait()``: a
+    host chunk reused, or a copy started, before the op was waited for would
+    show in the bytes. An op at a file offset in ``fail_at`` fails (EIO)."""
+
+    def __init__(self, lag, fail_at=()):
+        self.lag, self.fail_at = lag, set(fail_at)
+        self.thread, self.error = None, None
+
+    def submit(self, write, ptr, nbytes, path, offset):
+        self._start(write, ptr, nbytes, offset, lambda: os.open(path, os.O_RDWR if write else os.O_RDONLY))
+
+    def submit_fd(self, write, ptr, nbytes, fd, offset):
+        self._start(write, ptr, nbytes, offset, lambda: os.dup(fd))
+
+    def _start(self, write, ptr, nbytes, offset, open_fd):
+        assert self.thread is None, "a lane got a second op before its first was waited for"
+        delay = self.lag()
+
+        def run():
+            time.sleep(delay)
+            try:
+                if offset in self.fail_at:
+                    raise OSError(errno.EIO, f"injected failure at offset {offset}")
+                fd = open_fd()
+                try:
+                    if write:
+                        assert os.pwrite(fd, ctypes.string_at(ptr, nbytes), offset) == nbytes
+                    else:
+                        data = os.pread(fd, nbytes, offset)
+                        assert len(data) == nbytes
+                        ctypes.memmove(ptr, data, nbytes)
+                finally:
+                    os.close(fd)
+            except BaseException as e:  # noqa: BLE001 - raised by wait(), as the native core does
+                self.error = e
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def busy(self):
+        return self.thread is not None
+
+    def wait(self):
+        thread, self.thread = self.thread, None
+        if thread is not None:
+            thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return 0 if thread is None else 1
+
+    def refused_direct(self):
+        return False
 
 
 def device_buffer(t: torch.Tensor) -> DeviceBuffer:
@@ -142,14 +215,20 @@ def device_buffer(t: torch.Tensor) -> DeviceBuffer:
     return DeviceBuffer(flat, flat.numel(), torch.device("cuda", 0), t)
 
 
-def engine(chunk_bytes=8192, num_chunks=2, delay=0.0, file_delay=0.0, log=None):
+def engine(chunk_bytes=8192, num_chunks=2, delay=0.0, file_delay=0.0, log=None, events=None,
+           new_native=None, lanes=2):
     backend = FakeBackend(delay)
-    # psync: many engines come and go here, and kernel AIO contexts are a
-    # system-wide resource; the pipeline is the same on every backend.
-    native = nvmeio.aio_handle(intra_op_parallelism=2, backend="psync")._new_native()
-    if log is not None:
-        native = RecordingNative(native, log, file_delay)
-    return StagingEngine(native, StagingConfig(chunk_bytes, num_chunks), backend), backend
+
+    def psync_native():
+        # psync: many engines come and go here, and kernel AIO contexts are a
+        # system-wide resource; the pipeline is the same on every backend.
+        native = nvmeio.aio_handle(intra_op_parallelism=2, backend="psync")._new_native()
+        if log is not None or events is not None:
+            native = RecordingNative(native, log if log is not None else [], file_delay, events)
+        return native
+
+    return StagingEngine(new_native or psync_native, StagingConfig(chunk_bytes, num_chunks, lanes),
+                         backend), backend
 
 
 @pytest.fixture
@@ -278,13 +357,22 @@ def test_plan_covers_the_op_exactly_with_aligned_chunks(n, offset, chunk):
 def test_staging_config_defaults_and_environment(monkeypatch):
     monkeypatch.delenv("NVMEIO_STAGING_CHUNK_BYTES", raising=False)
     monkeypatch.delenv("NVMEIO_STAGING_CHUNKS", raising=False)
-    assert StagingConfig.from_env(1 << 20, 1) == StagingConfig(32 << 20, 3)
+    monkeypatch.delenv("NVMEIO_STAGING_LANES", raising=False)
+    assert StagingConfig.from_env(1 << 20, 1) == StagingConfig(32 << 20, 3, 2)
     # A chunk gives every worker thread at least one full block.
     assert StagingConfig.from_env(8 << 20, 8).chunk_bytes == 64 << 20
     assert StagingConfig.from_env(10_000, 4000).chunk_bytes == 12288 * 4000
     monkeypatch.setenv("NVMEIO_STAGING_CHUNK_BYTES", "10000")
     monkeypatch.setenv("NVMEIO_STAGING_CHUNKS", "4")
     assert StagingConfig.from_env(8 << 20, 8) == StagingConfig(12288, 4)
+    monkeypatch.setenv("NVMEIO_STAGING_LANES", "4")
+    assert StagingConfig.from_env(8 << 20, 8) == StagingConfig(12288, 4, 4)
+    monkeypatch.setenv("NVMEIO_STAGING_LANES", "5")
+    with pytest.raises(ValueError, match=r"NVMEIO_STAGING_LANES=5 must be at most NVMEIO_STAGING_CHUNKS \(4\)"):
+        StagingConfig.from_env(8 << 20, 8)
+    with pytest.raises(ValueError, match="lanes must be between 1 and num_chunks"):
+        StagingConfig(4096, 2, 0)
+    monkeypatch.delenv("NVMEIO_STAGING_LANES")
     monkeypatch.setenv("NVMEIO_STAGING_CHUNKS", "1")
     with pytest.raises(ValueError, match="NVMEIO_STAGING_CHUNKS=1 must be at least 2"):
         StagingConfig.from_env(1 << 20, 1)
@@ -376,6 +464,99 @@ def test_slow_copies_never_see_a_host_chunk_reused_too_early(nvme_dir):
     eng.submit(False, device_buffer(dst), str(nvme_dir / "s.bin"), 777)
     assert eng.drain() == (1, None)
     assert torch.equal(dst, src)
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+@pytest.mark.parametrize("write", [True, False], ids=["write", "read"])
+def test_the_next_chunk_goes_to_the_file_before_this_one_is_waited_for(nvme_dir, write, lanes):
+    """The disk's queue does not drain at chunk boundaries: chunk i + 1's file op
+    is submitted before chunk i's is waited for, and from the first submission
+    to the last wait a file op is always in flight (as many as there are lanes)."""
+    n = 6 * 8192 + 100
+    path = nvme_dir / "lanes.bin"
+    src = random_bytes(n, 3)
+    if not write:
+        path.write_bytes(src.tobytes())
+    events = []
+    eng, _ = engine(8192, 3, delay=0.001, file_delay=0.002, events=events, lanes=lanes)
+    buf = torch.from_numpy(src.copy()) if write else torch.zeros(n, dtype=torch.uint8)
+    eng.submit(write, device_buffer(buf), str(path), 0)
+    assert eng.drain() == (1, None)
+    offsets = [c.file_offset for c in plan_chunks(n, 0, 8192)]
+    assert [o for kind, o in events if kind == "submit"] == offsets
+    assert [o for kind, o in events if kind == "waited"] == offsets  # in chunk order
+    for this, after in zip(offsets, offsets[1:]):
+        assert events.index(("submit", after)) < events.index(("waited", this))
+    in_flight = list(itertools.accumulate(1 if kind == "submit" else -1 for kind, _ in events))
+    assert max(in_flight) == lanes and 0 not in in_flight[:-1]
+    assert file_bytes(path) == src.tobytes() and buf.numpy().tobytes() == src.tobytes()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 100_000), offset=st.one_of(st.just(0), st.integers(0, 20_000)),
+       chunk=st.sampled_from([4096, 8192, 12288]), count=st.integers(2, 4), use_fd=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_bytes_are_exact_when_file_ops_lag_and_finish_out_of_order(nvme_dir, n, offset, chunk, count,
+                                                                   use_fd, seed):
+    rng = random.Random(seed)
+    eng, backend = engine(chunk, count, delay=0.0005,
+                          new_native=lambda: LaggingNative(lambda: rng.uniform(0, 0.004)))
+    src = torch.from_numpy(random_bytes(n, seed))
+    path = nvme_dir / f"lag_{uuid.uuid4().hex}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if use_fd else None
+    try:
+        eng.submit(True, device_buffer(src), fd if use_fd else str(path), offset)
+        assert eng.drain() == (1, None)
+        assert file_bytes(path) == bytes(offset) + src.numpy().tobytes()
+        dst = torch.full((n,), 7, dtype=torch.uint8)
+        eng.submit(False, device_buffer(dst), fd if use_fd else str(path), offset)
+        assert eng.drain() == (1, None)
+    finally:
+        if use_fd:
+            os.close(fd)
+    assert torch.equal(dst, src)
+    assert backend.copies == backend.finished == 2 * len(plan_chunks(n, offset, chunk))
+    eng.close()
+
+
+@pytest.mark.parametrize("write", [True, False], ids=["write", "read"])
+@pytest.mark.parametrize("failing", [[0], [1], [2], [1, 2], [4]], ids=str)
+def test_a_failing_chunk_in_either_lane_raises_the_first_error_and_leaves_nothing_running(
+        nvme_dir, write, failing):
+    # Lane 0 is fast and lane 1 slow, so chunk 2 (lane 0) fails before chunk 1 (lane 1) does.
+    n = 5 * 8192
+    offsets = [c.file_offset for c in plan_chunks(n, 0, 8192)]
+    natives = []
+
+    def new_native():
+        lag = 0.001 if not natives else 0.02
+        natives.append(LaggingNative(lambda: lag, {offsets[i] for i in failing}))
+        return natives[-1]
+
+    eng, backend = engine(8192, 3, delay=0.003, new_native=new_native)
+    path = nvme_dir / "fail.bin"
+    src = torch.from_numpy(random_bytes(n, 11))
+    if not write:
+        path.write_bytes(src.numpy().tobytes())
+    buf = src.clone() if write else torch.zeros(n, dtype=torch.uint8)
+    eng.submit(write, device_buffer(buf), str(path), 0)
+    count, error = eng.drain()
+    assert count == 1 and isinstance(error, OSError) and error.errno == errno.EIO
+    assert str(error) == f"[Errno {errno.EIO}] injected failure at offset {offsets[failing[0]]}"
+    # Nothing still runs into or out of the host chunks that the next op reuses.
+    assert not any(native.busy() for native in natives)
+    assert backend.finished == backend.copies
+    assert path.exists() is not write  # a new file whose write failed is removed
+
+    for native in natives:
+        native.fail_at = set()
+    eng.submit(True, device_buffer(src), str(path), 0)
+    assert eng.drain() == (1, None)
+    back = torch.zeros(n, dtype=torch.uint8)
+    eng.submit(False, device_buffer(back), str(path), 0)
+    assert eng.drain() == (1, None)
+    assert file_bytes(path) == src.numpy().tobytes() and torch.equal(back, src)
+    eng.close()
 
 
 def test_host_chunks_are_pinned_once_and_unpinned_with_the_engine(nvme_dir):

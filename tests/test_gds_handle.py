@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import nvmeio
+from nvmeio._cufile_cache import CuFileCache
 from helpers import file_bytes, random_bytes, run_child
 from test_cuda_paths import on_fake_cuda, plain
 
@@ -84,13 +85,15 @@ class FakeKvikio(types.ModuleType):
     def __init__(self, new_api=True, compat=True, gds_available=None):
         super().__init__("kvikio")
         self.calls, self.registered, self.deregistered, self.opened = [], [], [], []
+        self.files = []         # every CuFile made, open or closed
         self.fail = None        # exception raised by the next op
         self.short_by = 0       # bytes an op leaves out
-        self.num_threads, self.compat = 1, compat
+        self.num_threads, self.compat, self.auto_direct_io_read = 1, compat, False
         kv = self
         defaults = types.ModuleType("kvikio.defaults")
         if new_api:
-            defaults.get = lambda name: {"num_threads": kv.num_threads}[name]
+            defaults.get = lambda name: getattr(kv, {"num_threads": "num_threads",
+                                                     "auto_direct_io_read": "auto_direct_io_read"}[name])
             defaults.set = lambda name, value: setattr(kv, name, value)
             defaults.is_compat_mode_preferred = lambda: kv.compat
         else:
@@ -105,14 +108,24 @@ class FakeKvikio(types.ModuleType):
 
         class CuFile:
             def __init__(self, path, flags="r"):
-                kv.opened.append(flags)
                 self.fd = os.open(path, {"r": os.O_RDONLY, "r+": os.O_RDWR}[flags])
+                self.path, self.flags, self.closed = str(path), flags, False
+                kv.opened.append(flags)
+                kv.files.append(self)
+
+            def fileno(self):
+                return self.fd
+
+            def close(self):
+                if not self.closed:
+                    self.closed = True
+                    os.close(self.fd)
 
             def __enter__(self):
                 return self
 
             def __exit__(self, *exc):
-                os.close(self.fd)
+                self.close()
 
             def _op(self, name, buf, size, file_offset, task_size):
                 kv.calls.append((name, size, file_offset, task_size))
@@ -133,6 +146,9 @@ class FakeKvikio(types.ModuleType):
                 return self._op("pwrite", buf, size, file_offset, task_size)
 
         self.CuFile = CuFile
+
+    def open_files(self):
+        return [f for f in self.files if not f.closed]
 
     def memory_register(self, buf):
         self.registered.append(buf.data_ptr())
@@ -271,6 +287,136 @@ def test_registration_is_counted_per_cuda_allocation(kv, monkeypatch):
         h.unpin_device_tensor(a)
     with pytest.raises(ValueError, match="takes a CUDA tensor"):
         h.pin_device_tensor(torch.zeros(4))
+
+
+# -- cuFile handles kept open (nvmeio/_cufile_cache.py) --------------------------------------------
+
+def test_a_file_is_opened_once_for_all_its_ops(kv, nvme_dir):
+    h = nvmeio.gds_handle()
+    path = nvme_dir / "once.bin"
+    src = [fake_cuda_bytes(8192, i) for i in range(3)]
+    for i, t in enumerate(src):
+        h.async_pwrite(t, path, file_offset=i * 8192)
+    assert h.wait() == 3
+    back = on_fake_cuda(torch.zeros(8192, dtype=torch.uint8))
+    for i, t in enumerate(src):
+        assert h.sync_pread(back, path, file_offset=i * 8192) == 1
+        assert torch.equal(plain(back), plain(t))
+    assert kv.opened == ["r+"]  # one open (and cuFile registration) for six ops
+    h.close()
+    assert kv.open_files() == []
+
+
+def test_a_write_after_reads_reopens_the_file_for_writing(kv, nvme_dir):
+    h = nvmeio.gds_handle()
+    path = nvme_dir / "ro.bin"
+    path.write_bytes(random_bytes(4096, 1).tobytes())
+    back = on_fake_cuda(torch.zeros(4096, dtype=torch.uint8))
+    h.sync_pread(back, path)
+    h.sync_pread(back, path)
+    new = fake_cuda_bytes(4096, 2)
+    h.sync_pwrite(new, path)
+    h.sync_pread(back, path)
+    assert kv.opened == ["r", "r+"] and [f.flags for f in kv.open_files()] == ["r+"]
+    assert file_bytes(path) == new.numpy().tobytes() and torch.equal(plain(back), plain(new))
+
+
+@pytest.mark.parametrize("how", ["deleted", "renamed over"])
+def test_a_file_replaced_under_the_same_name_gets_a_handle_of_its_own(kv, nvme_dir, how):
+    h = nvmeio.gds_handle()
+    path = nvme_dir / "same.bin"
+    old, new = fake_cuda_bytes(8192, 1), fake_cuda_bytes(8192, 2)
+    h.sync_pwrite(old, path)
+    if how == "deleted":
+        os.remove(path)
+        h.sync_pwrite(new, path)
+    else:
+        (nvme_dir / "tmp.bin").write_bytes(new.numpy().tobytes())
+        os.replace(nvme_dir / "tmp.bin", path)
+    back = on_fake_cuda(torch.zeros(8192, dtype=torch.uint8))
+    assert h.sync_pread(back, path) == 1
+    assert torch.equal(plain(back), plain(new))
+    assert file_bytes(path) == new.numpy().tobytes()
+    # The old file has no name left: its handle was closed when the new one opened.
+    assert len(kv.files) == 2 and kv.files[0].closed and kv.open_files() == [kv.files[1]]
+
+
+def test_an_fd_target_shares_the_handle_of_its_file(kv, nvme_dir):
+    h = nvmeio.gds_handle()
+    path = nvme_dir / "fd.bin"
+    src = fake_cuda_bytes(5000, 3)
+    h.sync_pwrite(src, path)
+    back = on_fake_cuda(torch.zeros(5000, dtype=torch.uint8))
+    for _ in range(2):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            assert h.sync_pread(back, fd) == 1
+        finally:
+            os.close(fd)
+    assert torch.equal(plain(back), plain(src)) and kv.opened == ["r+"]
+
+
+def test_a_failed_op_closes_its_handle_and_the_next_op_reopens_the_file(kv, nvme_dir):
+    h = nvmeio.gds_handle()
+    path = nvme_dir / "f.bin"
+    h.sync_pwrite(fake_cuda_bytes(4096, 1), path)
+    kv.fail = RuntimeError("cuFile error: boom")
+    with pytest.raises(nvmeio.AioError, match="boom"):
+        h.sync_pwrite(fake_cuda_bytes(4096, 2), path)
+    assert kv.open_files() == []
+    kv.fail = None
+    good = fake_cuda_bytes(4096, 3)
+    assert h.sync_pwrite(good, path) == 1
+    assert kv.opened == ["r+", "r+"] and file_bytes(path) == good.numpy().tobytes()
+
+
+class FakeFile:
+    def __init__(self, path, flags, log):
+        self.fd = os.open(path, os.O_RDWR if flags == "r+" else os.O_RDONLY)
+        self.path, self.flags, self.closed = path, flags, False
+        log.append(self)
+
+    def fileno(self):
+        return self.fd
+
+    def close(self):
+        self.closed = True
+        os.close(self.fd)
+
+
+def test_the_least_recently_used_handle_is_closed_past_the_limit(nvme_dir):
+    made = []
+    cache = CuFileCache(lambda path, flags: FakeFile(path, flags, made), limit=2)
+    paths = [str(nvme_dir / f"{i}.bin") for i in range(3)]
+    for p in paths:
+        open(p, "wb").close()
+    a, b = cache.get(paths[0], False), cache.get(paths[1], True)
+    assert cache.get(paths[0], False) is a  # a is now the most recently used
+    cache.get(paths[2], False)               # past the limit: b goes
+    assert len(cache) == 2 and b.closed and not a.closed
+    assert cache.get(paths[1], False) is not b and a.closed  # b reopened, a the oldest now
+    cache.close()
+    assert len(cache) == 0 and all(f.closed for f in made) and len(made) == 4
+    with pytest.raises(FileNotFoundError):
+        cache.get(str(nvme_dir / "missing.bin"), False)
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        CuFileCache(lambda path, flags: None, limit=0)
+
+
+def test_kvikio_posix_reads_use_o_direct_unless_told_otherwise(monkeypatch):
+    kv = install(monkeypatch, FakeKvikio())
+    monkeypatch.delenv("KVIKIO_AUTO_DIRECT_IO_READ", raising=False)
+    nvmeio.gds_handle()
+    assert kv.auto_direct_io_read is True
+    for name, value in [("KVIKIO_AUTO_DIRECT_IO_READ", "0"), ("NVMEIO_DIRECT_IO", "0")]:
+        kv = install(monkeypatch, FakeKvikio())
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            nvmeio.gds_handle()
+        assert kv.auto_direct_io_read is False, name
+    kv = install(monkeypatch, FakeKvikio(new_api=False))  # no such setting: nothing to do
+    nvmeio.gds_handle()
+    assert kv.auto_direct_io_read is False
 
 
 # -- on a GPU with kvikio --------------------------------------------------------------------------
