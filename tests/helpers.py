@@ -173,6 +173,33 @@ def base_config(offload_param: str = "none", offload_optimizer: str = "none", nv
     return config
 
 
+def train_windows(engine, batches: Sequence, steps: int, accumulation: int, rank: int = 0,
+                  shards: int = 1) -> List[float]:
+    """:func:`train_engine`'s micro-batches through ``engine.train_batch_losses``, a window a step."""
+    losses: List[float] = []
+    it = iter(batches)
+    for _ in range(steps):
+        window = []
+        for _ in range(accumulation):
+            x, y = next(it)
+            window.append((x.chunk(shards)[rank], y.chunk(shards)[rank]))
+        losses.extend(float(v) for v in engine.train_batch_losses(window))
+    return losses
+
+
+def ladder_config(stage: int, offload_optimizer: str, nvme_path, accumulation: int = 1, clip: float = 0.0,
+                  world_size: int = 1, lr: float = 1e-2, precision: str = "fp32", **extra) -> dict:
+    """A config of ZeRO stage ``stage`` below 3 (no ``offload_param``, no stage-3 keys) or 3, the
+    optimizer states offloaded to ``offload_optimizer``; ``extra``: more top-level keys."""
+    config = base_config("none", offload_optimizer, nvme_path, accumulation=accumulation, clip=clip, lr=lr,
+                         world_size=world_size, sub_group_size=3000, precision=precision)
+    config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                   if not k.startswith("stage3_") and k != "offload_param"}
+    config["zero_optimization"]["stage"] = stage
+    config.update(extra)
+    return config
+
+
 def load_error(engine, load_dir):
     """``engine.load_checkpoint(load_dir)``'s error as "Type: message" (for a rank to report to
     its test), or None when it loaded."""
