@@ -686,12 +686,33 @@ class CheckpointedGPT(GPT):
     """Each block recomputed in backward (torch.utils.checkpoint, non-reentrant): only the blocks'
     inputs are saved; the recomputation saves what the block needs, ``weight.detach()`` included."""
 
+    def checkpointed(self, block, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block, x, use_reentrant=False)
+
     def forward(self, idx, targets):
         import torch.nn.functional as F
-        from torch.utils.checkpoint import checkpoint
 
         x = self.wte(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = self.checkpointed(block, x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class HFCheckpointedGPT(CheckpointedGPT):
+    """:class:`CheckpointedGPT` through ``_gradient_checkpointing_func``, where Hugging Face layers keep
+    their checkpoint function: ``train_batch`` binds it to each micro-batch of its window, which on
+    CUDA a forward recomputed by another checkpoint function needs (zero/engine/train_batch.py)."""
+
+    def __init__(self, c: GPTConfig = GPTConfig()):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        super().__init__(c)
+        self._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+    def checkpointed(self, block, x):
+        return self._gradient_checkpointing_func(block, x)

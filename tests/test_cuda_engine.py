@@ -41,8 +41,9 @@ with a static and a dynamic loss scale; accumulation through the micro-batch loo
 ``train_batch`` (unit-major window); clipping; the optimizer stepped during backward (stage 3,
 nvme optimizer, no clipping, no dynamic scale) in fp32, bf16 and fp16, in the loop and in a
 window. Checkpoints round trip at stage 3 (fp32, all on NVMe) and stage 2 (bf16, optimizer on
-the host); activation checkpointing with cpu_checkpointing runs with activations spilled to
-NVMe and kept in host memory. All of it is single-process: the multi-rank tests are not marked.
+the host); activation checkpointing (Hugging Face's checkpoint function, which a window on
+CUDA binds to each micro-batch) with cpu_checkpointing in a train_batch window, activations
+spilled to NVMe and kept in host memory. All of it is single-process: the multi-rank tests are not marked.
 """
 import copy
 from dataclasses import dataclass
@@ -51,8 +52,8 @@ import pytest
 import torch
 
 import zero
-from helpers import (CheckpointedGPT, base_config, ladder_config, make_engine, train_engine, train_windows,
-                     weights)
+from helpers import (CheckpointedGPT, HFCheckpointedGPT, base_config, ladder_config, make_engine, train_engine,
+                     train_windows, weights)
 from zero.examples import GPT, GPTConfig, make_batches, train_reference, train_reference_mixed
 
 pytestmark = pytest.mark.cuda
@@ -94,6 +95,17 @@ def deterministic():
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.fixture
+def loops(monkeypatch):
+    """The windows train_batch ran as the micro-batch loop instead of unit-major (a test of the
+    window asserts there were none)."""
+    from zero.engine.train_batch import TrainBatch
+
+    ran, loop = [], TrainBatch._loop
+    monkeypatch.setattr(TrainBatch, "_loop", lambda self, *args: ran.append(len(args[0])) or loop(self, *args))
+    return ran
 
 
 @dataclass(frozen=True)
@@ -198,7 +210,7 @@ def assert_matches(losses, reference_run, final, device, precision="fp32"):
 # -- a training run equals plain torch ------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_training_equals_plain_torch_on_the_same_device(tmp_path, device, case):
+def test_training_equals_plain_torch_on_the_same_device(tmp_path, device, loops, case):
     batches = make_batches(CFG, STEPS * case.k, MICRO)
     engine = make_engine(tmp_path, config=case_config(case, tmp_path, device))
     try:
@@ -206,6 +218,7 @@ def test_training_equals_plain_torch_on_the_same_device(tmp_path, device, case):
         if case.in_backward:
             assert engine.optimizer.why_not_step_in_backward() is None
         losses = (train_windows if case.window else train_engine)(engine, batches, STEPS, case.k)
+        assert loops == []  # a window ran unit-major
         final = weights(engine.module)
         if case.precision == "fp16":
             assert engine.skipped_steps == 0 and engine.get_loss_scale() == FP16_SCALE
@@ -306,7 +319,9 @@ SPILL_MICRO = 8
 
 
 @pytest.mark.parametrize("budget", [0, None], ids=["spilled-to-nvme", "kept-in-host-memory"])
-def test_activation_checkpointing_with_cpu_checkpointing_equals_plain_torch(tmp_path, device, budget):
+def test_activation_checkpointing_with_cpu_checkpointing_equals_plain_torch(tmp_path, device, loops, budget):
+    """cpu_checkpointing acts on train_batch's window (zero/config/activation_checkpointing.py); a
+    window on CUDA recomputes a forward through Hugging Face's checkpoint function only."""
     k = 2
     batches = make_batches(SPILL_SHAPE, STEPS * k, SPILL_MICRO)
     config = base_config("nvme", "cpu", tmp_path, accumulation=k, micro=SPILL_MICRO, lr=LR, sub_group_size=3000)
@@ -314,9 +329,10 @@ def test_activation_checkpointing_with_cpu_checkpointing_equals_plain_torch(tmp_
     if budget is not None:
         config["activation_checkpointing"]["max_in_cpu_bytes"] = budget
     config["compute_device"] = device.type
-    engine = make_engine(tmp_path, config=config, model=lambda: CheckpointedGPT(SPILL_SHAPE))
+    engine = make_engine(tmp_path, config=config, model=lambda: HFCheckpointedGPT(SPILL_SHAPE))
     try:
         losses = train_windows(engine, batches, STEPS, k)
+        assert loops == []  # unit-major, its forwards recomputed during one backward on CUDA
         stats = copy.copy(engine.parts.activations.stats)
         final = weights(engine.module)
     finally:
