@@ -24,15 +24,19 @@ deterministic kernel warns, naming itself, rather than failing the comparison fo
 On the CPU every comparison is exact. On CUDA the engine runs the same kernels on the same
 values, except where it cannot: (1) an optimizer offloaded to the host (``cpu``/``nvme``) steps
 with the CPU's fused AdamW while the reference steps with CUDA's, whose arithmetic (fused
-multiply-adds, the bias correction in fp32) may round the last bit differently; (2) parameters
-gathered into flat buffers may sit at other alignments than the reference's own tensors, and
-cuBLAS may choose another kernel (another summation order) for them. Each is a few fp32 ulps
-per element per step, about 1e-9 absolute after 3 steps of lr 1e-2, far below a wrong step
-(about lr). So fp32: losses rtol 1e-5; weights rtol 1e-5, atol 1e-6. In bf16 and fp16 those
-master differences reach the compute copy only where the rounding to 16 bits flips, one 16-bit
-ulp of one weight: weights rtol 2 ulps (bf16 2**-6, fp16 2**-9), atol 1e-5; losses (fp32 of a
-16-bit forward) rtol 2e-3 (bf16), 1e-3 (fp16). Each test also checks that the reference's steps
-moved a weight by more than 1e-3, far past these: the comparison is not vacuous.
+multiply-adds, the bias correction in fp32) may round the last bit differently, and a clipping
+norm summed on the host is summed in another order than on the GPU; (2) parameters gathered
+into flat buffers could sit at other alignments than the reference's own tensors, and cuBLAS
+choose another kernel (another summation order) for them (this model's offsets are multiples
+of 32 elements, so it should not). Each is a few fp32 ulps per element per step, about 1e-9
+absolute after 3 steps of lr 1e-2, far below a wrong step (a stale or missing update is about
+lr = 1e-2 on every element). So fp32: losses rtol 1e-5; weights rtol 1e-5, atol 1e-6. In bf16
+and fp16 a master that differs at all may round to the neighbouring 16-bit value (one ulp of
+that weight), which changes the next gradients slightly, and Adam's normalised step magnifies a
+relative gradient difference where the moments nearly cancel: weights rtol 2 16-bit ulps (bf16
+2**-6, fp16 2**-9) plus atol lr / 10; losses (fp32 of a 16-bit forward) rtol 2e-3 (bf16), 1e-3
+(fp16). Each test also checks that the reference's steps moved the median weight by more than
+lr / 2, 5 times the widest atol: the comparison is not vacuous.
 
 [Note: the covering set]
 Not the full cross product: each row adds what the others lack. Stages 0-3; offload_optimizer
@@ -43,7 +47,8 @@ nvme optimizer, no clipping, no dynamic scale) in fp32, bf16 and fp16, in the lo
 window. Checkpoints round trip at stage 3 (fp32, all on NVMe) and stage 2 (bf16, optimizer on
 the host); activation checkpointing (Hugging Face's checkpoint function, which a window on
 CUDA binds to each micro-batch) with cpu_checkpointing in a train_batch window, activations
-spilled to NVMe and kept in host memory. All of it is single-process: the multi-rank tests are not marked.
+spilled to NVMe and kept in host memory. All of it is single-process: no multi-rank test is
+marked cuda.
 """
 import copy
 from dataclasses import dataclass
@@ -75,8 +80,8 @@ class Tolerance:
 
 EXACT = Tolerance(0.0, 0.0, 0.0)
 ON_CUDA = {"fp32": Tolerance(1e-5, 1e-5, 1e-6),  # see [Note: the tolerances on CUDA]
-           "bf16": Tolerance(2e-3, 2.0 ** -6, 1e-5),
-           "fp16": Tolerance(1e-3, 2.0 ** -9, 1e-5)}
+           "bf16": Tolerance(2e-3, 2.0 ** -6, LR / 10),
+           "fp16": Tolerance(1e-3, 2.0 ** -9, LR / 10)}
 
 
 @pytest.fixture
@@ -189,7 +194,7 @@ def tolerance(device, precision) -> Tolerance:
 def assert_close_weights(final, reference, tol: Tolerance):
     assert final.keys() == reference.keys()
     for name, p in reference.items():
-        assert final[name].dtype == p.dtype and final[name].device.type == p.device.type, name
+        assert final[name].dtype == p.dtype, name
         torch.testing.assert_close(final[name].cpu(), p.detach().cpu(), rtol=tol.weight_rtol, atol=tol.weight_atol,
                                    msg=lambda m, name=name: f"{name}: {m}")
 
@@ -202,8 +207,8 @@ def assert_matches(losses, reference_run, final, device, precision="fp32"):
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
                                rtol=tol.loss_rtol, atol=0)
     # the steps moved the weights far past the tolerance: the comparison is not vacuous
-    moved = max((p.detach().float() - initial[n].float()).abs().max().item() for n, p in reference.items())
-    assert moved > 1e-3
+    moved = torch.cat([(p.detach().float() - initial[n].float()).abs().flatten() for n, p in reference.items()])
+    assert moved.median() > LR / 2
     assert_close_weights(final, reference, tol)
 
 
