@@ -118,8 +118,10 @@ def train_reference(model: nn.Module, batches: Sequence, steps: int, accumulatio
     that of their mean. ``optimizer``: the model's AdamW of an earlier call, to
     train on with its state (then ``lr`` and the other settings are its own).
     """
-    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps,
-                                         weight_decay=weight_decay, fused=True)
+    opt = optimizer
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                fused=True)
     losses: List[float] = []
     it = iter(batches)
     for _ in range(steps):
