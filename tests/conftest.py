@@ -14,12 +14,22 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_here, os.environ.get("PY
 # [Note: which device computes]); this process, its ranks and child Pythons inherit it. A test
 # of the GPU path names its device (compute_device="cuda") and skips without one.
 os.environ["DS_ACCELERATOR"] = "cpu"
+# cuBLAS's deterministic workspace for the CUDA suite (tests/test_cuda_engine.py, which turns on
+# torch.use_deterministic_algorithms): cuBLAS reads it when CUDA first uses it, so it is set
+# before any test runs. A workspace setting only: nothing else computes differently.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import importlib
 
 import pytest
 
 from helpers import BACKENDS
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cuda-suite-on-cpu", action="store_true",
+                     help="run the CUDA suite (tests/test_cuda_engine.py) with the CPU as its device: a dry "
+                          "check of its references where there is no GPU")
 
 
 @pytest.fixture(autouse=True)

@@ -173,6 +173,33 @@ def base_config(offload_param: str = "none", offload_optimizer: str = "none", nv
     return config
 
 
+def train_windows(engine, batches: Sequence, steps: int, accumulation: int, rank: int = 0,
+                  shards: int = 1) -> List[float]:
+    """:func:`train_engine`'s micro-batches through ``engine.train_batch_losses``, a window a step."""
+    losses: List[float] = []
+    it = iter(batches)
+    for _ in range(steps):
+        window = []
+        for _ in range(accumulation):
+            x, y = next(it)
+            window.append((x.chunk(shards)[rank], y.chunk(shards)[rank]))
+        losses.extend(float(v) for v in engine.train_batch_losses(window))
+    return losses
+
+
+def ladder_config(stage: int, offload_optimizer: str, nvme_path, accumulation: int = 1, clip: float = 0.0,
+                  world_size: int = 1, lr: float = 1e-2, precision: str = "fp32", **extra) -> dict:
+    """A config of ZeRO stage ``stage`` below 3 (no ``offload_param``, no stage-3 keys) or 3, the
+    optimizer states offloaded to ``offload_optimizer``; ``extra``: more top-level keys."""
+    config = base_config("none", offload_optimizer, nvme_path, accumulation=accumulation, clip=clip, lr=lr,
+                         world_size=world_size, sub_group_size=3000, precision=precision)
+    config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                   if not k.startswith("stage3_") and k != "offload_param"}
+    config["zero_optimization"]["stage"] = stage
+    config.update(extra)
+    return config
+
+
 def load_error(engine, load_dir):
     """``engine.load_checkpoint(load_dir)``'s error as "Type: message" (for a rank to report to
     its test), or None when it loaded."""
@@ -659,12 +686,33 @@ class CheckpointedGPT(GPT):
     """Each block recomputed in backward (torch.utils.checkpoint, non-reentrant): only the blocks'
     inputs are saved; the recomputation saves what the block needs, ``weight.detach()`` included."""
 
+    def checkpointed(self, block, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block, x, use_reentrant=False)
+
     def forward(self, idx, targets):
         import torch.nn.functional as F
-        from torch.utils.checkpoint import checkpoint
 
         x = self.wte(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = self.checkpointed(block, x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class HFCheckpointedGPT(CheckpointedGPT):
+    """:class:`CheckpointedGPT` through ``_gradient_checkpointing_func``, where Hugging Face layers keep
+    their checkpoint function: ``train_batch`` binds it to each micro-batch of its window, which on
+    CUDA a forward recomputed by another checkpoint function needs (zero/engine/train_batch.py)."""
+
+    def __init__(self, c: GPTConfig = GPTConfig()):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint
+
+        super().__init__(c)
+        self._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+    def checkpointed(self, block, x):
+        return self._gradient_checkpointing_func(block, x)

@@ -18,39 +18,11 @@ import torch
 
 import zero
 from zero.examples import GPT, GPTConfig, make_batches, train_reference, train_reference_mixed
-from helpers import base_config, run_ranks, train_engine
+from helpers import ladder_config, run_ranks, train_engine, train_windows as train_window, weights
 
 CFG = GPTConfig()
 STEPS = 6
 WORLD = 2
-
-
-def ladder_config(stage, offload_optimizer, nvme_path, accumulation=1, clip=0.0, world_size=1, **extra):
-    config = base_config("none", offload_optimizer, nvme_path, accumulation=accumulation, clip=clip, lr=1e-2,
-                         world_size=world_size, sub_group_size=3000)
-    config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
-                                   if not k.startswith("stage3_") and k != "offload_param"}
-    config["zero_optimization"]["stage"] = stage
-    config.update(extra)
-    return config
-
-
-def train_window(engine, batches, steps, accumulation, rank=0, shards=1):
-    """train_batch over the same micro-batches train_engine feeds the loop."""
-    losses = []
-    it = iter(batches)
-    for _ in range(steps):
-        window = []
-        for _ in range(accumulation):
-            x, y = next(it)
-            window.append((x.chunk(shards)[rank], y.chunk(shards)[rank]))
-        losses.extend(float(v) for v in engine.train_batch_losses(window))
-    return losses
-
-
-def weights(model):
-    with zero.GatheredParameters(list(model.parameters())):
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # -- one rank: plain PyTorch ------------------------------------------------------------------------

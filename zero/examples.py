@@ -12,7 +12,7 @@ blocks of causal attention and an MLP. ``train_reference`` trains a copy with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -110,15 +110,18 @@ def make_batches(c: GPTConfig, count: int, batch: int, seed: int = 0) -> List[Tu
 
 def train_reference(model: nn.Module, batches: Sequence, steps: int, accumulation: int = 1, lr: float = 1e-3,
                     weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8, clip: float = 0.0,
-                    shards: int = 1) -> List[float]:
+                    shards: int = 1, optimizer: Optional[torch.optim.Optimizer] = None) -> List[float]:
     """Plain PyTorch: fused AdamW; returns the loss of every micro-batch (of every shard).
 
     ``shards > 1`` mimics data parallelism: each micro-batch is split into that
     many equal parts, the loss of each part is recorded, and the gradient is
-    that of their mean.
+    that of their mean. ``optimizer``: the model's AdamW of an earlier call, to
+    train on with its state (then ``lr`` and the other settings are its own).
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            fused=True)
+    opt = optimizer
+    if opt is None:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                fused=True)
     losses: List[float] = []
     it = iter(batches)
     for _ in range(steps):
@@ -143,10 +146,12 @@ def relative_error(a: Sequence[float], b: Sequence[float]) -> float:
 
 def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype: torch.dtype,
                           lr: float = 1e-3, weight_decay: float = 0.01, clip: float = 0.0,
-                          loss_scale: float = 1.0) -> List[float]:
+                          loss_scale: float = 1.0, accumulation: int = 1) -> List[float]:
     """The mixed-precision recipe in plain PyTorch: forward and backward on a ``dtype`` copy of
     the model, an fp32 master updated by fused AdamW from the fp32-widened gradients, the
-    compute copy refreshed from it. Clipping and a static loss scale take one coefficient,
+    compute copy refreshed from it. With ``accumulation`` each micro-batch's gradient (of
+    ``loss / accumulation``) is widened and summed in fp32, as the engine's partition does.
+    Clipping and a static loss scale take one coefficient,
     ``min(clip / (norm / scale + 1e-6), 1) / scale``, as the engine's fp16/bf16 step does."""
     master = [p.detach().clone().float() for p in model.parameters()]
     for p in master:
@@ -156,11 +161,18 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
     losses: List[float] = []
     it = iter(batches)
     for _ in range(steps):
-        x, y = next(it)
-        loss = model(x, y)
-        losses.append(loss.detach().float().item())
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-        grads = [p.grad.float() for p in model.parameters()]
+        grads = None
+        for _ in range(accumulation):
+            x, y = next(it)
+            loss = model(x, y)
+            losses.append(loss.detach().float().item())
+            if accumulation > 1:
+                loss = loss / accumulation
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            widened = [p.grad.float() for p in model.parameters()]
+            grads = widened if grads is None else [a.add_(g) for a, g in zip(grads, widened)]
+            for p in model.parameters():
+                p.grad = None
         coef = None
         if clip > 0:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -168,7 +180,7 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
             if loss_scale != 1.0:
                 coef = coef / loss_scale
         elif loss_scale != 1.0:
-            coef = torch.tensor(1.0 / loss_scale)
+            coef = torch.tensor(1.0 / loss_scale, device=grads[0].device)
         if coef is not None:
             torch._foreach_mul_(grads, coef)
         for m, g in zip(master, grads):
@@ -178,5 +190,4 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
         with torch.no_grad():
             for p, m in zip(model.parameters(), master):
                 p.copy_(m)
-                p.grad = None
     return losses
