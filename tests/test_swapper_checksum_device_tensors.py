@@ -98,6 +98,7 @@ def test_gathered_parameters_written_back_from_a_device_tensor_keep_their_checks
     engine.destroy()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU stand-in covers the rest)")
 def test_on_a_gpu_every_path_that_hands_over_cuda_tensors_keeps_checksums(tmp_path):
     c = GPTConfig()
