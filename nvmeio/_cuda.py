@@ -82,9 +82,45 @@ class CudaBackend:
 
         cudart = torch.cuda.cudart()
         err = int(cudart.cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
-        return None if err == 0 else f"cudaHostRegister returned error {err}"
+        if err == 0:
+            return None
+        _clear_last_error(cudart)
+        return f"cudaHostRegister returned error {err}"
 
     def unpin_host(self, ptr: int) -> None:
         import torch
 
         torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _loaded_cudart() -> Optional[str]:
+    """The path of the CUDA runtime library this process has loaded (torch's), if any."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.split(maxsplit=5)[-1].strip()
+                if "/libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _clear_last_error(cudart: Any) -> None:
+    """A failed cudaHostRegister stays the thread's last CUDA error, and torch's next kernel launch
+    check would raise it as that kernel's (seen on an H200: "part or all of the requested memory
+    range is already mapped" from an unrelated op). Reading it clears it: torch's own binding
+    where it has one, else the runtime torch loaded, through ctypes. Best effort: a runtime linked
+    into torch statically keeps its own error state."""
+    get = getattr(cudart, "cudaGetLastError", None)
+    if get is not None:
+        get()
+        return
+    path = _loaded_cudart()
+    if path is not None:
+        import ctypes
+
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError):
+            pass

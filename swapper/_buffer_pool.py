@@ -164,9 +164,17 @@ class StagingPool(abc.ABC):
         why = backend.pin_host(ptr, self.nbytes)
         if why is None:
             self._cuda_registered = True
-            # Registered last, so it runs before the memory's own finalizer frees it.
-            weakref.finalize(self, backend.unpin_host, ptr)
+            self._cuda_finalizer = weakref.finalize(self, backend.unpin_host, ptr)
         return why
+
+    def _unregister_cuda(self) -> None:
+        """Before the memory goes (close): a registration outliving it would make the next
+        allocation at that address fail to register, and CUDA would keep the old pages."""
+        finalizer = getattr(self, "_cuda_finalizer", None)
+        if finalizer is not None:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # no copy still reads the memory
+            finalizer()
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -308,6 +316,7 @@ class PinnedBufferPool(StagingPool):
             self._buffers = []
             self._free = []
             self._cond.notify_all()
+        self._unregister_cuda()
         self._storage = None
         if self._finalizer is not None:
             self._finalizer()

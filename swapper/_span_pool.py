@@ -207,6 +207,7 @@ class SpanPool(StagingPool):
                 raise SwapStateError(f"cannot close the pool while spans are held by: {self._holders()}")
             self._closed = True
             self._cond.notify_all()
+        self._unregister_cuda()
         self._storage = None
         if self._finalizer is not None:
             self._finalizer()

@@ -71,6 +71,17 @@ def test_a_pool_is_registered_with_cuda_once_whole_and_unregistered_when_it_dies
     assert pool.register_with_cuda(backend) is None  # once
     assert backend.pinned == [(start, nbytes)]
     pool.close()
+    assert backend.unpinned == [start]  # at close, before the memory goes, not when the pool dies
+    del pool
+    gc.collect()
+    assert backend.unpinned == [start]
+
+
+def test_a_pool_never_closed_is_unregistered_when_it_dies():
+    backend = RecordingBackend()
+    pool = PinnedBufferPool(2, 1000, pin_memory=False)
+    start = pool._storage.data_ptr()
+    pool.register_with_cuda(backend)
     del pool
     gc.collect()
     assert backend.unpinned == [start]
@@ -147,3 +158,23 @@ def test_pinned_host_refused_warns_once_and_still_gives_memory():
         t = pinned.empty(10)
     t2 = pinned.empty(10)  # no second warning (pytest would fail on an unexpected one under -W error)
     assert t.numel() == t2.numel() == 10 and pinned.refused == "cudaHostRegister returned error 1"
+
+
+def test_a_failed_registration_clears_cudas_last_error(monkeypatch):
+    """Else torch's next kernel launch check raises it as that kernel's error (seen on an H200)."""
+    from nvmeio import CudaBackend
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes, flags))
+            return 712
+
+        def cudaGetLastError(self):
+            calls.append(("get_last_error",))
+            return 712
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    assert CudaBackend().pin_host(4096, 8192) == "cudaHostRegister returned error 712"
+    assert calls == [("register", 4096, 8192, 1), ("get_last_error",)]

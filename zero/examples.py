@@ -140,20 +140,64 @@ def train_reference(model: nn.Module, batches: Sequence, steps: int, accumulatio
     return losses
 
 
+class OffloadedAdamW:
+    """Plain PyTorch with the optimizer on another device, as ZeRO-Offload runs it: an fp32 master
+    of each parameter on ``device``, fused AdamW there on the gradients brought over (clipped
+    there when ``clip``), the parameters refreshed from it. A reference for an engine whose
+    optimizer is offloaded: the host's AdamW may round differently from the GPU's, and a
+    gradient that is a cancellation's residue (a key projection's bias under softmax) turns any
+    last-bit difference into a different Adam step. Passed to :func:`train_reference` as its
+    ``optimizer`` (with ``clip`` 0 there)."""
+
+    def __init__(self, params, device, lr: float = 1e-3, weight_decay: float = 0.01, betas=(0.9, 0.999),
+                 eps: float = 1e-8, clip: float = 0.0):
+        self.params = list(params)
+        self.master = [p.detach().to(device, torch.float32, copy=True).requires_grad_(True) for p in self.params]
+        self.inner = torch.optim.AdamW(self.master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                       fused=True)
+        self.clip = clip
+
+    def step(self) -> None:
+        for m, p in zip(self.master, self.params):
+            m.grad = None if p.grad is None else p.grad.to(m.device, torch.float32)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.master, self.clip)
+        self.inner.step()
+        self.reload(into_params=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def reload(self, into_params: bool = False) -> None:
+        """Copies the master into the parameters (``into_params``), or the parameters into the
+        master (after they were changed outside the optimizer)."""
+        for m, p in zip(self.master, self.params):
+            if into_params:
+                p.copy_(m)
+            else:
+                m.copy_(p)
+
+
 def relative_error(a: Sequence[float], b: Sequence[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype: torch.dtype,
                           lr: float = 1e-3, weight_decay: float = 0.01, clip: float = 0.0,
-                          loss_scale: float = 1.0, accumulation: int = 1) -> List[float]:
+                          loss_scale: float = 1.0, accumulation: int = 1,
+                          optimizer_device: Optional[torch.device] = None) -> List[float]:
     """The mixed-precision recipe in plain PyTorch: forward and backward on a ``dtype`` copy of
     the model, an fp32 master updated by fused AdamW from the fp32-widened gradients, the
     compute copy refreshed from it. With ``accumulation`` each micro-batch's gradient (of
     ``loss / accumulation``) is widened and summed in fp32, as the engine's partition does.
     Clipping and a static loss scale take one coefficient,
-    ``min(clip / (norm / scale + 1e-6), 1) / scale``, as the engine's fp16/bf16 step does."""
-    master = [p.detach().clone().float() for p in model.parameters()]
+    ``min(clip / (norm / scale + 1e-6), 1) / scale``, as the engine's fp16/bf16 step does.
+    ``optimizer_device``: where the master lives and steps (the model's device by default; the
+    host for an offloaded optimizer, see :class:`OffloadedAdamW`)."""
+    master = [p.detach().clone().float().to(optimizer_device or p.device) for p in model.parameters()]
     for p in master:
         p.requires_grad_(True)
     model.to(dtype)
@@ -173,6 +217,7 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
             grads = widened if grads is None else [a.add_(g) for a, g in zip(grads, widened)]
             for p in model.parameters():
                 p.grad = None
+        grads = [g.to(m.device) for g, m in zip(grads, master)]
         coef = None
         if clip > 0:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
