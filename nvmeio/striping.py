@@ -43,7 +43,7 @@ from typing import Dict, List, NamedTuple, Sequence, Tuple
 from .errors import make_error
 from .file_ops import preallocate
 
-__all__ = ["StripedFile", "Piece", "stripe_unit", "MIN_STRIPE_UNIT", "file_size", "preallocate_parts",
+__all__ = ["StripedFile", "Piece", "stripe_unit", "MIN_STRIPE_UNIT", "file_size", "fspath", "preallocate_parts",
            "check_parts_readable"]
 
 _ALIGN = 4096
@@ -153,6 +153,11 @@ class StripedFile:
     def exists(self) -> bool:
         """Whether every part exists."""
         return all(os.path.exists(p) for p in self.parts)
+
+
+def fspath(path):
+    """``os.fspath(path)``, a :class:`StripedFile` kept as it is (where either may be given)."""
+    return path if isinstance(path, StripedFile) else os.fspath(path)
 
 
 def file_size(path) -> int:

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 import torch
 
 from nvmeio import AioSettings, StripedFile, new_handle
+from nvmeio.striping import fspath
 
 from ._buffer_pool import PoolBuffer
 from .checksum import ChecksumAlgorithm, ChecksumTable
@@ -226,7 +227,7 @@ class SubGroupFiles:
             else:
                 swap_dir.check_free_space(layout.written_bytes, f"staging sub-group {sub_group_id}")
                 dest = swap_dir.create(staged.file_name)
-            regions = [StagedRegion(name, (os.fspath(sources[name][0]), sources[name][1]), offsets[name],
+            regions = [StagedRegion(name, (fspath(sources[name][0]), sources[name][1]), offsets[name],
                                     layout.tensor_bytes, layout.region_bytes)
                        for name in ("master", *layout.state_names)]
             # Two reads in flight, so that the disk never waits for a digest: a link leaves the
