@@ -188,13 +188,18 @@ def check_parts_readable(f: StripedFile, offset: int, nbytes: int) -> None:
 
 def preallocate_parts(f: StripedFile, offset: int, nbytes: int) -> None:
     """Allocates the range each part needs for a write of ``[offset, offset + nbytes)``
-    (creating a missing part, 0600), so that the pieces overwrite allocated blocks in
+    (creating a missing part, 0600; every part holds its share of the bytes before the op),
+    so that the pieces overwrite allocated blocks in
     parallel ([Note: preallocating extending writes], native/file.h) and a full or missing
     drive is an error naming it before any piece is submitted. On an error the parts
     extended here get their old sizes back, the parts created here are removed."""
     done: List[Tuple[str, int, int, bool]] = []  # (path, fd, old size, created)
+    if nbytes == 0:
+        return  # an empty write never extends a file
     try:
-        for k, end in sorted(f.part_ends(offset, nbytes).items()):
+        # Every part takes its share of [0, offset + nbytes): a gap before the op reads as zeros,
+        # as in a plain file, even in a part the op does not touch.
+        for k, end in enumerate(f.part_bytes(offset + nbytes)):
             path = f.parts[k]
             where = f"part {k + 1} of {len(f.parts)} of a striped file, on drive {os.path.dirname(path)}"
             created = False
@@ -211,6 +216,8 @@ def preallocate_parts(f: StripedFile, offset: int, nbytes: int) -> None:
                 raise make_error(e.errno, f"open for writing failed: {why} ({where})", path, offset, nbytes) from None
             st = os.fstat(fd)
             done.append((path, fd, st.st_size, created))
+            if end == 0:
+                continue
             if end > st.st_size:
                 try:
                     preallocate(fd, st.st_size, end - st.st_size, path)

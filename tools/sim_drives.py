@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from typing import Callable, List, Optional
 
 BLKIO = "/sys/fs/cgroup/blkio"
@@ -39,6 +40,19 @@ def unavailable_reason() -> Optional[str]:
         if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode:
             return f"{tool} is not installed"
     return None
+
+
+def _retry(step: Callable[[], object], seconds: float = 15.0):
+    """``step()``, tried again for up to ``seconds`` while it fails: a process that just ended may
+    still hold a mount or its cgroup for a moment (io_uring rings are freed after the exit)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return step()
+        except (OSError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _run(cmd: List[str]) -> str:
@@ -115,19 +129,19 @@ class SimulatedDrives:
                 for pid in left:  # a child still running: back to the root group, so the cgroup can go
                     with open(os.path.join(BLKIO, "cgroup.procs"), "w") as f:
                         f.write(pid)
-                os.rmdir(self.cgroup)
+                _retry(lambda: os.rmdir(self.cgroup))
                 self._cgroup_made = False
             except OSError as e:
                 problems.append(f"cgroup {self.cgroup}: {e}")
         for mount in reversed(self.mounts):
             try:
-                _run(["umount", mount])
+                _retry(lambda m=mount: _run(["umount", m]))
                 os.rmdir(mount)
             except (OSError, RuntimeError) as e:
                 problems.append(str(e))
         for device in reversed(self.devices):
             try:
-                _run(["losetup", "--detach", device])
+                _retry(lambda d=device: _run(["losetup", "--detach", d]))
             except RuntimeError as e:
                 problems.append(str(e))
         for backing in self.backing:
