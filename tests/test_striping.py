@@ -283,3 +283,19 @@ def test_engine_on_striped_drives_trains_and_checkpoints_as_on_one(tmp_path):
             assert train_engine(resumed, batches[3:], 3) == expected[3:]
             resumed.destroy()
     assert all(os.listdir(d) == [] for d in dirs[:2])  # every swap file and directory removed
+
+
+def test_nvme_tune_times_the_striped_layout_of_several_dirs(tmp_path):
+    from nvmeio.tune._measure import Workload
+    from nvmeio.tune._space import Config
+
+    dirs = drive_dirs(tmp_path, 3)
+    config = Config(backend="psync", block_size=65536, queue_depth=4, intra_op_parallelism=2, single_submit=False,
+                    overlap_events=False)
+    with Workload(dirs, 3 * MiB + 8192) as w:
+        sample = w.measure(config)
+        assert sample.error is None and sample.write_gbps > 0 and sample.read_gbps > 0
+        # the timed write laid the buffer out as the swappers would, in units of the block size
+        f = StripedFile(tuple(w.names), 65536)
+        assert assemble(f)[:w.nbytes] == w._buffer.numpy().tobytes()
+        assert [os.path.getsize(p) for p in f.parts[1:]] == f.part_bytes(w.nbytes)[1:]
