@@ -299,3 +299,17 @@ def test_nvme_tune_times_the_striped_layout_of_several_dirs(tmp_path):
         f = StripedFile(tuple(w.names), 65536)
         assert assemble(f)[:w.nbytes] == w._buffer.numpy().tobytes()
         assert [os.path.getsize(p) for p in f.parts[1:]] == f.part_bytes(w.nbytes)[1:]
+
+
+def test_an_io_error_on_one_drive_names_it_and_the_swap_can_be_retried(tmp_path_factory, swappers):
+    dirs = drive_dirs(tmp_path_factory.mktemp("drives"), 3)
+    s = swappers(PartitionedParamSwapper(dirs, {"block_size": 4096}, buffer_count=2, max_in_cpu=0))
+    t = _data(200_000, torch.float32, 0)  # 800 KB: units on every drive
+    s.register("w", t.numel(), t.dtype)
+    with nvmeio.faults.inject(fail_nth=1, errno="EIO", path_contains=os.path.basename(dirs[1]) + "/", op="write"):
+        with pytest.raises(OSError) as info:
+            s.swap_out_tensors(["w"], [t], async_op=False)
+    assert info.value.errno == errno.EIO and info.value.filename.startswith(dirs[1] + os.sep)
+    s.swap_out_tensors(["w"], [t], async_op=False)  # the drive is back: the retry writes every byte
+    assert torch.equal(s.swap_in(["w"])[0], t)
+    s.release(["w"])
