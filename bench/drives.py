@@ -12,19 +12,21 @@ for writes, so that 4 of them stay below the real disk. The benchmark sets them 
 down itself (root), and says so. Each measurement runs in a child process that first moves itself
 into the throttled group; N drives are the first N.
 
-- fio on one drive, the per-drive reference: a sequential write, then a sequential read, of
-  ``--io-bytes`` (O_DIRECT, io_uring, 8 MiB blocks, iodepth 32).
-- aio_handle over a striped file (nvmeio.StripedFile, one part per drive, stripe unit = the
-  block size): one op of ``--io-bytes`` written and read back, the best of ``--reps``, with
-  bench/io_bound.py's handle settings (block 8 MiB, queue depth 32, intra_op_parallelism 4).
-- the I/O-bound training iteration of bench/io_bound.py (its ``child_train``: parameters and
-  AdamW state on NVMe, ``max_in_cpu`` 0, micro-batch 1 x 8, k 1, fp32) with ``nvme_path`` the
-  list of the N drives' directories, on a smaller GPT than io_bound's 311M (``--model``, default
-  12 layers x d 768, 91M parameters, so that a run fits in minutes at 200 MiB/s; ``--model io_bound``
-  takes the 311M). Its bytes are the child's ``/proc/self/io`` around each iteration; its reference
-  is those bytes at N drives' aggregate speed, N x fio's per-drive read and write, reads and writes
-  one after the other (a real drive shares its bandwidth between them; these simulated ones do not,
-  so an iteration that overlaps reads and writes may come in under it).
+fio on one drive is the per-drive reference: a sequential write, then a sequential read, of
+``--io-bytes`` (O_DIRECT, io_uring, 8 MiB blocks, iodepth 32).
+
+aio_handle over a striped file (nvmeio.StripedFile, one part per drive, stripe unit = the block
+size): one op of ``--io-bytes`` written and read back, the best of ``--reps``, with
+bench/io_bound.py's handle settings (block 8 MiB, queue depth 32, intra_op_parallelism 4).
+
+The I/O-bound training iteration is bench/io_bound.py's ``child_train`` (parameters and AdamW
+state on NVMe, ``max_in_cpu`` 0, micro-batch 1 x 8, k 1, fp32) with ``nvme_path`` the list of the
+N drives' directories, on a smaller GPT than io_bound's 311M (``--model``, default 12 layers x d
+768, 91M parameters, so that a run fits in minutes at 200 MiB/s; ``--model io_bound`` takes the
+311M). Its bytes are the child's ``/proc/self/io`` around each iteration; its reference is those
+bytes at the N drives' aggregate speed, N x fio's per-drive read and write, reads and writes one
+after the other (a real drive shares its bandwidth between them; these simulated ones do not, so
+an iteration that overlaps reads and writes may come in under it).
 
 Goals (issue 32): aggregate read and write >= 0.9 x N x one drive (fio), N = 2 and 4; the
 iteration <= 1.15 x its bytes at the N drives' aggregate speed.
