@@ -313,3 +313,21 @@ def test_an_io_error_on_one_drive_names_it_and_the_swap_can_be_retried(tmp_path_
     s.swap_out_tensors(["w"], [t], async_op=False)  # the drive is back: the retry writes every byte
     assert torch.equal(s.swap_in(["w"])[0], t)
     s.release(["w"])
+
+
+def test_config_takes_a_list_of_nvme_paths_and_names_a_bad_one(tmp_path):
+    from zero import ConfigError
+    from zero.config.load import load_config
+
+    dirs = drive_dirs(tmp_path, 2)
+
+    def config(path):
+        return {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": path}}}
+
+    assert load_config(config(dirs)).zero_optimization.offload_param.nvme_path == dirs
+    assert load_config(config(dirs[0])).zero_optimization.offload_param.nvme_path == dirs[0]
+    for bad, message in (([dirs[0], str(tmp_path / "gone")], "gone' does not exist"),
+                         ([dirs[0], dirs[0]], "more than once"), ([dirs[0], dirs[0] + "/."], "the same directory"),
+                         ([], "non-empty list")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(config(bad))
