@@ -6,7 +6,7 @@
 
 The public API is this package's ``__all__`` and the public modules, each with an ``__all__``
 of its own: ``env`` (the environment variables), ``settings``, ``hints``, ``host_sum``,
-``file_ops``, ``atomic_file``, ``safetensors_file``, ``faults``, ``resources``, ``report``,
+``file_ops``, ``striping`` (files striped over several drives), ``atomic_file``, ``safetensors_file``, ``faults``, ``resources``, ``report``,
 ``demo``, ``io`` (DeepSpeed's FastPersist writer API, ``deepspeed.io``) and the ``tune`` package. A module whose name starts with an underscore is internal.
 Importing nvmeio has no side effect on the process (_process.py).
 """
@@ -42,9 +42,11 @@ from ._locked import huge_page_tensor
 from ._plain_writer import PlainFileWriter
 from .safetensors_file import SafetensorsError, SafetensorsReader, SafetensorsWriter
 from .settings import AioSettings
+from .striping import StripedFile
 
 __version__ = "0.1.0"
 __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
            "AioSettings", "new_handle", "require_gds", "ShortReadError", "ValidationError", "FastIO",
            "FastIOStats", "FastFileWriter", "FastFileReader", "PlainFileWriter", "SafetensorsWriter",
-           "SafetensorsReader", "SafetensorsError", "huge_page_tensor", "CudaBackend", "__version__"]
+           "SafetensorsReader", "SafetensorsError", "StripedFile", "huge_page_tensor", "CudaBackend",
+           "__version__"]

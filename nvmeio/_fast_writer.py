@@ -28,6 +28,7 @@ from . import _native
 from .atomic_file import TempFile, fsync_file, is_device_node
 from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from .file_ops import copy_range, open_direct, preallocate, temp_beside
+from .striping import StripedFile
 
 __all__ = ["FastFileWriter"]
 
@@ -145,8 +146,9 @@ class FastFileWriter(io.RawIOBase):
             self._reserved = max(self._reserved, nbytes)
 
     def copy_from(self, source, length: int, offset: int = 0, via: str = "buffers") -> None:
-        """Appends ``length`` bytes of file ``source`` (a path, or an open fd left open)
-        starting at ``offset``, never through Python objects.
+        """Appends ``length`` bytes of file ``source`` (a path, an open fd left open, or a
+        :class:`~nvmeio.striping.StripedFile`, always read through the buffers) starting at
+        ``offset``, never through Python objects.
 
         ``via="buffers"`` (default): read O_DIRECT into this writer's locked buffers
         and written O_DIRECT from them, the read of one buffer overlapping the write
@@ -161,7 +163,7 @@ class FastFileWriter(io.RawIOBase):
         if via not in ("buffers", "kernel"):
             raise ValueError(f"via must be 'buffers' or 'kernel', got {via!r}")
         t0 = time.perf_counter()
-        own = not isinstance(source, int)
+        own = not isinstance(source, (int, StripedFile))
         src = -1
         try:
             if self._fill:
@@ -169,7 +171,9 @@ class FastFileWriter(io.RawIOBase):
             elif self._pending:
                 self._io.handle.wait()
                 self._pending = False
-            if via == "kernel":
+            if isinstance(source, StripedFile):  # read piece by piece through the handle (striping.py)
+                self._copy_through_buffers(source, length, offset)
+            elif via == "kernel":
                 if self._copy_fd < 0:
                     # The O_DIRECT descriptor would need aligned copies: a buffered one of the same file.
                     self._copy_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_WRONLY | os.O_CLOEXEC)

@@ -33,6 +33,7 @@ from ._file_checks import compare_with_file, whole_file_size
 from ._locked import LockedTensors
 from ._process import native_handle, prepare
 from .settings import AioSettings
+from .striping import StripedFile, check_parts_readable, preallocate_parts
 
 __all__ = ["aio_handle"]
 
@@ -115,6 +116,8 @@ class aio_handle:  # the name users know from DeepSpeed
         self._lock = threading.Lock()
         self._inflight: list[IoBuffer] = []
         self._checks: list[Callable[[], None]] = []  # validations run by wait()
+        self._extra_pieces = 0  # native ops beyond one per striped op, not counted by wait()
+        self._deferred: list[BaseException] = []  # striped ops that failed part-way through submission
         self._locked = LockedTensors(self._native)
 
     def __repr__(self) -> str:
@@ -145,6 +148,9 @@ class aio_handle:  # the name users know from DeepSpeed
                 validate: bool = False) -> None:
         if isinstance(file_offset, bool) or not isinstance(file_offset, int) or file_offset < 0:
             raise ValueError(f"file_offset must be a non-negative int, got {file_offset!r}")
+        if isinstance(filename, StripedFile):
+            self._submit_striped(write, buffer, filename, file_offset, validate)
+            return
         target = _fd_arg("filename", filename) if _is_fd(filename) else path_arg("filename", filename)
         if validate and isinstance(target, int):
             # Refused before anything is submitted: the check re-reads the file by its path.
@@ -182,6 +188,48 @@ class aio_handle:  # the name users know from DeepSpeed
                 self._checks.append(lambda: _validate(io, path, file_offset))
         if buffered:
             _warn_no_direct(path, self._direct_io)
+
+    def _submit_striped(self, write: bool, buffer: Any, f: StripedFile, file_offset: int,
+                        validate: bool) -> None:
+        """One op on a striped file: a native op per unit (nvmeio/striping.py [Note: striping])."""
+        io = as_io_buffer(buffer, writable=not write)
+        if isinstance(io, DeviceBuffer):
+            raise ValueError("a striped file takes host buffers (CPU tensors, numpy arrays); stage a "
+                             "CUDA tensor through a locked host tensor first")
+        if file_offset > _MAX_OFFSET - io.nbytes:
+            raise ValueError(f"file_offset {file_offset} is out of range")
+        if write:
+            preallocate_parts(f, file_offset, io.nbytes)
+        else:
+            check_parts_readable(f, file_offset, io.nbytes)
+        pieces = f.pieces(file_offset, io.nbytes) or [(0, 0, 0, 0)]  # an empty op: one empty piece
+        with self._lock:
+            self._inflight.append(io)
+        submitted = 0
+        for part, offset, start, length in pieces:
+            path = f.parts[part]
+            try:
+                buffered = self._native.submit(write, io.ptr + start, length, os.fsencode(path), offset)
+            except BaseException as exc:
+                if submitted == 0:
+                    with self._lock:
+                        self._inflight.remove(io)
+                    raise
+                # Pieces are in flight in the buffer: the op fails at wait(), with them.
+                with self._lock:
+                    self._deferred.append(exc)
+                break
+            submitted += 1
+            if validate:
+                piece = _Piece(io.ptr + start, length)
+                with self._lock:
+                    self._checks.append(lambda p=piece, path=path, at=offset: _validate(p, path, at))
+            if buffered:
+                _warn_no_direct(path, self._direct_io)
+        with self._lock:
+            self._extra_pieces += submitted - 1
+        if not write:
+            mark_read_into(io)
 
     def _submit_device(self, write: bool, io: DeviceBuffer, target: "str | int", file_offset: int,
                        validate: bool) -> None:
@@ -313,6 +361,8 @@ class aio_handle:  # the name users know from DeepSpeed
             # until the native wait below has seen them complete.
             done, self._inflight = self._inflight, []
             checks, self._checks = self._checks, []
+            extra, self._extra_pieces = self._extra_pieces, 0
+            deferred, self._deferred = self._deferred, []
             device = self._device_ops
         if device is None:
             try:
@@ -322,6 +372,12 @@ class aio_handle:  # the name users know from DeepSpeed
                 with self._lock:
                     self._inflight[:0] = done
                     self._checks[:0] = checks
+                    self._extra_pieces += extra
+                    self._deferred[:0] = deferred
+                raise
+            except BaseException:
+                if deferred:
+                    raise deferred[0] from None
                 raise
         else:
             # Both halves complete before either's error is raised.
@@ -336,9 +392,11 @@ class aio_handle:  # the name users know from DeepSpeed
                 error = device_error
             if error is not None:
                 raise error
+        if deferred:
+            raise deferred[0]
         for check in checks:
             check()
-        return n
+        return n - extra
 
     # -- locked host memory ----------------------------------------------------------
 
@@ -486,6 +544,13 @@ def _warn_no_direct(path: str, direct_io: bool) -> None:
     if key not in _warned_no_direct:
         _warned_no_direct.add(key)
         warnings.warn(f"nvmeio: no O_DIRECT for {path!r}: {why}", RuntimeWarning, stacklevel=4)
+
+
+class _Piece:
+    """A piece of an op's buffer, as ``_validate`` reads it."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr, self.nbytes = ptr, nbytes
 
 
 def _async_kwarg(async_op: bool, kwargs: dict) -> bool:

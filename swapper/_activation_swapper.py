@@ -22,6 +22,7 @@ from typing import Optional, Union
 import torch
 
 from nvmeio import AioSettings, huge_page_tensor, new_handle
+from nvmeio.striping import stripe_unit
 
 from ._async_swapper import AsyncTensorSwapper, SwapOutTicket, WriteState
 from ._buffer_pool import PinnedBufferPool, byte_view
@@ -72,7 +73,8 @@ class ActivationSwapper:
         self.checksums = checksum_table(checksum)
         with contextlib.ExitStack() as undo:  # a step that fails gives back the ones before it
             self.swap_dir = SwapDirectory(nvme_path, job_id, rank, name, free_space_fn=free_space_fn,
-                                          remove_stale=remove_stale)
+                                          remove_stale=remove_stale,
+                                          stripe_unit=stripe_unit(AioSettings.coerce(aio_config).block_size))
             undo.callback(self.swap_dir.cleanup)
             self._writes = IoQueue(new_handle(aio_config), self.io_bytes)
             undo.callback(self._writes.close)

@@ -28,7 +28,6 @@ two, 45 s three, all on one handle; three on queues of their own: 41 s.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -36,6 +35,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 
 from nvmeio import AioSettings
+from nvmeio.striping import fspath
 
 from ._async_swapper import AsyncTensorSwapper, SwapOutTicket
 from ._buffer_pool import PoolBuffer, as_count
@@ -405,7 +405,7 @@ class PartitionedOptimizerSwapper(SwapperBase):
         g.state, g.read_grad, g.read_queue = SubGroupState.READING, False, self._reads
         for name, (src_path, src_offset) in sources.items():
             view = g.buffer.bytes()[offsets[name]:offsets[name] + lay.tensor_bytes]
-            self._reads.submit(IoKind.READ, view, os.fspath(src_path), src_offset, lambda error: None)
+            self._reads.submit(IoKind.READ, view, fspath(src_path), src_offset, lambda error: None)
         try:
             self._wait(self._reads, None)
         except BaseException:

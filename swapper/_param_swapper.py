@@ -38,12 +38,12 @@ Partitions stored in another owner's file (:meth:`store_at`): _partition.py,
 from __future__ import annotations
 
 import math
-import os
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from nvmeio import AioSettings
+from nvmeio.striping import fspath
 
 from ._buffer_pool import PoolBuffer, as_count
 from .host_memory import PAGE_BYTES, align_up
@@ -389,7 +389,7 @@ class PartitionedParamSwapper(SwapperBase):
                 self._nvme_bytes -= p.nbytes
             elif self._checksums is not None:
                 self._checksums.forget_region(p.home.path, p.home.offset, p.nbytes)
-            p.home = Home(os.fspath(home[0]), int(home[1]))
+            p.home = Home(fspath(home[0]), int(home[1]))
             if p.state is PartitionState.AVAILABLE:
                 p.tensor().copy_(t.reshape(-1))
             else:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple, Union
 from urllib.parse import quote
 
 import torch
+
+from nvmeio.striping import file_size
 
 from ._buffer_pool import PoolBuffer
 from ._errors import SwapFileTruncatedError
@@ -123,10 +124,7 @@ class Partition:
     def check_home_size(self) -> None:
         """Refuse a swap-in from a home whose file no longer holds the pages it reads."""
         offset, nbytes = self.read_span()
-        try:
-            size = os.stat(self.home.path).st_size
-        except FileNotFoundError:
-            size = 0
+        size = file_size(self.home.path)
         if size < offset + nbytes:
             raise SwapFileTruncatedError(
                 f"file {self.home.path} holding partition {self.param_id!r} is {size} bytes, expected at least "

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from nvmeio import StripedFile
 from nvmeio.file_ops import open_direct, preallocate
+from nvmeio.striping import preallocate_parts
 
 from ._buffer_pool import PoolBuffer
 from .checksum import ChecksumAlgorithm, StreamingDigest
@@ -68,7 +70,7 @@ def _chunks(regions: Sequence[StagedRegion]) -> List[Tuple[int, int, int]]:
 
 
 def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence[StagedRegion],
-                   algorithm: Optional[ChecksumAlgorithm], dest: Optional[str]) -> Tuple[Dict[str, int], int]:
+                   algorithm: Optional[ChecksumAlgorithm], dest: Union[str, StripedFile, None]) -> Tuple[Dict[str, int], int]:
     """Reads ``regions`` into the byte tensor ``raw``, chunk k on handle ``reads[k % len(reads)]``
     (one chunk in flight per handle: with two, the disk never waits for the digest), hashing
     each with ``algorithm`` (None: no digest) and writing each chunk to file ``dest`` (None:
@@ -83,11 +85,17 @@ def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence
         for r in regions:
             if r.source[0] not in fds:
                 fds[r.source[0]] = open_direct(r.source[0], os.O_RDONLY)[0]
+        out = None  # where the chunks are written: out_fd, or a striped file (nvmeio/striping.py)
         if dest is not None:
-            out_fd = open_direct(dest, os.O_WRONLY)[0]
             # One allocation of the whole file up front: direct writes into allocated blocks run
             # in parallel, and measured ~1.5x faster here than the handle allocating op by op.
-            preallocate(out_fd, 0, max(r.buffer_offset + r.span for r in regions), dest)
+            end = max(r.buffer_offset + r.span for r in regions)
+            if isinstance(dest, StripedFile):
+                preallocate_parts(dest, 0, end)
+                out = dest
+            else:
+                out = out_fd = open_direct(dest, os.O_WRONLY)[0]
+                preallocate(out_fd, 0, end, dest)
         chunks = _chunks(regions)
 
         def submit(k: int) -> None:
@@ -108,9 +116,9 @@ def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence
                 submit(k + len(reads))
             r = regions[i]
             lo = r.buffer_offset + start
-            if out_fd >= 0:
+            if out is not None:
                 pending.add(writes)
-                writes.async_pwrite(raw[lo:lo + n], out_fd, lo)
+                writes.async_pwrite(raw[lo:lo + n], out, lo)
                 written += n
             hashed = min(n, r.nbytes - start)  # the filler after a tensor is not hashed
             if r.name in hashers and hashed > 0:

@@ -20,7 +20,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 
 import torch
 
-from nvmeio import AioSettings, new_handle
+from nvmeio import AioSettings, StripedFile, new_handle
+from nvmeio.striping import fspath
 
 from ._buffer_pool import PoolBuffer
 from .checksum import ChecksumAlgorithm, ChecksumTable
@@ -126,6 +127,8 @@ class SubGroupFiles:
             return False
 
         def link(path: str, shared: bool) -> bool:
+            if isinstance(path, StripedFile):
+                return False  # a shard is one file: the caller copies the stripes into it
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             try:
                 if shared:  # a checkpoint's file already: never written again, only linked once more
@@ -158,6 +161,8 @@ class SubGroupFiles:
             return False
 
         def adopt(target: str) -> bool:
+            if isinstance(target, StripedFile):
+                return False  # one file cannot become the stripes: the caller stages it
             same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
             if not same:
                 tmp = f"{target}.adopt-{os.getpid()}"
@@ -207,7 +212,7 @@ class SubGroupFiles:
                 owner.stored_file(other)
         owner.synchronize()
         swap_dir = owner.swap_dir
-        file_name = os.path.basename(owner.master_location(sub_group_id)[0])
+        file_name = _file_name(owner.master_location(sub_group_id)[0])
         staged = StagedState(sub_group_id, file_name + STAGED_SUFFIX, linked=False)
         path = swap_dir.file(staged.file_name)
         swap_dir.remove(staged.file_name)  # a leftover of a failed load
@@ -215,14 +220,14 @@ class SubGroupFiles:
         offsets = layout.offsets()
         try:
             staged.buffer = self._staging_buffer(sub_group_id, layout)
-            if link and len(files) == 1 and _link_quietly(next(iter(files)), path):
+            if link and not swap_dir.striped and len(files) == 1 and _link_quietly(next(iter(files)), path):
                 staged.linked = True
                 swap_dir.track(staged.file_name)  # removed at cleanup like a swap file
                 dest = None
             else:
                 swap_dir.check_free_space(layout.written_bytes, f"staging sub-group {sub_group_id}")
                 dest = swap_dir.create(staged.file_name)
-            regions = [StagedRegion(name, (os.fspath(sources[name][0]), sources[name][1]), offsets[name],
+            regions = [StagedRegion(name, (fspath(sources[name][0]), sources[name][1]), offsets[name],
                                     layout.tensor_bytes, layout.region_bytes)
                        for name in ("master", *layout.state_names)]
             # Two reads in flight, so that the disk never waits for a digest: a link leaves the
@@ -274,15 +279,13 @@ class SubGroupFiles:
 
         def publish(target: str) -> bool:
             source = swap_dir.file(staged.file_name)
-            if os.path.exists(target) and os.path.samefile(source, target):
-                os.unlink(source)  # (a rename between two links of one file would do nothing)
+            if isinstance(source, StripedFile):
+                for source_part, target_part in zip(source.parts, target.parts):
+                    _replace(source_part, target_part)
             else:
-                old = _open_if_last_link(target)
-                os.replace(source, target)
-                if old >= 0:
-                    _close_later(old)
+                _replace(source, target)
             swap_dir.untrack(staged.file_name)
-            swap_dir.track(os.path.basename(target))
+            swap_dir.track(_file_name(target))
             del self.staged[sub_group_id]
             self._assign_digests(target, layout, checksums)
             return True
@@ -313,6 +316,22 @@ class SubGroupFiles:
         self.checksums.forget(path)
         for name, offset in layout.offsets().items():
             self.checksums.assign(path, offset, layout.tensor_bytes, checksums[1][name])
+
+
+def _file_name(path) -> str:
+    """The name of a swap file (a path, or a striped file's parts' name)."""
+    return path.name if isinstance(path, StripedFile) else os.path.basename(path)
+
+
+def _replace(source: str, target: str) -> None:
+    """Renames ``source`` over ``target``; the old file's blocks are freed later (_close_later)."""
+    if os.path.exists(target) and os.path.samefile(source, target):
+        os.unlink(source)  # (a rename between two links of one file would do nothing)
+        return
+    old = _open_if_last_link(target)
+    os.replace(source, target)
+    if old >= 0:
+        _close_later(old)
 
 
 def _link_quietly(source: str, path: str) -> bool:

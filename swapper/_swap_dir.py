@@ -30,9 +30,11 @@ import socket
 import threading
 import warnings
 import weakref
-from typing import Callable, Dict, Optional, Set, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple, Union
 
+from nvmeio import StripedFile
 from nvmeio.atomic_file import create_exclusive
+from nvmeio.striping import stripe_unit as _stripe_unit
 
 from ._errors import (
     InsufficientSwapSpaceError,
@@ -47,6 +49,7 @@ FreeSpaceFn = Callable[[str], int]
 _OWNER_PREFIX = ".owner@"
 _LOCK = threading.Lock()
 _CLAIMS: Dict[str, Set[str]] = {}  # rank directory -> names claimed in this process
+DEFAULT_STRIPE_UNIT = _stripe_unit(1 << 20)  # of the default block size (nvmeio.AioSettings)
 
 
 def disk_free_bytes(path: str) -> int:
@@ -124,11 +127,38 @@ def _release_claim(rank_dir: str, job_dir: str, name: str, path: str) -> None:
                 pass  # not empty: other ranks or other jobs still use it
 
 
+def nvme_paths(nvme_path) -> Tuple[str, ...]:
+    """``nvme_path`` (one directory, or a list of them: one per drive) as absolute paths;
+    refuses an empty list and a directory named twice."""
+    if isinstance(nvme_path, (list, tuple)):
+        given = list(nvme_path)
+        if not given:
+            raise ValueError("nvme_path is an empty list; give one directory per drive")
+    else:
+        given = [nvme_path]
+    paths = tuple(os.path.abspath(os.fspath(p)) for p in given)
+    for i, p in enumerate(paths):
+        for q in paths[:i]:
+            if p == q or (os.path.isdir(p) and os.path.isdir(q) and os.path.samefile(p, q)):
+                raise ValueError(f"nvme_path names the directory {p} twice ({q}); give each drive once")
+    return paths
+
+
+def _release_claims(claims) -> None:
+    for claim in claims:
+        _release_claim(*claim)
+
+
 class SwapDirectory:
     """The directory of one swapper: ``<nvme_path>/<job_id>/rank<rank>/<name>/``.
 
-    ``free_space_fn(nvme_path) -> bytes`` replaces ``statvfs`` for the free-space
-    check (tests, quotas the file system does not report).
+    ``nvme_path`` may be a list of directories, one per drive: the swapper then has one such
+    directory on each, every swap file is striped over them in units of ``stripe_unit`` bytes
+    (:class:`nvmeio.StripedFile`, nvmeio/striping.py [Note: striping]), and :meth:`file` names
+    a striped file instead of a path. Ownership, stale directories and the free-space check
+    hold per drive, and an error names the drive. ``free_space_fn(directory) -> bytes``
+    replaces ``statvfs`` for the free-space check (tests, quotas the file system does not
+    report).
     """
 
     def __init__(
@@ -140,54 +170,75 @@ class SwapDirectory:
         *,
         free_space_fn: Optional[FreeSpaceFn] = None,
         remove_stale: bool = False,
+        stripe_unit: int = DEFAULT_STRIPE_UNIT,
     ):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-        self.nvme_path = os.path.abspath(os.fspath(nvme_path))
-        if not os.path.isdir(self.nvme_path):
-            raise FileNotFoundError(f"nvme_path {self.nvme_path} is not an existing directory")
+        self.nvme_paths = nvme_paths(nvme_path)
+        self.nvme_path = self.nvme_paths[0]
+        for i, path in enumerate(self.nvme_paths):
+            if not os.path.isdir(path):
+                drive = f" (drive {i + 1} of {len(self.nvme_paths)})" if len(self.nvme_paths) > 1 else ""
+                raise FileNotFoundError(f"nvme_path {path}{drive} is not an existing directory")
         self.job_id = _check_component(job_id, "job_id")
         self.rank = rank
         self.name = _check_component(name, "name")
-        self.job_dir = os.path.join(self.nvme_path, self.job_id)
-        self.rank_dir = os.path.join(self.job_dir, f"rank{rank}")
-        self.path = os.path.join(self.rank_dir, self.name)
+        self.stripe_unit = StripedFile(("unit check",), stripe_unit).unit
+        self.job_dirs = tuple(os.path.join(p, self.job_id) for p in self.nvme_paths)
+        self.rank_dirs = tuple(os.path.join(d, f"rank{rank}") for d in self.job_dirs)
+        self.paths = tuple(os.path.join(d, self.name) for d in self.rank_dirs)
+        self.job_dir, self.rank_dir, self.path = self.job_dirs[0], self.rank_dirs[0], self.paths[0]
         self._free_space_fn = free_space_fn or disk_free_bytes
         self._created: Set[str] = set()
-        os.makedirs(self.job_dir, mode=0o700, exist_ok=True)
-        _check_private_dir(self.job_dir)
-        with _LOCK:
-            self._claim(remove_stale)
-        self._finalizer = weakref.finalize(self, _release_claim, self.rank_dir, self.job_dir, self.name, self.path)
+        claimed = []
+        try:
+            for job_dir, rank_dir, path in zip(self.job_dirs, self.rank_dirs, self.paths):
+                os.makedirs(job_dir, mode=0o700, exist_ok=True)
+                _check_private_dir(job_dir)
+                with _LOCK:
+                    self._claim(rank_dir, path, remove_stale)
+                claimed.append((rank_dir, job_dir, self.name, path))
+        except BaseException:
+            for claim in claimed:
+                _release_claim(*claim)
+            raise
+        self._finalizer = weakref.finalize(self, _release_claims, claimed)
 
     def __repr__(self) -> str:
+        if len(self.paths) > 1:
+            return f"SwapDirectory({list(self.paths)!r})"
         return f"SwapDirectory({self.path!r})"
 
+    @property
+    def striped(self) -> bool:
+        """Whether the swap files are striped over several drives."""
+        return len(self.paths) > 1
+
     # -- ownership ---------------------------------------------------------------------------
-    def _claim(self, remove_stale: bool) -> None:
-        names = _CLAIMS.get(self.rank_dir)
+    def _claim(self, rank_dir: str, path: str, remove_stale: bool) -> None:
+        names = _CLAIMS.get(rank_dir)
         if names is None:
             try:
-                os.mkdir(self.rank_dir, 0o700)
+                os.mkdir(rank_dir, 0o700)
             except FileExistsError:
-                self._handle_existing(self.rank_dir, remove_stale)
-                os.mkdir(self.rank_dir, 0o700)
-            os.mkdir(os.path.join(self.rank_dir, _owner_marker()), 0o700)
-            names = _CLAIMS[self.rank_dir] = set()
+                self._handle_existing(rank_dir, rank_dir, remove_stale)
+                os.mkdir(rank_dir, 0o700)
+            os.mkdir(os.path.join(rank_dir, _owner_marker()), 0o700)
+            names = _CLAIMS[rank_dir] = set()
         elif self.name in names:
             raise SwapDirectoryInUseError(
-                f"swap directory {self.path} is already used by another swapper in this process; "
+                f"swap directory {path} is already used by another swapper in this process; "
                 f"give each swapper of a rank its own name"
             )
         try:
-            os.mkdir(self.path, 0o700)
+            os.mkdir(path, 0o700)
         except FileExistsError:
-            self._handle_existing(self.path, remove_stale)
-            os.mkdir(self.path, 0o700)
+            self._handle_existing(rank_dir, path, remove_stale)
+            os.mkdir(path, 0o700)
         names.add(self.name)
 
-    def _handle_existing(self, path: str, remove_stale: bool) -> None:
-        owners = [o for o in map(_parse_owner, os.listdir(self.rank_dir)) if o is not None]
+    def _handle_existing(self, rank_dir: str, path: str, remove_stale: bool) -> None:
+        owners = [o for o in map(_parse_owner, os.listdir(rank_dir)) if o is not None]
         host = socket.gethostname()
         for owner_host, pid in owners:
             if owner_host == host and pid != os.getpid() and _pid_alive(pid):
@@ -228,63 +279,85 @@ class SwapDirectory:
         shutil.rmtree(path)
 
     # -- files -------------------------------------------------------------------------------
-    def file(self, file_name: str) -> str:
-        """Absolute path of ``file_name`` inside this directory."""
+    def file(self, file_name: str) -> Union[str, StripedFile]:
+        """Absolute path of ``file_name`` inside this directory; with several drives, the
+        striped file of its parts (one in each drive's directory)."""
         self._check_open()
-        return os.path.join(self.path, _check_component(file_name, "swap file name"))
+        file_name = _check_component(file_name, "swap file name")
+        if not self.striped:
+            return os.path.join(self.path, file_name)
+        return StripedFile(tuple(os.path.join(p, file_name) for p in self.paths), self.stripe_unit)
 
-    def create(self, file_name: str) -> str:
-        """Create ``file_name`` empty with mode 0600 unless it exists; return its path."""
-        path = self.file(file_name)
+    def _parts(self, file_name: str) -> Tuple[str, ...]:
+        f = self.file(file_name)
+        return f.parts if isinstance(f, StripedFile) else (f,)
+
+    def create(self, file_name: str) -> Union[str, StripedFile]:
+        """Create ``file_name`` (each of its parts) empty with mode 0600 unless it exists;
+        return its path (:meth:`file`)."""
+        f = self.file(file_name)
         if file_name in self._created:
-            return path
-        try:
-            os.close(create_exclusive(path))
-        except FileExistsError:
-            if os.path.islink(path):
-                raise FileExistsError(f"swap file {path} is a symbolic link; refusing to write through it")
-            os.chmod(path, 0o600)
+            return f
+        for path in self._parts(file_name):
+            try:
+                os.close(create_exclusive(path))
+            except FileExistsError:
+                if os.path.islink(path):
+                    raise FileExistsError(f"swap file {path} is a symbolic link; refusing to write through it")
+                os.chmod(path, 0o600)
         self._created.add(file_name)
-        return path
+        return f
 
-    def track(self, file_name: str) -> str:
+    def track(self, file_name: str) -> Union[str, StripedFile]:
         """Count ``file_name``, made by other means (a hard link, a rename), as this swapper's:
         removed at cleanup. Its mode is left as it is (a link shares it with another name)."""
-        path = self.file(file_name)
+        f = self.file(file_name)
         self._created.add(file_name)
-        return path
+        return f
 
     def untrack(self, file_name: str) -> None:
         """Stop counting ``file_name`` (renamed away: nothing is left to remove)."""
         self._created.discard(file_name)
 
     def size(self, file_name: str) -> int:
-        """Current size of ``file_name`` in bytes; 0 if it does not exist."""
+        """Current size of ``file_name`` in bytes (striped: its logical size); 0 if it does not exist."""
+        f = self.file(file_name)
+        if isinstance(f, StripedFile):
+            return f.size()
         try:
-            return os.stat(self.file(file_name)).st_size
+            return os.stat(f).st_size
         except FileNotFoundError:
             return 0
 
     def remove(self, file_name: str) -> None:
         self._created.discard(file_name)
-        try:
-            os.unlink(self.file(file_name))
-        except FileNotFoundError:
-            pass
+        for path in self._parts(file_name):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def free_bytes(self) -> int:
+        """Free bytes under the (first) drive."""
         return int(self._free_space_fn(self.nvme_path))
 
     def check_free_space(self, needed_bytes: int, what: str) -> None:
-        """Raise :class:`InsufficientSwapSpaceError` if fewer than ``needed_bytes`` are free."""
+        """Raise :class:`InsufficientSwapSpaceError` if fewer than ``needed_bytes`` are free;
+        striped, each drive must hold its share (rounded up by one stripe unit), and the error
+        names the drive that cannot."""
         if needed_bytes <= 0:
             return
-        free = self.free_bytes()
-        if needed_bytes > free:
-            raise InsufficientSwapSpaceError(
-                f"{what} need {needed_bytes} more bytes ({format_bytes(needed_bytes)}) under "
-                f"{self.nvme_path}, but only {free} bytes ({format_bytes(free)}) are free"
-            )
+        n = len(self.nvme_paths)
+        share = needed_bytes if n == 1 else min(needed_bytes, -(-needed_bytes // n) + self.stripe_unit)
+        for i, drive in enumerate(self.nvme_paths):
+            free = int(self._free_space_fn(drive))
+            if share > free:
+                where = f"{drive}" if n == 1 else (f"{drive} (drive {i + 1} of {n}: its share of the "
+                                                   f"{needed_bytes} bytes striped over {n} drives)")
+                raise InsufficientSwapSpaceError(
+                    f"{what} need {share} more bytes ({format_bytes(share)}) under "
+                    f"{where}, but only {free} bytes ({format_bytes(free)}) are free"
+                )
 
     # -- lifetime ----------------------------------------------------------------------------
     @property

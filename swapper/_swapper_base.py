@@ -20,6 +20,7 @@ from typing import Iterable, List, Optional
 import torch
 
 from nvmeio import AioSettings, new_handle
+from nvmeio.striping import stripe_unit
 
 from ._buffer_pool import PoolBuffer, StagingPool
 from .checksum import checksum_table
@@ -69,7 +70,8 @@ class SwapperBase(abc.ABC):
             undo.callback(self._writes.close)
             self._read_ring = ReadRing(self._reads, self._new_queue, 1)  # see _spread_reads
             self.swap_dir = SwapDirectory(
-                nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale
+                nvme_path, job_id, rank, name, free_space_fn=free_space_fn, remove_stale=remove_stale,
+                stripe_unit=stripe_unit(AioSettings.coerce(config).block_size),
             )
             undo.pop_all()
 

@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sweep nvmeio.aio_handle settings on NVMe directories and print the best "
                     "read/write GB/s and the \"aio\" block for a ZeRO config.")
     p.add_argument("--nvme_dir", nargs="+", required=True, metavar="NVME_DIR",
-                   help="writable directory(ies) on the NVMe device(s); with several, I/O is "
-                        "striped across them as ZeRO-Infinity does")
+                   help="writable directory(ies) on the NVMe device(s); with several, every op is "
+                        "striped over them (stripe unit = block size) as the swap files of a list "
+                        "nvme_path are")
     p.add_argument("--sweep_config", metavar="SWEEP_CONFIG",
                    help="JSON file of lists per key (block_size, queue_depth, "
                         "intra_op_parallelism, single_submit, overlap_events, backend; "

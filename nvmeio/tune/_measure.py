@@ -7,9 +7,12 @@ directory. ``measure(config)`` builds a fresh handle for the configuration,
 then times ``loops`` writes of the whole buffer and ``loops`` reads back.
 
 [Note: striping, and what a timing covers]
-ZeRO-Infinity spreads a swap over its NVMe paths; so does one measurement
-here: one handle, part i of the buffer to the file in directory i, one async
-op per directory, then one ``wait()``. A timing runs from the first submit
+A list of nvme_path directories has the swappers stripe every swap file over
+them (nvmeio/striping.py [Note: striping]); so does one measurement here, with
+several --nvme_dir: one handle, one op of the whole buffer on a striped file
+of one part per directory, in stripe units of the configuration's block
+size, then one ``wait()``. (A CUDA buffer, --gpu or --gds, is split instead
+into one part per directory, one op each: a striped file takes host buffers.) A timing runs from the first submit
 to the return of that ``wait()``. The files are written once, untimed, when
 the workload starts, so every timed write overwrites allocated blocks (the
 steady state of a swap file) and no configuration pays for allocation that
@@ -256,7 +259,7 @@ class Workload:
         h = self._make_handle(None)
         self._active = h
         with _quiet_buffered_warning():
-            for part, path in zip(self._parts, self.paths):
+            for part, path in self._ops(h.get_block_size()):
                 h.async_pwrite(part, path)
         h.wait()
         self._active = None
@@ -278,12 +281,21 @@ class Workload:
 
     # -- measuring ---------------------------------------------------------------------
 
+    def _ops(self, block_size: int) -> list:
+        """(buffer, file) of each op of one timed write or read (see the [Note])."""
+        if len(self.paths) > 1 and self.device == "cpu" and not self.gds:
+            from ..striping import StripedFile, stripe_unit
+
+            return [(self._buffer, StripedFile(tuple(self.paths), stripe_unit(block_size)))]
+        return list(zip(self._parts, self.paths))
+
     def _timed(self, h: Any, write: bool) -> float:
         self.page_cache.settle(self.paths, evict=self.buffered and not write)
+        ops = self._ops(h.get_block_size())
         with _quiet_buffered_warning():
             self._active = h
             t0 = time.perf_counter()
-            for part, path in zip(self._parts, self.paths):
+            for part, path in ops:
                 if write:
                     h.async_pwrite(part, path)
                 else:

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Optional
 from pydantic import model_validator
 
 from .base import StrictModel, raise_problems
-from .values import Choice, Flag, Int, PathText, Real
+from .values import Choice, Flag, Int, PathTexts, Real
 
 Device = Choice("none", "cpu", "nvme", what="device")
 Checksum = Choice("auto", "none", "xxhash", "crc32c", "crc32", what="checksum")
@@ -58,7 +58,9 @@ class OffloadBase(StrictModel):
     """What both offload sections share: the device and its directory."""
 
     device: Device = "none"
-    nvme_path: Optional[PathText] = None
+    nvme_path: Optional[PathTexts] = None
+    """Directory of the swap files (device nvme), or a list of directories, one per drive: swap
+    files are then striped over them (nvmeio/striping.py [Note: striping]), no RAID needed."""
     pin_memory: Flag = False
     checksum: Checksum = "auto"
     """Digest of every swap file region, kept in memory and checked on each swap-in (device nvme):
@@ -80,8 +82,14 @@ class OffloadBase(StrictModel):
             return [(("nvme_path",), f"device is 'nvme' but nvme_path is not set; set "
                      f"zero_optimization.{self._name}.nvme_path to a directory on the NVMe drive",
                      None)]
-        why = nvme_path_problem(self.nvme_path)
-        return [(("nvme_path",), why, self.nvme_path)] if why else []
+        paths = self.nvme_path if isinstance(self.nvme_path, list) else [self.nvme_path]
+        problems = [(("nvme_path",), why, path) for path in paths if (why := nvme_path_problem(path))]
+        real = [os.path.realpath(p) for p in paths]
+        same = [f"'{p}' and '{q}'" for i, p in enumerate(paths) for j, q in enumerate(paths[:i]) if real[i] == real[j]]
+        if not problems and same:
+            problems.append((("nvme_path",), f"{same[0]} are the same directory; give each drive once",
+                             self.nvme_path))
+        return problems
 
 
 class OffloadParamConfig(OffloadBase):

@@ -118,6 +118,19 @@ def path_text(value: Any) -> str:
     return value
 
 
+def path_texts(value: Any) -> str | list[str]:
+    """A path, or a non-empty list of paths (``nvme_path``: one directory per drive)."""
+    if not isinstance(value, (list, tuple)):
+        return path_text(value)
+    if not value:
+        fail("path", "expected a path or a non-empty list of paths, got an empty list")
+    paths = [path_text(v) for v in value]
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        fail("path", f"the list names {', '.join(twice)} more than once; give each directory once")
+    return paths
+
+
 def file_mode(value: Any) -> int:
     """Permission bits of a file: an octal string ("0640", "0o640") or, from Python, an int
     (``0o640``). The owner must keep read and write; no bit beyond 0o777."""
@@ -197,6 +210,7 @@ AutoFlag = _typed(bool, flag, auto=True)
 Betas = _typed(Tuple[float, float], betas, auto=False)
 AutoBetas = _typed(Tuple[float, float], betas, auto=True)
 PathText = _typed(str, path_text, auto=False)
+PathTexts = _typed(Union[str, list[str]], path_texts, auto=False)
 FileMode = _typed(int, file_mode, auto=False)
 DirName = _typed(str, dir_name, auto=False)
 

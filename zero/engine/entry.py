@@ -87,12 +87,14 @@ def _check_nvme_writable(config: DeepSpeedConfig) -> None:
         offload = getattr(zc, section)
         if offload.device != "nvme":
             continue
-        try:
-            with tempfile.NamedTemporaryFile(dir=offload.nvme_path, prefix=".zero-probe-"):
-                pass
-        except OSError as error:
-            problems.append(Problem(f"zero_optimization.{section}.nvme_path", (
-                f"cannot create a file in '{offload.nvme_path}': {error.strerror or error}")))
+        paths = offload.nvme_path if isinstance(offload.nvme_path, list) else [offload.nvme_path]
+        for path in paths:  # each drive of a striped nvme_path
+            try:
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".zero-probe-"):
+                    pass
+            except OSError as error:
+                problems.append(Problem(f"zero_optimization.{section}.nvme_path", (
+                    f"cannot create a file in '{path}': {error.strerror or error}")))
     if problems:
         raise ConfigError(problems)
 

@@ -94,10 +94,13 @@ class NvmeInitStore:
     def __init__(self, offload, aio, rank: int):
         from swapper import AsyncTensorSwapper, PinnedBufferPool
         from swapper import SwapDirectory
+        from nvmeio import AioSettings
+        from nvmeio.striping import stripe_unit
 
         job = "zero_init" + ("" if (n := next(_JOBS)) == 0 else f".{n}")
         with contextlib.ExitStack() as undo:  # a part that fails gives back those made before it
-            swap_dir = SwapDirectory(offload.nvme_path, job, rank, "params", remove_stale=True)
+            swap_dir = SwapDirectory(offload.nvme_path, job, rank, "params", remove_stale=True,
+                                     stripe_unit=stripe_unit(AioSettings.coerce(aio).block_size))
             undo.callback(swap_dir.cleanup)
             with torch.device("cpu"):  # on the CPU even inside ``with torch.device("meta")``
                 pool = PinnedBufferPool(max(2, offload.buffer_count), _POOL_BUFFER_BYTES, torch.uint8,
