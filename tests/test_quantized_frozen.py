@@ -1,4 +1,4 @@
-"""zero_quantized_nontrainable_weights: frozen units stored int8 + fp32 group scales (stores/quantized.py)."""
+"""zero_quantized_nontrainable_weights: frozen units stored int8 + fp32 group scales (zero/stores/quantized.py)."""
 import logging
 import os
 
