@@ -12,7 +12,7 @@ optimizer step per iteration. Stage 3, the parameters on NVMe (``max_in_cpu`` 0,
 2e7, bench/io_bound.py's aio settings), AdamW in host memory (``offload_optimizer`` cpu: the
 trainable adapters are 0.6% of the model). Each of fp32 and bf16 compute runs without and with
 ``zero_quantized_nontrainable_weights`` (the frozen base int8 with an fp32 scale per 256 elements,
-stores/quantized.py), in a fresh process: bytes per iteration are the parameter swapper's own
+zero/stores/quantized.py), in a fresh process: bytes per iteration are the parameter swapper's own
 counters (``io_bytes``: what it read and wrote) and the process's ``/proc/self/io`` around each
 iteration; seconds the median of ``--iters`` after ``--warmup``. The frozen base is read twice per
 iteration (forward and backward) and never written (a step writes back only the units it can
