@@ -134,6 +134,18 @@ def test_frozen_swap_files_hold_a_quarter_of_fp32s_bytes_and_steps_do_not_rewrit
     assert written == {False: trainable_bytes, True: trainable_bytes}  # the frozen base is never rewritten
 
 
+def test_in_host_memory_frozen_shards_are_packed_and_the_flat_store_holds_only_the_trainable_ones(tmp_path):
+    engine = make_engine(model=lora_gpt, overrides=FLAG, micro=2, config=base_config("cpu", "cpu", micro=2,
+                                                                                      precision="bf16"))
+    store = engine.parts.param_store
+    frozen = frozen_units(engine)
+    trainable = [u for u in engine.parts.units if u not in frozen]
+    assert store.flat.dtype == torch.bfloat16
+    assert store.flat.numel() == sum(u.layout.shard_numel for u in trainable)
+    assert {i: t.nbytes for i, t in store._packed.items()} == {
+        u.index: packed_nbytes(u.layout.shard_numel) for u in frozen}
+
+
 def test_a_non_finite_frozen_weight_is_refused_naming_its_module(tmp_path):
     def broken():
         model = lora_gpt()
