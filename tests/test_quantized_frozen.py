@@ -135,8 +135,7 @@ def test_frozen_swap_files_hold_a_quarter_of_fp32s_bytes_and_steps_do_not_rewrit
 
 
 def test_in_host_memory_frozen_shards_are_packed_and_the_flat_store_holds_only_the_trainable_ones(tmp_path):
-    engine = make_engine(model=lora_gpt, overrides=FLAG, micro=2, config=base_config("cpu", "cpu", micro=2,
-                                                                                      precision="bf16"))
+    engine = make_engine(model=lora_gpt, overrides=FLAG, config=base_config("cpu", "cpu", micro=2, precision="bf16"))
     store = engine.parts.param_store
     frozen = frozen_units(engine)
     trainable = [u for u in engine.parts.units if u not in frozen]
