@@ -14,9 +14,10 @@ trainable adapters are 0.6% of the model). Each of fp32 and bf16 compute runs wi
 ``zero_quantized_nontrainable_weights`` (the frozen base int8 with an fp32 scale per 256 elements,
 zero/stores/quantized.py), in a fresh process: bytes per iteration are the parameter swapper's own
 counters (``io_bytes``: what it read and wrote) and the process's ``/proc/self/io`` around each
-iteration; seconds the median of ``--iters`` after ``--warmup``. The frozen base is read twice per
-iteration (forward and backward) and never written (a step writes back only the units it can
-change). The loss check trains a smaller LoRA model (4 layers x d_model 256, vocab 512, batch 4 x 64
+iteration; seconds the median of ``--iters`` after ``--warmup``. The frozen base is read once per
+iteration (the default ``stage3_max_reuse_distance`` keeps a unit gathered from its forward to its
+backward) and never written (a step writes back only the units it can change); with the flag each
+fetch also dequantizes on the CPU (about 8 ns per element here, bf16 output, on 2 shared cores). The loss check trains a smaller LoRA model (4 layers x d_model 256, vocab 512, batch 4 x 64
 tokens, rank 8, lr 1e-3) for ``--loss-steps`` steps on NVMe with and without the flag, from the
 same weights and batches, and compares the losses step by step.
 """
