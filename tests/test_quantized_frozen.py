@@ -282,3 +282,27 @@ def test_inference_with_the_flag_equals_inference_with_the_dequantized_weights(t
     with torch.no_grad():
         for _ in range(2):  # the first forward records the trace, the second prefetches along it
             assert torch.equal(engine(x), reference(x))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_inference_checkpoint_keeps_the_fp32_dequantized_values_and_loads_back_the_same_bytes(tmp_path, precision):
+    """Without an optimizer the checkpoint's master is the parameters: a quantized shard's are taken
+    in fp32 (not rounded to bf16), so a load quantizes them back to the same codes and scales."""
+    def config(path):
+        path.mkdir()
+        return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": precision == "bf16"},
+                "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True,
+                                      "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}}}
+
+    torch.manual_seed(0)
+    engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config(tmp_path / "a"))
+    engine.save_checkpoint(tmp_path / "ckpt", tag="t")
+    torch.manual_seed(1)
+    other, _, _, _ = zero.initialize(model=GPT(CFG), config=config(tmp_path / "b"))
+    other.load_checkpoint(tmp_path / "ckpt", tag="t")
+    saved, loaded = _packed_shards(engine), _packed_shards(other)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[i], loaded[i]) for i in saved)
+    torch.manual_seed(0)
+    reference = dequantized_base(GPT(CFG).requires_grad_(False)).state_dict()
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t")
+    assert all(torch.equal(state[n], reference[n]) for n in reference if not n.startswith("head."))

@@ -95,8 +95,9 @@ class ParamStore(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def fetch(self, layout: UnitLayout) -> torch.Tensor:
-        """The shard's values, readable until :meth:`fetched`."""
+    def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
+        """The shard's values, readable until :meth:`fetched`; ``widen``: a quantized shard's in
+        fp32 (its master's values) rather than rounded to the compute dtype."""
         ...
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
@@ -185,9 +186,10 @@ class FlatParamStore(ParamStore):
         elif not self.aliased:
             self.shard(layout).copy_(values)
 
-    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+    def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
         if self.frozen.packs(layout):
-            return self.frozen.decode(layout, self._packed[layout.index], self.dtype, self.compute_device)
+            return self.frozen.decode(layout, self._packed[layout.index], torch.float32 if widen else self.dtype,
+                                      self.compute_device)
         return self.shard(layout)
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
@@ -302,7 +304,7 @@ class NvmeParamStore(ParamStore):
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
         self.write(layout, values)
 
-    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+    def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
         t0 = time.perf_counter()
         self._fill_from_master([layout])
         tensor = self.swapper.swap_in([self._ids[layout.index]])[0]
@@ -310,7 +312,7 @@ class NvmeParamStore(ParamStore):
         self._prefetched.pop(layout.index, None)
         if self.frozen.packs(layout):  # a tensor of its own; the pool buffer goes back at fetched(), after
             # the unit's copies (on CUDA it synchronizes first: runtime/unit.py)
-            return self.frozen.decode(layout, tensor, self.dtype, self.compute_device)
+            return self.frozen.decode(layout, tensor, torch.float32 if widen else self.dtype, self.compute_device)
         return tensor
 
     def fetched(self, layout: UnitLayout) -> None:
@@ -452,7 +454,7 @@ class MasterFromParameters:
         for index in sub_group.units:
             unit = self.rank_layout.units[index]
             start, stop = self.rank_layout.unit_range(index)
-            master[start - sub_group.start:stop - sub_group.start].copy_(self.params.fetch(unit))
+            master[start - sub_group.start:stop - sub_group.start].copy_(self.params.fetch(unit, widen=True))
             self.params.fetched(unit)
         shards.save_shard(path, sub_group.numel, ["master"], tensors={"master": master})
 
