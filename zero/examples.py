@@ -90,6 +90,37 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class LoRALinear(nn.Module):
+    """A frozen ``base`` Linear plus a trainable low-rank update, ``lora_b(lora_a(x)) * alpha / rank``
+    (LoRA, Hu et al. 2021), each adapter a module (a unit) of its own; ``lora_b`` starts at zero,
+    so the wrapped model starts as the base. The LoRA stand-in of the tests and bench/lora.py."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0):
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
+        with torch.no_grad():
+            self.lora_b.weight.zero_()
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x)) * self.scaling
+
+
+def add_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0,
+             targets: Sequence[str] = ("qkv", "proj", "fc", "out")) -> nn.Module:
+    """Freeze every parameter of ``model`` and wrap each Linear whose attribute name is in
+    ``targets`` in a :class:`LoRALinear` (its adapters trainable); returns ``model``."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha))
+    return model
+
+
 def make_batches(c: GPTConfig, count: int, batch: int, seed: int = 0) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """``count`` fixed (inputs, targets) micro-batches of a learnable language.
 

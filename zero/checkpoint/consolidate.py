@@ -5,6 +5,9 @@
 ``CHECKPOINT_DIR`` is the directory ``save_checkpoint`` wrote to (holding
 ``latest``). Each parameter is assembled from the ranks' fp32 master shards
 (only its bytes are read: the optimizer states in the same files never are).
+Frozen parameters an engine stored int8 (``zero_quantized_nontrainable_weights``)
+come out as their dequantized values, the ones the model computed with; a
+warning names how many.
 ``--safe_serialization`` writes a safetensors file streaming, one parameter
 at a time, so the model is never whole in memory; the torch.save format
 (default) needs the whole state_dict, held once. Either way the file is
@@ -17,6 +20,7 @@ the module's buffers are included, as in ``model.state_dict()``.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import pickle
 import sys
@@ -27,7 +31,17 @@ import torch
 
 from nvmeio import FastFileWriter, SafetensorsWriter
 
-from .format import BUFFERS, ShardReader, checkpoint_path, load_state, resolve_tag
+from .format import BUFFERS, ShardReader, checkpoint_path, load_state, quantized_param_names, resolve_tag
+
+
+def _warn_if_quantized(reader: ShardReader) -> None:
+    names = quantized_param_names(reader.meta)
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        logging.getLogger("zero").warning(
+            "%s: %d frozen parameter(s) were stored int8 (zero_quantized_nontrainable_weights): %s; the "
+            "state dict holds their dequantized values, not the weights the model was built with",
+            reader.checkpoint, len(names), shown)
 
 
 def _checkpoint(checkpoint_dir: str, tag: Optional[str]) -> str:
@@ -42,6 +56,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: Optional[str] 
     """The full fp32 state_dict of the checkpoint ``tag`` (default: ``latest``) under ``checkpoint_dir``."""
     checkpoint = _checkpoint(checkpoint_dir, tag)
     reader = ShardReader(checkpoint)
+    _warn_if_quantized(reader)
     state = OrderedDict()
     try:
         for unit in reader.units:
@@ -85,6 +100,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_file, tag:
         return output_file
     checkpoint = _checkpoint(checkpoint_dir, tag)
     reader = ShardReader(checkpoint)
+    _warn_if_quantized(reader)
     try:
         buffers = _buffers(checkpoint)
         spec = {name: (torch.float32, tuple(slot.shape))

@@ -5,7 +5,8 @@
 <save_dir>/.<tag>.old-<random>/        a complete copy of <tag> moved aside while a re-save of
                                        <tag> is published (only where the file system cannot
                                        exchange two directories; see publish.py)
-<save_dir>/<tag>/zero_meta.json        format, world size, sub_group_size, every unit's parameters
+<save_dir>/<tag>/zero_meta.json        format, world size, sub_group_size, every unit's parameters;
+                                       the units stored quantized, if any (QUANTIZED)
 <save_dir>/<tag>/buffers.pt            the module's buffers (rank 0)
 <save_dir>/<tag>/rank00001/engine.pt   step counters, optimizer settings, loss scaler, LR schedule,
                                        client state (one per rank)
@@ -119,6 +120,25 @@ def sub_group_file(checkpoint: str, rank: int, index: int) -> str:
 
 def engine_file(checkpoint: str, rank: int) -> str:
     return os.path.join(rank_dir(checkpoint, rank), "engine.pt")
+
+
+QUANTIZED = "quantized_nontrainable_weights"
+"""The meta key naming the units stored int8 (stores/quantized.py): their "master" in the shards
+is the dequantized values, from which the int8 codes and scales come back exactly at the same world
+size ([Note: frozen weights stored quantized])."""
+
+
+def quantized_meta(frozen) -> dict:
+    return {"codes": "int8", "scales": "float32", "group_size": frozen.group_size, "units": sorted(frozen.units)}
+
+
+def quantized_param_names(meta: dict) -> List[str]:
+    """The parameters of a checkpoint's quantized units (none without the key)."""
+    quantized = meta.get(QUANTIZED)
+    if not quantized:
+        return []
+    units = units_from_meta(meta)
+    return [s.name for i in quantized["units"] for s in units[i].slots]
 
 
 def meta_dict(units: List[UnitLayout], world_size: int, sub_group_size: int, precision: str) -> dict:

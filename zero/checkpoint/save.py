@@ -23,7 +23,8 @@ import torch
 from nvmeio.atomic_file import fsync_directory, write_atomically
 
 from ..runtime.timers import log_rank0
-from .format import BUFFERS, LATEST, META, check_tag, engine_file, meta_dict, rank_dir, resolve_tag, sub_group_file
+from .format import (BUFFERS, LATEST, META, QUANTIZED, check_tag, engine_file, meta_dict, quantized_meta, rank_dir,
+                     resolve_tag, sub_group_file)
 from .publish import PARTIAL, create_file, make_dir, publish, remove_leftovers, set_file_modes
 from .shard_io import CheckpointIO
 from .storage import SaveRoles, gather_checked, save_roles
@@ -91,6 +92,8 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict, role
         zc = engine.config.zero_optimization
         meta = meta_dict(list(engine.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
         meta["state_names"] = list(engine.checkpointed_state.state_names)
+        if engine.frozen_shards:
+            meta[QUANTIZED] = quantized_meta(engine.frozen_shards)
         with create_file(os.path.join(partial, META), file_mode) as f:
             f.write(json.dumps(meta, indent=1).encode("utf-8"))
             f.flush()

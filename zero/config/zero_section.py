@@ -53,8 +53,7 @@ class ZeroConfig(StrictModel):
     _inert: ClassVar[frozenset[str]] = frozenset({
         "legacy_stage1", "elastic_checkpoint", "use_multi_rank_bucket_allreduce",
         "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
-        "zero_hpz_partition_size", "zero_quantized_weights",
-        "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
+        "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients", "zeropp_loco_param",
         "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
         # DeepSpeed's bucketing and scheduling knobs: nvmeio reduce-scatters and gathers one
         # unit at a time, with contiguous gradients (overlap_comm and reduce_bucket_size take effect:
@@ -112,6 +111,8 @@ class ZeroConfig(StrictModel):
     zero_hpz_partition_size: Int(minimum=1) = 1
     zero_quantized_weights: Flag = False
     zero_quantized_nontrainable_weights: Flag = False
+    """Stage 3: frozen units' shards stored int8 with fp32 group scales, dequantized on fetch
+    (stores/quantized.py, [Note: frozen weights stored quantized]); no effect below stage 3."""
     zero_quantized_gradients: Flag = False
     zeropp_loco_param: Optional[LocoParams] = None
     mics_shard_size: Int(minimum=None) = -1
@@ -195,8 +196,14 @@ class ZeroConfig(StrictModel):
 
     def inert_now(self) -> Mapping[str, str]:
         """Keys set here that have no effect with this section's values: the ``stage3_`` keys
-        below stage 3 (parameters are whole on every rank there)."""
+        and ``zero_quantized_nontrainable_weights`` below stage 3 (parameters are whole on every
+        rank there, in the compute dtype, as in DeepSpeed)."""
         if self.stage >= 3:
             return {}
-        return {name: "has no effect below ZeRO stage 3" for name in self.model_fields_set
-                if name.startswith("stage3_")}
+        inert = {name: "has no effect below ZeRO stage 3" for name in self.model_fields_set
+                 if name.startswith("stage3_")}
+        if self.zero_quantized_nontrainable_weights:
+            inert["zero_quantized_nontrainable_weights"] = (
+                "has no effect below ZeRO stage 3: every rank holds the whole model in the compute dtype "
+                "there, and no frozen weight is stored or fetched")
+        return inert

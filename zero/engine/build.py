@@ -42,6 +42,7 @@ training zeros.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
@@ -68,6 +69,7 @@ from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer, stash_norm_ranges, step_in_backward_blocker
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
 from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
+from ..stores.quantized import GROUP_SIZE, NOT_QUANTIZED, FrozenShards
 from ..stores.layouts import RankLayout, build_rank_layout
 from ..runtime.unit import ParamUnit, plan_units
 
@@ -219,9 +221,11 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
         release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
-    param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release)
+    frozen = _frozen_shards(config, units, spec, comm)
+    param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
+                                    frozen)
     _link_units(units, param_store, opt_store, release)
-    _fill_stores(units, param_store, opt_store, comm, dtype, release)
+    _fill_stores(units, param_store, opt_store, comm, release)
     _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
     _choose_persistent(units, zc)
     reducer, optimizer = _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device,
@@ -277,22 +281,50 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
     return store
 
 
-def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release) -> ParamStore:
+def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec], comm: Comm) -> FrozenShards:
+    """The units stored quantized with ``zero_quantized_nontrainable_weights`` (stage 3): those
+    whose parameters are all frozen, every one in an engine without an optimizer (see
+    stores/quantized.py, [Note: frozen weights stored quantized])."""
+    zc = config.zero_optimization
+    if not zc.zero_quantized_nontrainable_weights or zc.stage < 3:
+        return NOT_QUANTIZED  # below stage 3 the config warned that it has no effect
+    frozen = {u.index for u in units if spec is None or u.grad_count == 0}
+    mixed = [u.layout.module_name or "<root>" for u in units
+             if spec is not None and 0 < u.grad_count < len(u.params)]
+    numel = sum(u.layout.numel for u in units if u.index in frozen)
+    log_rank0(comm.rank, f"zero_quantized_nontrainable_weights: {len(frozen)} of {len(units)} units "
+                         f"({numel} elements) stored int8 with an fp32 scale per {GROUP_SIZE} elements")
+    if not frozen:
+        logging.getLogger("zero").warning(
+            "zero_quantized_nontrainable_weights is set but every unit has a parameter that requires grad: "
+            "nothing is stored quantized (freeze parameters with requires_grad_(False) before zero.initialize)")
+    if mixed:
+        logging.getLogger("zero").warning(
+            "zero_quantized_nontrainable_weights: %d module(s) own frozen and trainable parameters together and "
+            "stay unquantized (a module's parameters are stored as one unit): %s", len(mixed),
+            ", ".join(mixed[:5]) + (f" and {len(mixed) - 5} more" if len(mixed) > 5 else ""))
+    return FrozenShards(frozen)
+
+
+def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
+                      frozen: FrozenShards) -> ParamStore:
     """The parameter shards: on NVMe (fp32 ones homed in the optimizer's master), else flat (fp32
-    ones the master itself where both live in one place); free space checked before the fill,
-    which hands the model's values over for good."""
+    ones the master itself where both live in one place), ``frozen`` ones quantized; free space
+    checked before the fill, which hands the model's values over for good."""
     offload = config.zero_optimization.offload_param
     if offload.device == "nvme":
         shared = opt_store if dtype == torch.float32 and isinstance(opt_store, NvmeOptimizerStore) else None
         store: ParamStore = _swap_store(lambda: NvmeParamStore(
-            rank_layout, dtype, offload, aio, job_id, comm.rank, master=shared, device=device))
+            rank_layout, dtype, offload, aio, job_id, comm.rank, master=shared, frozen=frozen,
+            compute_device=device))
     else:
         home = device if offload.device == "none" else torch.device("cpu")
         alias = None
         if (dtype == torch.float32 and isinstance(opt_store, FlatOptimizerStore)
                 and opt_store.master.device == home):
             alias = opt_store.master
-        store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory and device.type == "cuda", flat=alias)
+        store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory and device.type == "cuda", flat=alias,
+                               frozen=frozen, compute_device=device)
     release.callback(store.close)
     store.check_free_space()
     if opt_store is not None:
@@ -308,15 +340,15 @@ def _link_units(units, param_store, opt_store, release) -> None:
             p._zero_unit = u
 
 
-def _fill_stores(units, param_store, opt_store, comm, dtype, release) -> None:
+def _fill_stores(units, param_store, opt_store, comm, release) -> None:
     """The stores get each unit's shard, one unit at a time; the model's full values go as
-    soon as they are stored."""
+    soon as they are stored. The master of a quantized shard is its dequantized values."""
     release.push(_note_values_taken(units))
     for u in units:
-        shard = _unit_shard(u.params, u.layout, comm)
+        shard = param_store.as_stored(u.layout, _unit_shard(u.params, u.layout, comm))
         if opt_store is not None:
             opt_store.init_master(u.index, shard)
-        param_store.init_shard(u.layout, shard if dtype == torch.float32 else shard.to(dtype))
+        param_store.init_shard(u.layout, shard)  # cast on copy into the compute dtype
         del shard
         for slot, p in zip(u.layout.slots, u.params):
             p.ds_shape = torch.Size(slot.shape)

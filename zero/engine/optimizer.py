@@ -161,6 +161,10 @@ class ZeroOptimizer(Optimizer):
         self._group_ranges = group_ranges
         self._norm_ranges = sorted(r for ranges in group_ranges for r in ranges)
         self._sg_ranges = sub_group_ranges(rank_layout, group_ranges)
+        # Units with a trainable piece on this rank: a step changes no other unit's master.
+        unit_ranges = [rank_layout.unit_range(u.index) for u in rank_layout.units]
+        self._stepped_units = {u.index for u, (lo, hi) in zip(rank_layout.units, unit_ranges)
+                               if any(lo <= a < hi for a, _ in self._norm_ranges)}
         self.inner: Optional[Optimizer] = None
         if torch_optimizer_type is not None:
             reducer.hold = False  # the torch optimizer reads .grad views of the flat partition
@@ -337,9 +341,15 @@ class ZeroOptimizer(Optimizer):
                    amsgrad=self.adam.amsgrad, maximize=False)
 
     def _write_back(self, sg: SubGroup, master: torch.Tensor) -> None:
+        """The sub-group's parameter shards from its master; a unit the step cannot change (frozen:
+        no trainable piece on this rank) is not written again (a LoRA base is not rewritten each step)."""
         for unit_index in sg.units:
             start, stop = self.rank_layout.unit_range(unit_index)
-            self.param_store.write(self.rank_layout.units[unit_index], master[start - sg.start:stop - sg.start])
+            values, layout = master[start - sg.start:stop - sg.start], self.rank_layout.units[unit_index]
+            if unit_index in self._stepped_units:
+                self.param_store.write(layout, values)
+            else:
+                self.param_store.keep_unchanged(layout, values)
 
     # -- a script's own torch optimizer --------------------------------------------------------------
     def _build_inner(self, optimizer_type, defaults: dict, group_ranges: List[List[Range]]) -> Optimizer:

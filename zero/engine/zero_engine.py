@@ -297,6 +297,11 @@ class ZeroEngine(nn.Module):
         return self.parts.units
 
     @property
+    def frozen_shards(self):
+        """The units whose shards are stored quantized (stores/quantized.py)."""
+        return self.parts.param_store.frozen
+
+    @property
     def checkpointed_state(self):
         """The sub-groups' master and states, saved and loaded by the store that holds them
         (stores/optimizer_store.py, [Note: each store saves and loads its own state])."""

@@ -74,7 +74,7 @@ class GatheredParameters:
     def _write_back(self, u: ParamUnit) -> None:
         full = self.comm.broadcast(u.full, self.modifier_rank)
         start = u.layout.shard_start(self.comm.rank)
-        shard = full[start:start + u.layout.shard_numel]
+        shard = u.store.as_stored(u.layout, full[start:start + u.layout.shard_numel])
         if u.optimizer_store is not None:
             u.optimizer_store.write_master(u.index, shard.float())
         u.store.write(u.layout, shard)

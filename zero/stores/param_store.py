@@ -1,6 +1,8 @@
 """Where a rank's parameter shards live between uses: the device, host memory or NVMe.
 
-The shards are in the compute dtype (fp16/bf16/fp32). ``offload_param.device``
+The shards are in the compute dtype (fp16/bf16/fp32), but those of frozen units
+with ``zero_quantized_nontrainable_weights``, which are int8 with fp32 scales
+(quantized.py, [Note: frozen weights stored quantized]). ``offload_param.device``
 picks the store: ``none`` keeps them on the compute device, ``cpu`` in host
 memory (pinned when computing on CUDA and ``pin_memory``), ``nvme`` in swap
 files through :class:`swapper.PartitionedParamSwapper`.
@@ -39,6 +41,7 @@ import torch
 from ..config import ConfigError, Problem
 from .layouts import RankLayout, SubGroup, UnitLayout
 from .pinned_host import for_gpu_copies
+from .quantized import NOT_QUANTIZED, FrozenShards
 
 
 def swap_checksum(setting: str):
@@ -78,14 +81,25 @@ class ParamStore(abc.ABC):
     resident = True  # every shard is a tensor that lives as long as the store, updated in place
     read_wait_seconds = 0.0  # blocked on NVMe reads (wall_clock_breakdown)
     write_wait_seconds = 0.0  # blocked handing shards to NVMe writes (a full pool waits for writes)
+    frozen: FrozenShards = NOT_QUANTIZED  # the units stored quantized
+
+    def as_stored(self, layout: UnitLayout, values: torch.Tensor) -> torch.Tensor:
+        """The fp32 values :meth:`fetch` will give back after ``write(layout, values)``, where they
+        differ from ``values`` (a quantized shard's): what the unit's fp32 master holds."""
+        return self.frozen.as_stored(layout, values)
+
+    def keep_unchanged(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        """A step left the shard's master as it was (no trainable parameter in it): nothing to
+        write where the store holds its own copy, which equals it already."""
 
     @abc.abstractmethod
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
         ...
 
     @abc.abstractmethod
-    def fetch(self, layout: UnitLayout) -> torch.Tensor:
-        """The shard's values, readable until :meth:`fetched`."""
+    def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
+        """The shard's values, readable until :meth:`fetched`; ``widen``: a quantized shard's in
+        fp32 (its master's values) rather than rounded to the compute dtype."""
         ...
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
@@ -140,40 +154,60 @@ class ParamStore(abc.ABC):
 
 
 class FlatParamStore(ParamStore):
-    """All shards of this rank in one flat tensor on ``device`` (``none``) or the host (``cpu``)."""
+    """All shards of this rank in one flat tensor on ``device`` (``none``) or the host (``cpu``);
+    the quantized ones (``frozen``) each in a packed tensor of its own there, outside the flat
+    tensor (which then holds only the others, unless it is the master itself)."""
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, device: torch.device,
-                 pin_memory: bool = False, flat: Optional[torch.Tensor] = None):
+                 pin_memory: bool = False, flat: Optional[torch.Tensor] = None,
+                 frozen: FrozenShards = NOT_QUANTIZED, compute_device: Optional[torch.device] = None):
         self.rank_layout = rank_layout
+        self.dtype = dtype
+        self.frozen = frozen
+        self.compute_device = compute_device or device  # where quantized shards are dequantized
         self.aliased = flat is not None
+        self._ranges = {u.index: rank_layout.unit_range(u.index) for u in rank_layout.units}
         self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" else None
         if flat is None:
+            end, self._ranges = 0, {}
+            for u in rank_layout.units:
+                if not frozen.packs(u):
+                    self._ranges[u.index] = (end, end + u.shard_numel)
+                    end += u.shard_numel
             if self._pinned is not None:
-                flat = self._pinned.empty(rank_layout.numel, dtype)
+                flat = self._pinned.empty(end, dtype)
             else:
-                flat = torch.empty(rank_layout.numel, dtype=dtype, device=device)
+                flat = torch.empty(end, dtype=dtype, device=device)
         self.flat = flat
+        self._packed: Dict[int, torch.Tensor] = {}  # unit index -> its quantized shard
 
     def close(self) -> None:
         if self._pinned is not None:
             self._pinned.close()
 
     def shard(self, layout: UnitLayout) -> torch.Tensor:
-        start, stop = self.rank_layout.unit_range(layout.index)
+        start, stop = self._ranges[layout.index]
         return self.flat[start:stop]
 
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
-        if not self.aliased:
+        if self.frozen.packs(layout):
+            self.write(layout, values)
+        elif not self.aliased:
             self.shard(layout).copy_(values)
 
-    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+    def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
+        if self.frozen.packs(layout):
+            return self.frozen.decode(layout, self._packed[layout.index], torch.float32 if widen else self.dtype,
+                                      self.compute_device)
         return self.shard(layout)
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
-        return self.shard(layout)
+        return None if self.frozen.packs(layout) else self.shard(layout)
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
-        if not self.aliased:
+        if self.frozen.packs(layout):
+            self._packed[layout.index] = self.frozen.encode(layout, values).to(self.flat.device)
+        elif not self.aliased:
             shard = self.shard(layout)
             if values.device != shard.device and values.dtype != shard.dtype:
                 values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
@@ -213,11 +247,14 @@ class NvmeParamStore(ParamStore):
     READ_AHEAD_BATCHES = READ_QUEUES - 1
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, offload, aio, job_id: str, rank: int,
-                 master=None, device: Optional[torch.device] = None):
+                 master=None, frozen: FrozenShards = NOT_QUANTIZED, compute_device: torch.device = torch.device("cpu")):
         from swapper import PackedSpans, PartitionedParamSwapper
         from swapper import HOME_SLACK_BYTES
 
         self.rank_layout = rank_layout
+        self.dtype = dtype
+        self.frozen = frozen
+        self.compute_device = compute_device  # where quantized shards are dequantized
         # An NvmeOptimizerStore whose fp32 master holds the shards (see the module's note), or None.
         self.master = master
         largest = max((u.shard_numel for u in rank_layout.units), default=1)
@@ -236,14 +273,17 @@ class NvmeParamStore(ParamStore):
             read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
             pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
-        if device is not None and device.type == "cuda":
+        if compute_device.type == "cuda":
             why = self.swapper.pool.register_with_cuda()
             if why is not None:
                 warnings.warn(f"nvmeio: the parameter swap pool could not be registered with CUDA ({why}); "
                               "training goes on, with slower copies to the GPU", RuntimeWarning, stacklevel=2)
         try:
             for u in rank_layout.units:
-                self.swapper.register(self._ids[u.index], u.shard_numel)
+                if frozen.packs(u):  # its packed bytes (max_in_cpu counts them as elements)
+                    self.swapper.register(self._ids[u.index], frozen.nbytes(u), torch.uint8)
+                else:
+                    self.swapper.register(self._ids[u.index], u.shard_numel)
         except BaseException:
             self.swapper.cleanup()  # never returned, so never closed by the caller
             raise
@@ -255,7 +295,7 @@ class NvmeParamStore(ParamStore):
             master.swapper.on_rewrite = self._settle_sub_group
 
     def _homed(self, layout: UnitLayout) -> bool:
-        return self.master is not None and layout.shard_numel > 0
+        return self.master is not None and layout.shard_numel > 0 and not self.frozen.packs(layout)
 
     def _settle_sub_group(self, sub_group_index: int) -> None:
         self.swapper.settle([self._ids[i] for i in self.rank_layout.sub_groups[sub_group_index].units])
@@ -281,12 +321,15 @@ class NvmeParamStore(ParamStore):
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
         self.write(layout, values)
 
-    def fetch(self, layout: UnitLayout) -> torch.Tensor:
+    def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
         t0 = time.perf_counter()
         self._fill_from_master([layout])
         tensor = self.swapper.swap_in([self._ids[layout.index]])[0]
         self.read_wait_seconds += time.perf_counter() - t0
         self._prefetched.pop(layout.index, None)
+        if self.frozen.packs(layout):  # a tensor of its own; the pool buffer goes back at fetched(), after
+            # the unit's copies (on CUDA it synchronizes first: runtime/unit.py)
+            return self.frozen.decode(layout, tensor, torch.float32 if widen else self.dtype, self.compute_device)
         return tensor
 
     def fetched(self, layout: UnitLayout) -> None:
@@ -297,8 +340,10 @@ class NvmeParamStore(ParamStore):
         from swapper import PartitionState
 
         pid = self._ids[layout.index]
-        # A shard in the spare region is copied instead: that memory must come back at once.
-        if self.swapper.state(pid) is not PartitionState.AVAILABLE or self.swapper.in_spare(pid):
+        # A shard in the spare region is copied instead: that memory must come back at once; a
+        # quantized one is never in the pool in the compute dtype.
+        if (self.frozen.packs(layout) or self.swapper.state(pid) is not PartitionState.AVAILABLE
+                or self.swapper.in_spare(pid)):
             return False
         self._lent[layout.index] = self.swapper.buffer_bytes(pid)
         return True
@@ -307,7 +352,7 @@ class NvmeParamStore(ParamStore):
         from swapper import PartitionState
 
         pid = self._ids[layout.index]
-        if self.swapper.state(pid) is not PartitionState.IN_CPU:
+        if self.frozen.packs(layout) or self.swapper.state(pid) is not PartitionState.IN_CPU:
             return None
         return self.swapper.swap_in([pid])[0]  # the partition's host tensor; no I/O
 
@@ -378,10 +423,16 @@ class NvmeParamStore(ParamStore):
             self.swapper.store_at([pid], [self.master.master_home(layout.index)], [values])
             self.write_wait_seconds += time.perf_counter() - t0
             return
+        if self.frozen.packs(layout):
+            values = self.frozen.encode(layout, values)
         self.swapper.swap_out_tensors([pid], [values], async_op=True)
         if layout.index in self._lent:  # its unit views the buffer: keep it once written
             self.swapper.swap_in([pid], async_op=True)
         self.write_wait_seconds += time.perf_counter() - t0
+
+    def keep_unchanged(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        if self._homed(layout):  # recorded at its home again, as the master's file is rewritten: no I/O
+            self.write(layout, values)
 
     def flush(self) -> None:
         self.swapper.synchronize()
@@ -420,7 +471,7 @@ class MasterFromParameters:
         for index in sub_group.units:
             unit = self.rank_layout.units[index]
             start, stop = self.rank_layout.unit_range(index)
-            master[start - sub_group.start:stop - sub_group.start].copy_(self.params.fetch(unit))
+            master[start - sub_group.start:stop - sub_group.start].copy_(self.params.fetch(unit, widen=True))
             self.params.fetched(unit)
         shards.save_shard(path, sub_group.numel, ["master"], tensors={"master": master})
 

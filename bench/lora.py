@@ -1,0 +1,348 @@
+"""LoRA on a frozen base on NVMe, with and without ``zero_quantized_nontrainable_weights``.
+
+    flock /tmp/bench.lock python -m bench.lora --out bench/out/lora.json --results-md bench/RESULTS.md
+    python -m bench.lora --quick                     # smoke test, a small model, ~1 min
+    python -m bench.lora --render bench/out/lora.json --results-md bench/RESULTS.md
+
+[Note: what is measured]
+The LoRA stand-in: the 311M GPT of ``zero.examples`` (bench/io_bound.py's: vocab 8192, 24 layers x
+d_model 1024, 128 positions, tied head) with ``zero.examples.add_lora`` (rank 8 adapters on every
+block's qkv, proj, fc and out; every other parameter frozen), micro-batches of 1 x 8 tokens, one
+optimizer step per iteration. Stage 3, the parameters on NVMe (``max_in_cpu`` 0, ``buffer_size``
+2e7, bench/io_bound.py's aio settings), AdamW in host memory (``offload_optimizer`` cpu: the
+trainable adapters are 0.6% of the model). Each of fp32 and bf16 compute runs without and with
+``zero_quantized_nontrainable_weights`` (the frozen base int8 with an fp32 scale per 256 elements,
+zero/stores/quantized.py), in a fresh process: bytes per iteration are the parameter swapper's own
+counters (``io_bytes``: what it read and wrote) and the process's ``/proc/self/io`` around each
+iteration; seconds the median of ``--iters`` after ``--warmup``. The frozen base is read once per
+iteration (the default ``stage3_max_reuse_distance`` keeps a unit gathered from its forward to its
+backward) and never written (a step writes back only the units it can change); with the flag each
+fetch also dequantizes on the CPU (about 8 ns per element here, bf16 output, on 2 shared cores). The loss check trains a smaller LoRA model (4 layers x d_model 256, vocab 512, batch 4 x 64
+tokens, rank 8, lr 1e-3) for ``--loss-steps`` steps on NVMe with and without the flag, from the
+same weights and batches, and compares the losses step by step.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from bench import harness, training
+from bench.io_bound import AIO, MODEL, SEQ
+
+SECTION = "## LoRA on a quantized frozen base (bench/lora.py)"
+QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)
+LOSS_MODEL = dict(vocab=512, d_model=256, heads=4, layers=4, seq=64, tie=True)
+LOSS_BATCH = 4
+RANK = 8
+GOALS = {"fp32": 0.3, "bf16": 0.55}  # bytes / iteration with the flag over without (issue 32)
+LOSS_GOAL = 0.01
+GiB = harness.GiB
+
+
+def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int = 1) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+            "bf16": {"enabled": dtype == "bf16"}, "aio": AIO, "steps_per_print": 10 ** 6,
+            "zero_optimization": {
+                "stage": 3, "sub_group_size": int(2e7), "zero_quantized_nontrainable_weights": flag,
+                "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7),
+                                  "max_in_cpu": 0},
+                "offload_optimizer": {"device": "cpu"}}}
+
+
+def _engine(spec: dict, lr: float = 1e-4, micro: int = 1):
+    import torch
+
+    import zero
+
+    ex = training.examples()
+    conf = config(spec["dtype"], spec["flag"], spec["nvme_path"], lr, micro)
+    torch.manual_seed(0)
+    with zero.Init(config_dict_or_path=conf):
+        model = ex.GPT(ex.GPTConfig(**spec["model"]))
+    torch.manual_seed(1)
+    ex.add_lora(model, rank=RANK)
+    engine, _, _, _ = zero.initialize(model=model, config=conf)
+    return ex, engine, model
+
+
+def child_iterations(spec: dict) -> dict:
+    t0 = time.perf_counter()
+    ex, engine, model = _engine(spec)
+    init_s = time.perf_counter() - t0
+    params = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+    trainable = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+    cfg = ex.GPTConfig(**spec["model"])
+    x, y = ex.make_batches(dataclasses.replace(cfg, seq=SEQ), 1, 1)[0]
+    counts = engine.parts.param_store.swapper.io_bytes
+    times, swap_r, swap_w, reads, writes, losses = [], [], [], [], [], []
+    w = spec["warmup"]
+    for i in range(w + spec["iters"]):
+        io0 = harness.settled_io() if i == w else harness.proc_io()
+        c0 = (counts.read, counts.written)
+        start = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        engine.parts.param_store.flush()  # this iteration's writes count in it
+        times.append(time.perf_counter() - start)
+        io1 = harness.settled_io() if i == w + spec["iters"] - 1 else harness.proc_io()
+        swap_r.append(counts.read - c0[0])
+        swap_w.append(counts.written - c0[1])
+        reads.append(io1["read_bytes"] - io0["read_bytes"])
+        writes.append((io1["write_bytes"] - io1["cancelled_write_bytes"]) - (io0["write_bytes"] - io0["cancelled_write_bytes"]))
+        losses.append(float(loss.detach()))
+    return {"params": params, "trainable": trainable, "init_s": round(init_s, 1),
+            "quantized_units": len(engine.frozen_shards.units), "units": len(engine.parts.units),
+            "nvme_bytes": engine.parts.param_store.swapper.nvme_bytes,
+            "median_s": statistics.median(times[w:]), "times_s": [round(t, 3) for t in times],
+            "swap_read_bytes": int(statistics.mean(swap_r[w:])), "swap_write_bytes": int(statistics.mean(swap_w[w:])),
+            "read_bytes": int(statistics.mean(reads[w:])), "write_bytes": int(statistics.mean(writes[w:])),
+            "losses": losses, "peak_rss_bytes": harness.status_bytes("VmHWM")}
+
+
+def child_losses(spec: dict) -> dict:
+    ex, engine, model = _engine(spec, lr=1e-3, micro=LOSS_BATCH)
+    cfg = ex.GPTConfig(**spec["model"])
+    losses = []
+    for x, y in ex.make_batches(cfg, spec["steps"], LOSS_BATCH, seed=3):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def run_child(kind: str, spec: dict, timeout: int) -> dict:
+    return harness.run_child("bench.lora", ["--child", kind, json.dumps(spec)], None, timeout)
+
+
+def run(args) -> dict:
+    model = QUICK_MODEL if args.quick else MODEL
+    root = tempfile.mkdtemp(prefix="lora-", dir=args.nvme_dir)
+    record = {"meta": {**harness.provenance(args.nvme_dir), "command": "python -m bench.lora " + " ".join(args.argv),
+                       "quick": args.quick, "model": model, "seq": SEQ, "batch": 1, "rank": RANK,
+                       "warmup": args.warmup, "iters": args.iters, "loss_model": LOSS_MODEL,
+                       "loss_batch": LOSS_BATCH, "loss_steps": args.loss_steps, "nvme_dir": args.nvme_dir},
+              "runs": [], "losses": []}
+    try:
+        for dtype in args.dtypes:
+            for flag in (False, True):
+                swap = tempfile.mkdtemp(dir=root)
+                spec = {"dtype": dtype, "flag": flag, "model": model, "nvme_path": swap, "warmup": args.warmup,
+                        "iters": args.iters}
+                row = {"dtype": dtype, "flag": flag, **run_child("iterations", spec, args.timeout)}
+                shutil.rmtree(swap, ignore_errors=True)
+                record["runs"].append(row)
+                harness.save_json(record, args.out, indent=1)
+                print(f"{dtype} flag={flag}: {describe(row)}", flush=True)
+            for flag in (False, True):
+                swap = tempfile.mkdtemp(dir=root)
+                spec = {"dtype": dtype, "flag": flag, "model": LOSS_MODEL, "nvme_path": swap, "steps": args.loss_steps}
+                row = {"dtype": dtype, "flag": flag, **run_child("losses", spec, args.timeout)}
+                shutil.rmtree(swap, ignore_errors=True)
+                record["losses"].append(row)
+                harness.save_json(record, args.out, indent=1)
+            print(f"{dtype} losses: {loss_text(record, dtype)}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    record["meta"].update(load_end=harness.load_average(), elapsed_s=round(time.time() - record["meta"]["t0"]))
+    return record
+
+
+def describe(row: dict) -> str:
+    if "error" in row:
+        return f"failed: {row['error']}"
+    return (f"{row['median_s']:.3f} s/iteration; swapper read {row['swap_read_bytes'] / GiB:.3f} GiB, wrote "
+            f"{row['swap_write_bytes'] / GiB:.4f} GiB; /proc read {row['read_bytes'] / GiB:.3f} GiB, written "
+            f"{row['write_bytes'] / GiB:.4f} GiB; on NVMe {row['nvme_bytes'] / GiB:.3f} GiB; "
+            f"peak RSS {row['peak_rss_bytes'] / GiB:.2f} GiB")
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def _find(rows, dtype, flag):
+    return next((r for r in rows if r["dtype"] == dtype and r["flag"] == flag and "error" not in r), None)
+
+
+def _bytes(row) -> int:
+    return row["swap_read_bytes"] + row["swap_write_bytes"]
+
+
+def bytes_ratio(record: dict, dtype: str):
+    off, on = _find(record["runs"], dtype, False), _find(record["runs"], dtype, True)
+    return _bytes(on) / _bytes(off) if off and on else None
+
+
+def loss_diffs(record: dict, dtype: str):
+    """(largest relative difference of a step's loss, relative difference of the last 20 steps' mean)."""
+    off, on = _find(record["losses"], dtype, False), _find(record["losses"], dtype, True)
+    if not off or not on:
+        return None
+    a, b = on["losses"], off["losses"]
+    step = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    tail = abs(statistics.mean(a[-20:]) - statistics.mean(b[-20:])) / statistics.mean(b[-20:])
+    return step, tail, b[0], b[-1]
+
+
+def loss_text(record: dict, dtype: str) -> str:
+    d = loss_diffs(record, dtype)
+    if d is None:
+        return "failed"
+    return (f"largest step difference {d[0] * 100:.2f}%, last 20 steps' mean {d[1] * 100:.3f}% "
+            f"(unquantized: {d[2]:.3f} -> {d[3]:.3f})")
+
+
+def table(record: dict) -> list:
+    lines = ["| compute dtype | frozen base | s / iteration | read GiB | written GiB | bytes / unquantized | "
+             "/proc read GiB | /proc written GiB | base on NVMe GiB | peak RSS GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in record["runs"]:
+        base = "int8 + scales" if row["flag"] else row["dtype"]
+        head = f"| {row['dtype']} | {base} |"
+        if "error" in row:
+            lines.append(head + f" failed: {row['error'].replace('|', '/')} | | | | | | | |")
+            continue
+        off = _find(record["runs"], row["dtype"], False)
+        ratio = f"**{_bytes(row) / _bytes(off):.3f}**" if row["flag"] and off else "1"
+        lines.append(head + f" {row['median_s']:.3f} | {row['swap_read_bytes'] / GiB:.3f} | "
+                     f"{row['swap_write_bytes'] / GiB:.4f} | {ratio} | {row['read_bytes'] / GiB:.3f} | "
+                     f"{row['write_bytes'] / GiB:.4f} | {row['nvme_bytes'] / GiB:.3f} | {row['peak_rss_bytes'] / GiB:.2f} |")
+    return lines
+
+
+def figures(record: dict) -> list:
+    m = record["meta"]
+    when = m.get("when", m["started"])
+    out = []
+    for dtype in sorted({r["dtype"] for r in record["runs"]}, key=lambda d: d != "fp32"):
+        ratio = bytes_ratio(record, dtype)
+        if ratio is not None:
+            off, on = _find(record["runs"], dtype, False), _find(record["runs"], dtype, True)
+            out.append(harness.Figure(
+                f"{dtype} base: bytes / iteration, int8 over {dtype} (s / iteration {on['median_s']:.2f} vs "
+                f"{off['median_s']:.2f})", f"**{ratio:.3f}x**", f"≤ {GOALS[dtype]}x (issue 32)",
+                ratio <= GOALS[dtype], when))
+        d = loss_diffs(record, dtype)
+        if d is not None:
+            out.append(harness.Figure(f"{dtype}: LoRA loss over {m['loss_steps']} steps (small model), largest "
+                                      f"step difference int8 vs {dtype} base", f"**{d[0] * 100:.2f}%**",
+                                      f"≤ {LOSS_GOAL * 100:.0f}% (issue 32)", d[0] <= LOSS_GOAL, when))
+    return out
+
+
+def chart(record: dict, path: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in record["runs"]}, key=lambda d: d != "fp32")
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, key, label in ((axes[0], "bytes", "GiB / iteration (swapper)"), (axes[1], "median_s", "s / iteration")):
+        for i, flag in enumerate((False, True)):
+            values = []
+            for d in dtypes:
+                row = _find(record["runs"], d, flag)
+                values.append(None if row is None else (_bytes(row) / GiB if key == "bytes" else row[key]))
+            xs = [g + (i - 0.5) * 0.4 for g in range(len(dtypes))]
+            bars = ax.bar(xs, [v or 0 for v in values], 0.4, label="int8 + scales" if flag else "compute dtype")
+            ax.bar_label(bars, labels=["" if v is None else f"{v:.2f}" for v in values], fontsize=7, padding=2)
+        ax.set_xticks(range(len(dtypes)), [f"{d} compute" for d in dtypes], fontsize=8)
+        ax.set_ylabel(label)
+        ax.margins(y=0.15)
+        ax.legend(fontsize=7, title="frozen base", title_fontsize=7)
+    for row in record["losses"]:
+        if "losses" in row:
+            axes[2].plot(row["losses"], lw=0.8, ls="--" if row["flag"] else "-",
+                         label=f"{row['dtype']} {'int8' if row['flag'] else row['dtype']} base")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("loss (small model)")
+    axes[2].legend(fontsize=7)
+    m = record["meta"]["model"]
+    fig.suptitle(f"LoRA rank {RANK} on GPT {m['layers']} x d {m['d_model']} (base frozen on NVMe), micro-batch "
+                 f"1 x {SEQ}; median of {record['meta']['iters']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown(record: dict, png, notes=()) -> str:
+    m = record["meta"]
+    doc = "\n\n".join(par.replace("\n", " ") for par in
+                        __doc__.split("[Note: what is measured]", 1)[1].strip().split("\n\n"))
+    runs = [r for r in record["runs"] if "params" in r]
+    sizes = (f"{runs[0]['params'] / 1e6:.1f}M parameters, {runs[0]['trainable'] / 1e6:.2f}M trainable; "
+             f"{runs[-1]['quantized_units']} of {runs[-1]['units']} units quantized with the flag. ") if runs else ""
+    body = [f"Latest run: {m['started']}, commit {m['commit']}; {m['nproc']} CPUs, {m['ram_bytes'] / GiB:.0f} GiB "
+            f"RAM, disk {m['disk']}; load average {m['load_start']} at the start, {m['load_end']} at the end; "
+            f"{m['elapsed_s']} s in all." + (" **Quick run (--quick): a smoke test.**" if m["quick"] else ""), "",
+            doc, "", sizes + "read / written: the parameter swapper's bytes per iteration; bytes / unquantized: "
+            "(read + written) over the same compute dtype's run without the flag.", "", *table(record), "",
+            *[f"- {d} losses: {loss_text(record, d)}." for d in sorted({r['dtype'] for r in record['losses']})],
+            *[f"- {n}" for n in notes], ""]
+    if png:
+        body += [f"![LoRA on a quantized base]({os.path.basename(png)})", ""]
+    return "\n".join(body)
+
+
+def write_outputs(record: dict, args) -> None:
+    print("\n".join(table(record)))
+    png = args.png or (os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "lora.png")
+                       if args.results_md else None)
+    if png and not chart(record, png):
+        print("matplotlib is not installed: no chart")
+        png = None
+    if args.results_md:
+        harness.write_section(args.results_md, SECTION, figures(record), record["meta"]["command"],
+                              markdown(record, png, args.note))
+        print(f"updated {SECTION!r} in {args.results_md}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small model (4 layers x d 256), 20 loss steps")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(GOALS))
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--loss-steps", type=int, default=None, help="steps of the loss check (default 200; --quick 20)")
+    p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="swap files go under it")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per child")
+    p.add_argument("--out", help="JSON of the run")
+    p.add_argument("--results-md", help="replace this file's section (e.g. bench/RESULTS.md)")
+    p.add_argument("--png", help="the chart (default: lora.png beside --results-md)")
+    p.add_argument("--note", action="append", default=[], help="a line for RESULTS.md (repeatable)")
+    p.add_argument("--render", metavar="JSON", help="only write --results-md / --png from a saved --out")
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        kind, spec = args.child[0], json.loads(args.child[1])
+        harness.print_result(child_iterations(spec) if kind == "iterations" else child_losses(spec))
+        return 0
+    if args.render:
+        with open(args.render) as f:
+            write_outputs(json.load(f), args)
+        return 0
+    args.loss_steps = args.loss_steps or (20 if args.quick else 200)
+    args.argv = argv
+    record = run(args)
+    harness.save_json(record, args.out, indent=1)
+    write_outputs(record, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
