@@ -229,12 +229,9 @@ def figures(record: dict) -> list:
 
 
 def chart(record: dict, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = harness.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     ns = [n for n in record["aio"] if "error" not in record["aio"][n]]
     fio, s = record["fio"], summary(record)
@@ -287,15 +284,8 @@ def markdown(record: dict, png) -> str:
 
 def write_outputs(record: dict, args) -> None:
     print("\n".join(table(record)))
-    png = None
-    if args.results_md:
-        png = os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "drives.png")
-        if not chart(record, png):
-            print("matplotlib is not installed: no chart")
-            png = None
-        harness.write_section(args.results_md, SECTION, figures(record), record["meta"]["command"],
-                              markdown(record, png))
-        print(f"updated {SECTION!r} in {args.results_md}")
+    png = os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "drives.png") if args.results_md else None
+    harness.publish(record, args.results_md, SECTION, png, chart, figures, markdown)
 
 
 def main(argv=None) -> int:

@@ -35,7 +35,8 @@ from tools import fio
 from tools.results_md import Figure, replace_section, section_body
 
 __all__ = ["ROOT", "GiB", "Figure", "run_child", "print_result", "provenance", "commit", "load_average",
-           "fio_reference", "status_bytes", "proc_io", "settled_io", "free_port", "save_json", "write_section"]
+           "fio_reference", "status_bytes", "proc_io", "settled_io", "free_port", "save_json", "write_section",
+           "publish", "pyplot"]
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 GiB = 1 << 30
@@ -183,3 +184,31 @@ def save_json(record, path: Optional[str], **dump) -> None:
 def write_section(results_md: str, heading: str, figures: Sequence[Figure], command: str, details: str) -> None:
     """Replaces ``heading``'s section of ``results_md``: the headline, the command, the details."""
     replace_section(Path(results_md), heading, section_body(figures, command, details))
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display), or None where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def publish(record: dict, results_md: Optional[str], section: str, png: Optional[str], chart, figures,
+            markdown) -> None:
+    """A benchmark's chart and its section of ``results_md``: ``chart(record, png)`` (False when
+    matplotlib is missing: no chart), then ``figures(record)`` and ``markdown(record, png)`` as the
+    section. ``png`` None: no chart."""
+    if png:
+        if chart(record, png):
+            print(f"wrote {png}")
+        else:
+            print("matplotlib is not installed: no chart (pip install matplotlib)")
+            png = None
+    if results_md:
+        write_section(results_md, section, figures(record), record["meta"]["command"], markdown(record, png))
+        print(f"updated {section!r} in {results_md}")

@@ -524,17 +524,9 @@ def write_outputs(record: dict, args) -> None:
     rows = table(record)
     print("\n".join(rows + [""] + verdicts(record)))
     png = args.png or (os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "io_bound.png")
-                       if args.results_md else None)
-    if png:
-        if chart(record, png):
-            print(f"wrote {png}")
-        else:
-            print("matplotlib is not installed: no chart (pip install matplotlib)")
-            png = None
-    if args.results_md:
-        harness.write_section(args.results_md, SECTION, figures(record), record["meta"]["command"],
-                              markdown(record, png, args.note))
-        print(f"updated {SECTION!r} in {args.results_md}")
+           if args.results_md else None)
+    harness.publish(record, args.results_md, SECTION, png, chart, figures,
+                    lambda r, p: markdown(r, p, args.note))
 
 
 def main(argv=None) -> int:

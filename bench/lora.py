@@ -241,12 +241,9 @@ def figures(record: dict) -> list:
 
 
 def chart(record: dict, path: str) -> bool:
-    try:
-        import matplotlib
-    except ImportError:
+    plt = harness.pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     dtypes = sorted({r["dtype"] for r in record["runs"]}, key=lambda d: d != "fp32")
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
@@ -301,14 +298,9 @@ def markdown(record: dict, png, notes=()) -> str:
 def write_outputs(record: dict, args) -> None:
     print("\n".join(table(record)))
     png = args.png or (os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "lora.png")
-                       if args.results_md else None)
-    if png and not chart(record, png):
-        print("matplotlib is not installed: no chart")
-        png = None
-    if args.results_md:
-        harness.write_section(args.results_md, SECTION, figures(record), record["meta"]["command"],
-                              markdown(record, png, args.note))
-        print(f"updated {SECTION!r} in {args.results_md}")
+           if args.results_md else None)
+    harness.publish(record, args.results_md, SECTION, png, chart, figures,
+                    lambda r, p: markdown(r, p, args.note))
 
 
 def main(argv=None) -> int:
