@@ -88,6 +88,20 @@ def test_left_padded_batch_equals_each_prompt_alone(saved, tmp_path):
             assert torch.equal(batched[i], alone), f"row {i} ({len(row)} prompt tokens)"
             assert torch.equal(alone, greedy(plain, row[None])[0])  # and the plain model's tokens
         assert len({tuple(r.tolist()) for r in batched}) > 1  # the rows are not all the same
+        assert torch.equal(greedy(engine, ids, mask), batched)  # engine.generate: the model's, as DeepSpeed's engine
+    finally:
+        engine.destroy()
+
+
+def test_engine_passes_the_models_attributes_through(tmp_path):
+    plain = build("gpt2")
+    plain.save_pretrained(tmp_path / "ckpt")
+    model, engine = on_nvme("gpt2", tmp_path / "ckpt", tmp_path)
+    try:
+        assert engine.generate.__self__ is model
+        assert engine.module is model and engine.config is not model.config  # the engine's own come first
+        with pytest.raises(AttributeError, match="'ZeroEngine' object has no attribute 'no_such_thing'"):
+            getattr(engine, "no_such_thing")
     finally:
         engine.destroy()
 
