@@ -50,7 +50,7 @@ import time
 
 from bench import harness, training
 from bench.harness import status_bytes
-from bench.inference_report import batch_table, gib, write_section
+from bench.inference_report import batch_table, decode_read, gib, write_section
 
 MODELS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
@@ -216,13 +216,12 @@ def generate_batch(llama, batch: int, prompt_len: int, new_tokens: int, swapped)
     gen = time.perf_counter() - marks[0][0]
     hwm, peak_anon = _vmhwm(), anon.stop()
     steps = [tuple(b - a for a, b in zip(x, y)) for x, y in zip(marks, marks[1:])]
-    decode = sorted(steps[1:]) or steps  # the forwards after the prompt's, by seconds
-    median = decode[len(decode) // 2]
-    return {"batch": batch, "generate_s": gen, "prefill_s": steps[0][0], "decode_s_per_step": median[0],
-            "decode_tokens_per_s": batch / median[0], "tokens_per_s": batch * new_tokens / gen,
+    decode = steps[1:] or steps  # the forwards after the prompt's
+    median = sorted(s[0] for s in decode)[len(decode) // 2]
+    return {"batch": batch, "generate_s": gen, "prefill_s": steps[0][0], "decode_s_per_step": median,
+            "decode_tokens_per_s": batch / median, "tokens_per_s": batch * new_tokens / gen,
             "swap_read_per_forward": [s[1] for s in steps] if swapped else None,
-            "disk_read_per_forward": [s[2] for s in steps], "decode_swap_read": median[1] if swapped else None,
-            "decode_disk_read": median[2], "peak_rss": hwm, "peak_anon": peak_anon,
+            "disk_read_per_forward": [s[2] for s in steps], "peak_rss": hwm, "peak_anon": peak_anon,
             "tokens": out[:, prompt_len:].tolist()}
 
 
@@ -244,7 +243,7 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, batches: li
         runs[str(batch)] = r
         print(f"    batch {batch}: prompt {r['prefill_s']:.2f} s, decode {r['decode_s_per_step']:.2f} s/step "
               f"({r['decode_tokens_per_s']:.2f} tokens/s), {r['tokens_per_s']:.2f} tokens/s in all, "
-              f"{gib(r['decode_disk_read'])} GiB read per decode forward", file=sys.stderr, flush=True)
+              f"{gib(decode_read(r))} GiB read per decode forward", file=sys.stderr, flush=True)
     swap_wait = wait()
     if hasattr(keep, "destroy"):  # our engine: its swap files go now
         keep.destroy()
@@ -359,7 +358,7 @@ def main(argv=None) -> int:
                     print(f"    batch {b}: prompt {x['prefill_s']:.2f} s, decode {x['decode_s_per_step']:.2f} s/step "
                           f"= {x['decode_tokens_per_s']:.2f} tokens/s ({x['model_gib_per_s']:.2f} GiB/s of weights), "
                           f"whole call {x['tokens_per_s']:.2f} tokens/s, read per decode forward "
-                          f"{gib(x['decode_disk_read'])} GiB, peak RSS {gib(x['peak_rss'])} GiB", flush=True)
+                          f"{gib(decode_read(x))} GiB, peak RSS {gib(x['peak_rss'])} GiB", flush=True)
             results[model] = {"params": n_params(MODELS[model]), "shape": MODELS[model], "create": created,
                               "generate": gens, "failed": failed}
             shutil.rmtree(ckpt, ignore_errors=True)

@@ -15,6 +15,17 @@ def gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f}"
 
 
+def decode_read(x: dict, counter: str = "disk"):
+    """Bytes a decode forward of batch run ``x`` read: the mean of its decode forwards by ``counter``
+    ("disk": /proc/self/io; "swap": the parameter swapper's, None where there is none). How much of
+    the next forward a forward reads ahead depends on timing; what they read together does not."""
+    per_forward = x[f"{counter}_read_per_forward"]
+    if per_forward is None:
+        return None
+    decode = per_forward[1:] or per_forward
+    return sum(decode) / len(decode)
+
+
 def of_fio(g: dict, r: dict) -> str:
     disk = g.get("fio_read_gib_s", 0.0)
     return f" ({r['model_gib_per_s'] / disk:.2f}x {disk:.2f})" if disk else ""
@@ -41,10 +52,11 @@ def batch_table(results: dict) -> list:
     for model, r in results.items():
         for name, g in r["generate"].items():
             for b, x in g["batches"].items():
-                swap = gib(x["decode_swap_read"]) if x["decode_swap_read"] is not None else "—"
+                swap = decode_read(x, "swap")
+                swap = gib(swap) if swap is not None else "—"
                 rows.append(f"| {model} | {name} | {b} | {x['prefill_s']:.2f} | {x['decode_s_per_step']:.2f} | "
                             f"{x['decode_tokens_per_s']:.2f} | {x['tokens_per_s']:.2f} | {swap} / "
-                            f"{gib(x['decode_disk_read'])} | {x['model_gib_per_s']:.2f}{of_fio(g, x)} | "
+                            f"{gib(decode_read(x))} | {x['model_gib_per_s']:.2f}{of_fio(g, x)} | "
                             f"{gib(x['peak_rss'])} / {gib(x['peak_anon'])} |")
     return rows
 
@@ -107,7 +119,7 @@ def figures(record: dict) -> list:
         first, last = runs.get("1"), runs[max(runs, key=int)]
         if first is not None and last is not first:
             ratio = last["decode_tokens_per_s"] / first["decode_tokens_per_s"]
-            same = last["decode_disk_read"] / first["decode_disk_read"]
+            same = decode_read(last) / decode_read(first)
             out.append(harness.Figure(
                 f"{model} ({r['params'] / 1e9:.2f}B), zero-nvme: decode tokens/s, batch {last['batch']} / batch 1 "
                 f"(bytes read per forward {last['batch']} / 1: {same:.3f})", f"**{ratio:.1f}x**",
@@ -155,7 +167,7 @@ def write_section(record: dict, results_md: str) -> None:
             f"same config through `HfDeepSpeedConfig` and `deepspeed.initialize`. prompt s: the first forward (all "
             f"rows' prompts); decode s / step: the median of the later forwards (one token for every row); decode "
             f"tokens/s: batch / that; tokens/s, whole call: the tokens made / the `generate` call's seconds; read per "
-            f"decode forward: the median decode forward's bytes by the parameter swapper's counter and by "
+            f"decode forward: the decode forwards' mean bytes by the parameter swapper's counter and by "
             f"`/proc/self/io` (read_bytes: O_DIRECT reads included, DeepSpeed's too); weights GiB/s: the weight "
             f"bytes / decode s per step (every forward reads every weight once), in brackets its ratio to fio's read "
             f"measured just before that contender (fio at its best: io_uring, 4 MiB blocks, iodepth 32, huge-page "
