@@ -1,7 +1,8 @@
-"""ZeRO-Inference beyond memory: `generate` of a Llama-shaped model whose weights exceed this machine's RAM.
+"""ZeRO-Inference beyond memory: `generate` of a Llama-shaped model whose weights exceed this machine's RAM,
+at batch 1, 8 and 32.
 
-    flock /tmp/bench.lock python -m bench.inference --results-md bench/RESULTS.md --json bench/out/inference.json
-    python -m bench.inference --models small --new-tokens 4          # the in-memory comparison only
+    flock /tmp/bench.lock python -m bench.inference --models small --results-md bench/RESULTS.md --json bench/out/inference.json
+    python -m bench.inference --models tiny --batches 1 2 --contenders zero-nvme   # a smoke test
 
 For each model (``small``: Llama shape, 1.1B parameters, fits in memory;
 ``big``: Llama-7B shape, 6.7B parameters, 27 GB of fp32 weights, more than
@@ -13,13 +14,22 @@ this machine's RAM):
    ``torch`` (plain ``from_pretrained``, the model in memory; small model only),
    ``zero-cpu`` and ``zero-nvme`` (``from_pretrained`` under ``zero.Init``, then
    ``zero.initialize`` with the Hugging Face docs' ZeRO-Inference config: no
-   optimizer, parameters on that device, ``max_in_cpu`` 0), greedy, a fixed
-   prompt, ``--new-tokens`` tokens. Reported: seconds per token (the whole
-   ``generate`` call over the tokens made, prefill included), tokens/s, load
-   time, NVMe wait, peak RSS (VmHWM) and peak anonymous memory (RssAnon sampled
-   every 20 ms) of the load and of the generation separately (transformers maps
-   the checkpoint: those pages count in VmHWM and are page cache the kernel
-   drops under pressure), and the tokens (equal across contenders).
+   optimizer, parameters on that device, ``max_in_cpu`` 0), ``ds-nvme``
+   (DeepSpeed 0.19.8's ZeRO-Inference, the same config through its
+   ``HfDeepSpeedConfig`` and ``deepspeed.initialize``, in DeepSpeed's venv).
+   Each loads once, runs one short ``generate`` that records the fetch trace,
+   then one greedy ``generate`` per ``--batches`` size: FlexGen's convention
+   (every row a ``--prompt-len``-token prompt, ``--new-tokens`` tokens made)
+   scaled down to this CPU. Reported per batch: the prompt's forward (prefill),
+   the median later forward (one token per row: the decode step), tokens/s of
+   the decode (rows / step) and of the whole call (tokens made / its seconds),
+   the bytes each forward reads (the parameter swapper's counter, and
+   ``/proc/self/io``'s read_bytes, the only one DeepSpeed has), their GiB/s
+   against fio's best read measured just before the contender, peak RSS (VmHWM)
+   and peak anonymous memory (RssAnon sampled every 20 ms) of the load and of
+   each batch's generation (transformers maps the checkpoint: those pages count
+   in VmHWM and are page cache the kernel drops under pressure), and the tokens
+   (equal across contenders of a model and batch in fp32).
 
 Needs about 2.1x the big model's bytes free under ``--nvme-dir`` (checked
 first; the big checkpoint is deleted once loaded into zero.Init's swap files,
@@ -38,10 +48,10 @@ import sys
 import tempfile
 import time
 
-from bench import harness
+from bench import harness, training
 from bench.harness import status_bytes
+from bench.inference_report import batch_table, decode_read, gib, write_section
 
-SECTION = "## ZeRO-Inference beyond memory (bench/inference.py)"
 MODELS = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4, vocab_size=32000),  # a smoke test of the script (--models tiny)
@@ -54,6 +64,12 @@ AIO = {"block_size": 8388608, "queue_depth": 32, "intra_op_parallelism": 4, "sin
        "overlap_events": True}
 
 
+CONTENDERS = ("torch", "zero-cpu", "zero-nvme", "zero-nvme-bf16", "ds-nvme")
+DS_HF_PATH = "/opt/dsvenv-hf"  # transformers for DeepSpeed's venv, beside it (the venv itself is left as it is)
+DS_VENV_HOWTO = ("python -m venv /opt/dsvenv && /opt/dsvenv/bin/pip install torch==2.13.0 deepspeed==0.19.8 ninja "
+                 "&& apt-get install -y libaio-dev && /opt/dsvenv/bin/pip install --no-deps --target /opt/dsvenv-hf "
+                 "transformers==5.24.0 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 pyyaml regex "
+                 "tqdm typer click rich shellingham hf-xet httpx2 httpcore2 anyio idna h11 truststore")
 PREFETCH = 500_000_000  # elements read ahead: several layers (the docs' 0.9 * hidden^2 is less than one)
 BUFFERS = 10
 
@@ -141,59 +157,103 @@ def child_create(model: str, out_dir: str, nvme: str) -> dict:
     return {"build_s": built, "save_s": saved, "checkpoint_bytes": nbytes, "peak_rss": _vmhwm()}
 
 
-def child_generate(model: str, contender: str, ckpt: str, nvme: str, new_tokens: int, drop_ckpt: bool) -> dict:
+def load(contender: str, ckpt: str, nvme: str, shape: dict, drop_ckpt: bool):
+    """The model of ``contender`` loaded from ``ckpt``: (model, what keeps it alive, a callable giving
+    the bytes its parameter swapper has read so far or None, a callable giving its NVMe wait s)."""
+    import transformers
+
+    if contender == "torch":
+        return transformers.LlamaForCausalLM.from_pretrained(ckpt), None, None, lambda: 0.0
+    device = contender.split("-")[1]
+    ds = ds_config(device, nvme, shape["hidden_size"], bf16=contender.endswith("-bf16"))
+    if contender.startswith("ds-"):  # DeepSpeed's ZeRO-Inference as the Hugging Face docs run it
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        training.join_as_single_rank()
+        keep = HfDeepSpeedConfig(ds)  # from_pretrained builds under deepspeed.zero.Init while it lives
+        llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
+        engine = deepspeed.initialize(model=llama, config_params=ds)[0]
+        engine.module.eval()
+        return llama, (keep, engine), None, lambda: 0.0
+    import zero
+
+    with zero.Init(config_dict_or_path=ds):
+        llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
+    if drop_ckpt:  # the values are in zero.Init's swap files now; the engine's need the disk space
+        shutil.rmtree(ckpt)
+    engine, _, _, _ = zero.initialize(model=llama, config=ds)
+    engine.eval()
+    store = engine.parts.param_store
+    swapped = (lambda: store.swapper.io_bytes.read) if device == "nvme" else None
+    return llama, engine, swapped, lambda: store.read_wait_seconds if device == "nvme" else 0.0
+
+
+def generate_batch(llama, batch: int, prompt_len: int, new_tokens: int, swapped) -> dict:
+    """One greedy ``generate`` of ``new_tokens`` tokens for ``batch`` prompts of ``prompt_len`` random
+    tokens: the seconds and bytes of each forward (a logits processor marks the end of each)."""
     import torch
     import transformers
 
-    import zero
+    g = torch.Generator().manual_seed(batch)
+    prompt = torch.randint(3, 32000, (batch, prompt_len), generator=g)
+    marks = []  # (seconds, swapper bytes, /proc/self/io bytes) at the start and after each forward
 
-    shape = MODELS[model]
-    prompt = torch.tensor([[1, 306, 4658, 278, 6593, 310, 2834, 338]])
-    anon = PeakAnon()
-    t0 = time.perf_counter()
-    if contender == "torch":
-        llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
-        engine = None
-    else:
-        ds = ds_config(contender.split("-")[1], nvme, shape["hidden_size"], bf16=contender.endswith("-bf16"))
-        with zero.Init(config_dict_or_path=ds):
-            llama = transformers.LlamaForCausalLM.from_pretrained(ckpt)
-        if drop_ckpt:  # the values are in zero.Init's swap files now; the engine's need the disk space
-            shutil.rmtree(ckpt)
-        engine, _, _, _ = zero.initialize(model=llama, config=ds)
-        engine.eval()
-    load = time.perf_counter() - t0
-    load_hwm, load_anon = _vmhwm(), anon.stop()
-    llama.eval()
-    anon = PeakAnon()
-    anon.reset()
-    stamps = []
+    def mark():
+        marks.append((time.perf_counter(), swapped() if swapped else 0, harness.proc_io()["read_bytes"]))
 
-    def stamp(input_ids, scores):  # called once per token, after its forward
-        stamps.append(time.perf_counter())
+    def stamp(input_ids, scores):
+        mark()
         return scores
 
-    t0 = time.perf_counter()
+    anon = PeakAnon()
+    anon.reset()
+    mark()
     with torch.no_grad():
-        out = llama.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, logits_processor=transformers.LogitsProcessorList([stamp]))
-    gen = time.perf_counter() - t0
-    steps = sorted(b - a for a, b in zip(stamps, stamps[1:]))  # the forwards after the prompt's
-    gen_hwm, gen_anon = _vmhwm(), anon.stop()
-    swap_wait = engine.parts.param_store.read_wait_seconds if engine is not None else 0.0
-    if engine is not None:
-        engine.destroy()
-    decode = steps[len(steps) // 2] if steps else gen
-    return {"load_s": load, "generate_s": gen, "s_per_token": gen / new_tokens, "tokens_per_s": new_tokens / gen,
-            "prefill_s": stamps[0] - t0, "decode_s_per_token": decode, "decode_tokens_per_s": 1 / decode,
-            "weight_bytes": weight_bytes(shape, contender),
-            "model_gib_per_s": weight_bytes(shape, contender) / decode / 2 ** 30,
-            "swap_wait_s": swap_wait, "tokens": out[0, prompt.shape[1]:].tolist(), "load_peak_rss": load_hwm,
-            "load_peak_anon": load_anon, "peak_rss": gen_hwm, "peak_anon": gen_anon}
+        out = llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                             logits_processor=transformers.LogitsProcessorList([stamp]))
+    gen = time.perf_counter() - marks[0][0]
+    hwm, peak_anon = _vmhwm(), anon.stop()
+    steps = [tuple(b - a for a, b in zip(x, y)) for x, y in zip(marks, marks[1:])]
+    decode = steps[1:] or steps  # the forwards after the prompt's
+    median = sorted(s[0] for s in decode)[len(decode) // 2]
+    return {"batch": batch, "generate_s": gen, "prefill_s": steps[0][0], "decode_s_per_step": median,
+            "decode_tokens_per_s": batch / median, "tokens_per_s": batch * new_tokens / gen,
+            "swap_read_per_forward": [s[1] for s in steps] if swapped else None,
+            "disk_read_per_forward": [s[2] for s in steps], "peak_rss": hwm, "peak_anon": peak_anon,
+            "tokens": out[:, prompt_len:].tolist()}
 
 
-def run_child(*args: str) -> dict:
-    result = harness.run_child("bench.inference", ["--child", *args])
+def child_generate(model: str, contender: str, ckpt: str, nvme: str, batches: list, prompt_len: int,
+                   new_tokens: int, drop_ckpt: bool) -> dict:
+    shape = MODELS[model]
+    anon = PeakAnon()
+    t0 = time.perf_counter()
+    llama, keep, swapped, wait = load(contender, ckpt, nvme, shape, drop_ckpt)
+    load_s = time.perf_counter() - t0
+    load_hwm, load_anon = _vmhwm(), anon.stop()
+    llama.eval()
+    weights = weight_bytes(shape, contender)
+    warm = generate_batch(llama, 1, 8, 2, swapped)  # records the fetch trace: every batch below follows it
+    runs = {}
+    for batch in batches:
+        r = generate_batch(llama, batch, prompt_len, new_tokens, swapped)
+        r["model_gib_per_s"] = weights / r["decode_s_per_step"] / 2 ** 30
+        runs[str(batch)] = r
+        print(f"    batch {batch}: prompt {r['prefill_s']:.2f} s, decode {r['decode_s_per_step']:.2f} s/step "
+              f"({r['decode_tokens_per_s']:.2f} tokens/s), {r['tokens_per_s']:.2f} tokens/s in all, "
+              f"{gib(decode_read(r))} GiB read per decode forward", file=sys.stderr, flush=True)
+    swap_wait = wait()
+    if hasattr(keep, "destroy"):  # our engine: its swap files go now
+        keep.destroy()
+    return {"load_s": load_s, "load_peak_rss": load_hwm, "load_peak_anon": load_anon, "weight_bytes": weights,
+            "swap_wait_s": swap_wait, "warmup_s": warm["generate_s"], "batches": runs}
+
+
+def run_child(*args: str, python=None) -> dict:
+    path = os.pathsep.join([harness.ROOT, DS_HF_PATH]) if python else harness.ROOT
+    result = harness.run_child("bench.inference", ["--child", *args], python=python, first_on_path=path)
     if "error" in result:
         raise RuntimeError(f"child {args} failed:\n" + "\n".join(result["tail"]) + f"\n{result['error']}")
     return result
@@ -201,17 +261,13 @@ def run_child(*args: str) -> dict:
 
 # -- the run ---------------------------------------------------------------------------------------
 
-def gib(n: float) -> str:
-    return f"{n / 2 ** 30:.2f}"
-
-
 FIO_READ_BYTES = 2 << 30
 
 
 def fio_read(work: str) -> float:
     """The disk's best read speed right now (GiB/s): fio at its best settings (io_uring, 4 MiB
     blocks, iodepth 32, huge-page memory, O_DIRECT), the fastest of three runs over a 2 GiB file
-    in ``work``, page cache dropped; 0 when fio is missing. Every token reads all weights once,
+    in ``work``, page cache dropped; 0 when fio is missing. Every forward reads all weights once,
     so this is the speed a generate from NVMe can approach."""
     best = harness.fio_reference(FIO_READ_BYTES, 0, work, runs=3)
     return best["read_bytes"] / best["seconds"] / 2 ** 30 if best.get("seconds") else 0.0
@@ -225,117 +281,36 @@ def check_space(path: str, models) -> None:
                          f"model's fp32 weights: zero.Init's swap files plus the checkpoint, then the engine's)")
 
 
-def of_fio(g: dict) -> str:
-    disk = g.get("fio_read_gib_s", 0.0)
-    return f" ({g['model_gib_per_s'] / disk:.2f}x {disk:.2f})" if disk else ""
-
-
-def table(results: dict, ram: int) -> list:
-    rows = ["| model | params | weights read per token | contender | load s | load peak RSS / anon GiB | prompt s | s/token "
-            "| tokens/s | weights GiB/s (of fio read) | NVMe wait s | generate peak RSS / anon GiB | generate RSS / weights |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for model, r in results.items():
-        weights = r["params"] * 4
-        for name, g in r["generate"].items():
-            weights = g.get("weight_bytes", r["params"] * 4)
-            rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB"
-                        f"{' (> RAM)' if weights > ram else ''} | {name} | {g['load_s']:.1f} | "
-                        f"{gib(g['load_peak_rss'])} / {gib(g['load_peak_anon'])} | {g['prefill_s']:.2f} | "
-                        f"{g['decode_s_per_token']:.2f} | {g['decode_tokens_per_s']:.3f} | "
-                        f"{g['model_gib_per_s']:.2f}{of_fio(g)} | {g['swap_wait_s']:.1f} | {gib(g['peak_rss'])} / "
-                        f"{gib(g['peak_anon'])} | {g['peak_rss'] / weights:.2f} |")
-        weights = r["params"] * 4
-        for name, why in r.get("failed", {}).items():
-            rows.append(f"| {model} | {r['params'] / 1e9:.2f}B | {gib(weights)} GiB | {name} | failed: {why} |"
-                        " | | | | | | | |")
-    return rows
-
-
-def chart(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    labels, tps, rss = [], [], []
-    for model, r in results.items():
-        for name, g in r["generate"].items():
-            labels.append(f"{model}\n{name}")
-            tps.append(g["decode_tokens_per_s"])
-            rss.append(g["peak_rss"] / 2 ** 30)
-    a.bar(labels, tps, color="tab:blue")
-    a.set_ylabel("tokens / s")
-    a.set_title("greedy generate, batch 1 (after the prompt)")
-    b.bar(labels, rss, color="tab:orange")
-    b.set_ylabel("peak RSS (GiB)")
-    b.axhline(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, color="k", ls="--", lw=1)
-    b.set_title("peak RSS (dashed: RAM)")
-    for ax in (a, b):
-        ax.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def write_section(record: dict, results_md: str) -> None:
-    """The RESULTS.md section (table, notes, chart) of one run's record."""
-    rows = table(record["results"], record["ram_bytes"])
-    png = os.path.join(os.path.dirname(os.path.abspath(results_md)), "inference.png")
-    chart(record["results"], png)
-    same = all(len({tuple(g["tokens"]) for n, g in r["generate"].items() if not n.endswith("-bf16")}) <= 1
-               for r in record["results"].values())
-    body = [f"Run {record['started']}, commit {record.get('commit', '?')}, load average {record['load_start']} at the start, {record['load_end']} at the end "
-            f"(2 CPUs, {gib(record['ram_bytes'])} GiB RAM, one virtio disk: ~3.4 GiB/s read). Greedy `generate` of "
-            f"{record['new_tokens']} tokens from an 8-token prompt, batch 1, fp32; each contender a fresh process "
-            f"(peak RSS = its VmHWM). Models built under `zero.Init` with parameters on NVMe and saved by "
-            f"`zero.save_pretrained` (nvmeio's streaming safetensors writer); the zero contenders load them "
-            f"with `from_pretrained` under `zero.Init` and the Hugging Face docs' ZeRO-Inference config "
-            f"(no optimizer; for NVMe `max_in_cpu` 0, `buffer_count` {BUFFERS}, `stage3_prefetch_bucket_size` "
-            f"{PREFETCH:.0e} instead of the docs' 0.9·hidden², which is less than one layer). prompt s: the "
-            f"first `generate` step (the prompt's forward, which also records the fetch trace); s/token: the "
-            f"median of the later steps (one token each); weights GiB/s: fp32 weight bytes / s/token (every "
-            f"token reads all weights once), and in brackets its ratio to fio's read speed measured just before "
-            f"that contender (fio at its best: io_uring, 4 MiB blocks, iodepth 32, huge-page memory, the fastest "
-            f"of three runs over a 2 GiB file, page cache dropped).", "", *rows, "",
-            f"Tokens equal across contenders of a model: {'yes' if same else 'NO'}.", "",
-            "![ZeRO-Inference](inference.png)"]
-    for model, r in record["results"].items():
-        c = r["create"]
-        body.insert(-2, f"- {model}: built under zero.Init in {c['build_s']:.0f} s at peak RSS "
-                        f"{gib(c['peak_rss'])} GiB, saved ({gib(c['checkpoint_bytes'])} GiB) in {c['save_s']:.0f} s.")
-    body.insert(-2 - len(record["results"]), "")
-    body[-2:-2] = record.get("notes", [])
-    harness.write_section(results_md, SECTION, figures(record), record.get("command", "python -m bench.inference"),
-                          "\n".join(body))
-
-
-def figures(record: dict) -> list:
-    """The headline: the weight bytes a token reads per second from NVMe against fio's read
-    (issue 21: 0.9x for fp32 weights), and the peak RSS against the weights."""
-    out, when = [], record["started"]
-    for model, r in record["results"].items():
-        for name, g in r["generate"].items():
-            disk = g.get("fio_read_gib_s", 0.0)
-            if name.startswith("zero-nvme") and disk:
-                ratio = g["model_gib_per_s"] / disk
-                fp32 = name == "zero-nvme"
-                out.append(harness.Figure(f"{model} ({r['params'] / 1e9:.2f}B), {name}: weights read per s / fio's "
-                                          f"read ({g['decode_s_per_token']:.2f} s/token)", f"**{ratio:.2f}x**",
-                                          "≥ 0.9x (issue 21)" if fp32 else "—", ratio >= 0.9 if fp32 else None, when))
-            if name.startswith("zero-nvme"):
-                share = g["peak_rss"] / g.get("weight_bytes", r["params"] * 4)
-                out.append(harness.Figure(f"{model}, {name}: generate peak RSS / weights", f"{share:.2f}", when=when))
-    return out
+def generate(model: str, name: str, ckpt: str, swap: str, args, drop: bool) -> dict:
+    """One contender's child, after fio's read on the same disk (NVMe contenders)."""
+    disk = fio_read(os.path.dirname(swap)) if "nvme" in name else 0.0
+    python = None
+    if name.startswith("ds-"):
+        missing = [p for p in (args.ds_python, DS_HF_PATH) if not os.path.exists(p)]
+        if missing:
+            raise RuntimeError(f"no {' or '.join(missing)}: create them with: {DS_VENV_HOWTO}")
+        python = args.ds_python
+    try:
+        g = run_child("generate", model, name, ckpt, swap, ",".join(map(str, args.batches)), str(args.prompt_len),
+                      str(args.new_tokens), "1" if drop else "0", python=python)
+    finally:  # what a contender left (DeepSpeed's swap files stay after it exits)
+        shutil.rmtree(swap, ignore_errors=True)
+        os.makedirs(swap)
+    g["fio_read_gib_s"] = disk
+    return g
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--child", nargs="+")
     p.add_argument("--models", nargs="+", default=["small", "big"], choices=list(MODELS))
-    p.add_argument("--new-tokens", type=int, default=6)
-    p.add_argument("--contenders", nargs="+", choices=["torch", "zero-cpu", "zero-nvme", "zero-nvme-bf16"],
-                   help="default: all four for the small model, zero-nvme for the big one")
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens of every row's prompt (FlexGen: 512)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens made for every row (FlexGen: 32)")
+    p.add_argument("--contenders", nargs="+", choices=CONTENDERS,
+                   help="default: torch, zero-nvme and ds-nvme for the small model, zero-nvme for the big one")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir())
+    p.add_argument("--ds-python", default="/opt/dsvenv/bin/python", help="python of a venv with deepspeed==0.19.8")
     p.add_argument("--json")
     p.add_argument("--results-md")
     p.add_argument("--render", metavar="JSON", help="only rewrite --results-md's section from a run's --json")
@@ -349,7 +324,8 @@ def main(argv=None) -> int:
         if kind == "create":
             result = child_create(rest[0], rest[1], rest[2])
         else:
-            result = child_generate(rest[0], rest[1], rest[2], rest[3], int(rest[4]), rest[5] == "1")
+            result = child_generate(rest[0], rest[1], rest[2], rest[3], [int(b) for b in rest[4].split(",")],
+                                    int(rest[5]), int(rest[6]), rest[7] == "1")
         harness.print_result(result)
         return 0
 
@@ -366,36 +342,34 @@ def main(argv=None) -> int:
             created = run_child("create", model, ckpt, swap)
             print(f"{model}: built in {created['build_s']:.1f} s, saved in {created['save_s']:.1f} s "
                   f"({gib(created['checkpoint_bytes'])} GiB), peak RSS {gib(created['peak_rss'])} GiB", flush=True)
-            contenders = args.contenders or (["zero-nvme"] if model == "big" else
-                                             ["torch", "zero-cpu", "zero-nvme", "zero-nvme-bf16"])
+            contenders = args.contenders or (["zero-nvme"] if model == "big" else ["torch", "zero-nvme", "ds-nvme"])
             gens, failed = {}, {}
             for name in contenders:
-                last = name == contenders[-1]
                 try:
-                    disk = fio_read(work) if name.startswith("zero-nvme") else 0.0
-                    gens[name] = run_child("generate", model, name, ckpt, swap, str(args.new_tokens),
-                                           "1" if last and model == "big" else "0")
-                    gens[name]["fio_read_gib_s"] = disk
+                    gens[name] = generate(model, name, ckpt, swap, args, name == contenders[-1] and model == "big")
                 except RuntimeError as exc:  # recorded in the results, not hidden
-                    failed[name] = str(exc).strip().splitlines()[-1]
+                    failed[name] = str(exc).strip().splitlines()[-1][:300]
                     print(f"  {name}: FAILED: {failed[name]}", flush=True)
                     continue
                 g = gens[name]
                 print(f"  {name}: load {g['load_s']:.1f} s (peak RSS {gib(g['load_peak_rss'])}, anon "
-                      f"{gib(g['load_peak_anon'])} GiB), prompt {g['prefill_s']:.2f} s, {g['decode_s_per_token']:.2f} s/token "
-                      f"({g['model_gib_per_s']:.2f} GiB/s of weights{of_fio(g)}), NVMe wait {g['swap_wait_s']:.1f} s, generate peak RSS "
-                      f"{gib(g['peak_rss'])} GiB (anon {gib(g['peak_anon'])}), tokens {g['tokens']}", flush=True)
+                      f"{gib(g['load_peak_anon'])} GiB), fio read {g['fio_read_gib_s']:.2f} GiB/s", flush=True)
+                for b, x in g["batches"].items():
+                    print(f"    batch {b}: prompt {x['prefill_s']:.2f} s, decode {x['decode_s_per_step']:.2f} s/step "
+                          f"= {x['decode_tokens_per_s']:.2f} tokens/s ({x['model_gib_per_s']:.2f} GiB/s of weights), "
+                          f"whole call {x['tokens_per_s']:.2f} tokens/s, read per decode forward "
+                          f"{gib(decode_read(x))} GiB, peak RSS {gib(x['peak_rss'])} GiB", flush=True)
             results[model] = {"params": n_params(MODELS[model]), "shape": MODELS[model], "create": created,
                               "generate": gens, "failed": failed}
             shutil.rmtree(ckpt, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    load_end = harness.load_average()
-    rows = table(results, ram)
-    print("\n".join(rows))
-    record = {"started": started, "load_start": load_start, "load_end": load_end, "ram_bytes": ram,
-              "new_tokens": args.new_tokens, "results": results, "commit": harness.commit(),
+    record = {"started": started, "load_start": load_start, "load_end": harness.load_average(), "ram_bytes": ram,
+              "settings": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batches": args.batches,
+                           "buffer_count": BUFFERS, "prefetch": PREFETCH, "deepspeed": "0.19.8"},
+              "results": results, "commit": harness.commit(),
               "command": "python -m bench.inference " + " ".join(sys.argv[1:] if argv is None else argv)}
+    print("\n".join(batch_table(results)))
     harness.save_json(record, args.json, indent=1)
     if args.results_md:
         write_section(record, args.results_md)

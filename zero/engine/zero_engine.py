@@ -150,6 +150,20 @@ class ZeroEngine(nn.Module):
         not fill the last window; the next window then starts at micro-batch 0. False: undo."""
         self.backward_pass.set_boundary(is_boundary)
 
+    def __getattr__(self, name: str):
+        """What the engine lacks is the model's (``engine.generate(...)``, ``engine.gradient_checkpointing_enable()``),
+        as DeepSpeed's engine passes such attributes through: its ZeRO-Inference scripts call either."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and name != "module":
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
+
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
         self.training = mode
