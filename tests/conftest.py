@@ -39,6 +39,23 @@ def fresh_direct_io_warnings(monkeypatch):
     monkeypatch.setattr(importlib.import_module("nvmeio._handle"), "_warned_no_direct", set())
 
 
+@pytest.fixture(autouse=True)
+def isolated_process_state():
+    """Each test leaves the environment and the default process group as it found them. Lightning
+    sets MASTER_ADDR, MASTER_PORT, NODE_RANK and LOCAL_RANK in os.environ as it launches; a later
+    engine then takes the process for one launched by torchrun and joins a group of one, which
+    ranks forked after it inherited ("trying to initialize the default process group twice!")."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    grouped = dist.is_available() and dist.is_initialized()
+    yield
+    if not grouped and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 @pytest.fixture
 def nvme_dir(tmp_path):
     """A scratch directory (tmp_path is on the machine's ext4 disk)."""
