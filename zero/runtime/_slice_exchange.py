@@ -32,6 +32,9 @@ class Exchange:
     def __init__(self, sends: List, recvs: List, finish: Optional[Callable[[], None]] = None):
         self._sends, self._recvs, self._finish = sends, recvs, finish
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._sends + self._recvs)
+
     def wait(self) -> bool:
         for work in self._recvs:
             work.wait()
@@ -64,19 +67,23 @@ class SliceExchange:
             return Exchange([], []) if async_op else None
         parts = [full[j * n:(j + 1) * n] for j in range(world)]
         tag = self._tag()
-        received = torch.empty((world - 1) * n, dtype=full.dtype, device=full.device)
+        # The first other rank's contribution lands in ``shard`` itself, the rest (more than two
+        # ranks) in a buffer; ``shard`` then adds the other of the first two in rank order (a
+        # sum of two is the same bits either way round) and the rest in order.
+        first = 1 if self.rank == 0 else 0
+        received = torch.empty((world - 2) * n, dtype=full.dtype, device=full.device) if world > 2 else None
         contributions, sends, recvs = [], [], []
         for j in range(world):
             if j == self.rank:
                 contributions.append(parts[j])
                 continue
             sends.append(dist.isend(parts[j], self.peers[j], group=self.group, tag=tag))
-            slot = len(recvs)
-            contributions.append(received[slot * n:(slot + 1) * n])
+            slot = len(recvs) - 1
+            contributions.append(shard if j == first else received[slot * n:(slot + 1) * n])
             recvs.append(dist.irecv(contributions[-1], self.peers[j], group=self.group, tag=tag))
 
         def finish() -> None:
-            torch.add(contributions[0], contributions[1], out=shard)
+            shard.add_(contributions[1 - first])
             for c in contributions[2:]:
                 shard.add_(c)
 

@@ -158,6 +158,10 @@ class _Done:
     def wait() -> bool:
         return True
 
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
 
 _DONE = _Done()
 
@@ -168,6 +172,9 @@ class _CopiedBack:
 
     def __init__(self, work, result: torch.Tensor, used: torch.Tensor, keep: torch.Tensor):
         self._work, self._result, self._used, self._keep = work, result, used, keep
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
     def wait(self):
         done = self._work.wait()

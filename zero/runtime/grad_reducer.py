@@ -24,8 +24,10 @@ With ``overlap_comm`` (DeepSpeed's default) a unit's reduce-scatter is started
 and backward goes on to the next units while it runs; its result is added into
 the partition when it is needed: before the elements in flight would pass
 ``reduce_bucket_size``, before a sub-group's gradient goes to NVMe, and at the
-end of backward (:meth:`GradReducer.flush`). Results are added in the order
-the reductions started, so the sums are the same as without overlap.
+end of backward (:meth:`GradReducer.flush`); and, so that finished ones hold no
+memory, when the next starts, those done already but the newest. Results are
+added in the order the reductions started, so the sums are the same as without
+overlap.
 
 [Note: every rank reduces the same units in the same order]
 Collectives must match across ranks. A unit is reduced when the last of its
@@ -185,6 +187,8 @@ class GradReducer:
             self.comm.reduce_scatter(shard, buf)
             self._land(shard, layout.index)
             return
+        while len(self._in_flight) > 1 and self._in_flight[0][0].is_completed():
+            self._land_oldest()  # done already: its buffers go now (one always stays in flight)
         while self._in_flight and self._in_flight_numel + buf.numel() > self.bucket_numel:
             self._land_oldest()
         work = self.comm.reduce_scatter(shard, buf, async_op=True)
