@@ -2,6 +2,8 @@
 offload on one model that fits, against plain PyTorch / DDP and DeepSpeed's same rungs.
 
     flock /tmp/bench.lock python -m bench.ladder                 # 1 and 2 ranks, every rung
+    flock /tmp/bench.lock python -m bench.ladder --rounds 3      # each rung 3 times, interleaved
+    flock /tmp/bench.lock python -m bench.ladder --model 311m    # the 311M GPT of bench/scale.py
     python -m bench.ladder --quick                                # a small model, to check it runs
 
 Rungs (ours): stage 0, 1, 2, 2 + offload_optimizer cpu, 2 + nvme, 3, 3 + offload cpu (parameters
@@ -11,7 +13,9 @@ offload_optimizer cpu with its cpu_adam, its best working configuration for that
 contender runs in a fresh process (two ranks: two processes on gloo), the same model, data and
 config; a step is ``engine(x, y); engine.backward(loss); engine.step()``. Figures: the median of
 ``--steps`` steps after ``--warmup``, the peak RSS of the largest rank (VmHWM), the bytes each
-rank read and wrote (/proc/self/io), and the optimizer-state bytes a rank holds.
+rank read and wrote (/proc/self/io), and the optimizer-state bytes a rank holds. With
+``--rounds R`` every rung runs R times, round after round (so a slow minute of this shared
+machine falls on every rung alike), and its step is the median of its rounds' medians.
 """
 from __future__ import annotations
 
@@ -24,8 +28,10 @@ import time
 
 from bench import harness, training
 
-MODEL = dict(vocab=8192, d_model=768, heads=12, layers=15, seq=128, tie=True)  # 112M parameters
-QUICK_MODEL = dict(vocab=1024, d_model=128, heads=4, layers=2, seq=32, tie=True)
+MODELS = {"112m": dict(vocab=8192, d_model=768, heads=12, layers=15, seq=128, tie=True),
+          "311m": dict(vocab=8192, d_model=1024, heads=16, layers=24, seq=128, tie=True),
+          "quick": dict(vocab=1024, d_model=128, heads=4, layers=2, seq=32, tie=True)}  # to check it runs
+MODEL = MODELS["112m"]
 BATCH = 2  # sequences per rank
 LR = 1e-4
 OURS = {  # name: (stage, offload_optimizer, offload_param)
@@ -144,26 +150,40 @@ def child(name: str, world: int, shape: dict, steps: int, warmup: int) -> dict:
 # -- the run --------------------------------------------------------------------------------------------
 
 def measure(args) -> list:
-    rows = []
-    for world in args.world:
-        for name in ["torch", *OURS, *DEEPSPEED]:
-            deepspeed = name in DEEPSPEED
-            if deepspeed and not os.path.exists(args.ds_python):
-                rows.append({"name": name, "world": world, "skipped": f"no DeepSpeed venv at {args.ds_python}; "
-                                                                      f"create it with: {DS_VENV_HOWTO}"})
-                continue
-            child_args = ["--child", name, "--world", world, "--steps", args.steps, "--warmup", args.warmup]
-            if args.quick:
-                child_args.append("--quick")
-            t0 = time.perf_counter()
-            result = harness.run_child("bench.ladder", child_args, python=args.ds_python if deepspeed else None,
-                                       timeout=args.timeout)
-            result.setdefault("name", name)
-            result.setdefault("world", world)
-            print(f"{world} rank(s) {name}: {result.get('step_s', result.get('error'))} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            rows.append(result)
-    return rows
+    runs = {}  # (world, name): each round's result
+    for round_ in range(args.rounds):
+        for world in args.world:
+            for name in args.rungs:
+                deepspeed = name in DEEPSPEED
+                if deepspeed and not os.path.exists(args.ds_python):
+                    runs[world, name] = [{"name": name, "world": world, "skipped": (
+                        f"no DeepSpeed venv at {args.ds_python}; create it with: {DS_VENV_HOWTO}")}]
+                    continue
+                child_args = ["--child", name, "--world", world, "--steps", args.steps, "--warmup", args.warmup,
+                              "--model", args.model]
+                t0 = time.perf_counter()
+                result = harness.run_child("bench.ladder", child_args, python=args.ds_python if deepspeed else None,
+                                           timeout=args.timeout)
+                result.setdefault("name", name)
+                result.setdefault("world", world)
+                print(f"round {round_ + 1}: {world} rank(s) {name}: {result.get('step_s', result.get('error'))} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                runs.setdefault((world, name), []).append(result)
+    return [_rounds_merged(results) for results in runs.values()]
+
+
+def _rounds_merged(results: list) -> dict:
+    """One rung's rounds as one row: the median of the rounds' median steps, the largest peak RSS
+    and bytes moved; a rung that failed in any round is reported failed."""
+    done = [r for r in results if "step_s" in r]
+    if len(done) < len(results):
+        return next(r for r in results if "step_s" not in r)
+    row = dict(done[0])
+    row.update(step_s=statistics.median(r["step_s"] for r in done), round_steps=[r["step_s"] for r in done],
+               times=[t for r in done for t in r["times"]], peak_rss=max(r["peak_rss"] for r in done),
+               read_per_step=max(r["read_per_step"] for r in done),
+               written_per_step=max(r["written_per_step"] for r in done))
+    return row
 
 
 def _by(rows, world, name):
@@ -212,18 +232,21 @@ def figures(rows, when: str) -> list:
 
 
 def table(rows) -> str:
-    lines = ["| ranks | rung | step s | / reference | peak RSS GiB (largest rank) | optimizer states GiB / rank | "
-             "read MB / step | written MB / step |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| ranks | rung | step s | / reference | rounds s | peak RSS GiB (largest rank) | "
+             "optimizer states GiB / rank | read MB / step | written MB / step |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         if "step_s" not in r:
             why = r.get("skipped") or f"failed: {r.get('error')}"
-            lines.append(f"| {r['world']} | {r['name']} | {why} | | | | | |")
+            lines.append(f"| {r['world']} | {r['name']} | {why} | | | | | | |")
             continue
         ref = _by(rows, r["world"], "torch")
         ratio = f"{r['step_s'] / ref['step_s']:.2f}x" if ref else "—"
         states = f"{r['states_bytes'] / harness.GiB:.2f}" if r.get("states_bytes") else "—"
-        lines.append(f"| {r['world']} | {r['name']} | {r['step_s']:.2f} | {ratio} | {r['peak_rss'] / harness.GiB:.2f} | "
-                     f"{states} | {r['read_per_step'] / 1e6:.0f} | {r['written_per_step'] / 1e6:.0f} |")
+        rounds = " / ".join(f"{t:.2f}" for t in r.get("round_steps", [r["step_s"]]))
+        lines.append(f"| {r['world']} | {r['name']} | {r['step_s']:.2f} | {ratio} | {rounds} | "
+                     f"{r['peak_rss'] / harness.GiB:.2f} | {states} | {r['read_per_step'] / 1e6:.0f} | "
+                     f"{r['written_per_step'] / 1e6:.0f} |")
     return "\n".join(lines)
 
 
@@ -252,7 +275,11 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="a small model, to check the script runs")
+    p.add_argument("--quick", action="store_true", help="the small model, to check the script runs (--model quick)")
+    p.add_argument("--model", choices=sorted(MODELS), default="112m")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every rung, interleaved; the median is shown")
+    p.add_argument("--rungs", nargs="+", default=["torch", *OURS, *DEEPSPEED], metavar="RUNG",
+                   help="which rungs (names as in the table; default: all)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--ds-python", default="/opt/dsvenv/bin/python", help="python of a venv with deepspeed==0.19.8")
     p.add_argument("--nvme-dir", default=None, help="where the NVMe rungs swap (default: a temporary folder)")
@@ -260,28 +287,43 @@ def main(argv=None) -> int:
     p.add_argument("--no-results", action="store_true", help="do not write bench/RESULTS.md and the chart")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.quick:
+        args.model = "quick"
+    unknown = [r for r in args.rungs if r not in ("torch", *OURS, *DEEPSPEED)]
+    if unknown:
+        p.error(f"--rungs: unknown {unknown}; the rungs are {['torch', *OURS, *DEEPSPEED]}")
     if args.nvme_dir:
         os.environ["LADDER_NVME"] = args.nvme_dir
     if args.child:
-        harness.print_result(child(args.child, args.world[0], QUICK_MODEL if args.quick else MODEL,
-                                   args.steps, args.warmup))
+        harness.print_result(child(args.child, args.world[0], MODELS[args.model], args.steps, args.warmup))
         return 0
     meta = harness.provenance(args.nvme_dir or tempfile.gettempdir())
     rows = measure(args)
-    record = {"meta": meta, "model": QUICK_MODEL if args.quick else MODEL, "batch_per_rank": BATCH, "rows": rows}
+    shape = MODELS[args.model]
+    record = {"meta": meta, "model": shape, "rounds": args.rounds, "batch_per_rank": BATCH, "rows": rows}
     harness.save_json(record, args.json, indent=1)
     print(table(rows))
     if args.no_results or args.quick:
         return 0
     when = meta.get("when", "")
-    details = (f"{table(rows)}\n\nModel: zero.examples GPT {MODEL} (112M parameters), batch {BATCH} × "
-               f"{MODEL['seq']} per rank, fp32, AdamW, clipping 1.0; {args.warmup} warm-up steps, median of "
-               f"{args.steps}. Two ranks: gloo on this machine's 2 CPUs, one thread each. DeepSpeed 0.19.8: stage 1 "
+    details = (f"{table(rows)}\n\nModel: zero.examples GPT {shape} ({args.model.upper()} parameters), batch "
+               f"{BATCH} × {shape['seq']} per rank, fp32, AdamW, clipping 1.0; {args.warmup} warm-up steps, median of "
+               f"{args.steps}; {args.rounds} round(s), the median of their medians. Two ranks: gloo on this machine's 2 CPUs, one thread each. DeepSpeed 0.19.8: stage 1 "
                f"and 2 with torch_adam (its FusedAdam needs CUDA), stage 2 + offload with DeepSpeedCPUAdam. "
                f"{meta}\n\n![ladder](ladder.png)")
-    harness.write_section(os.path.join(harness.ROOT, "bench", "RESULTS.md"), SECTION, figures(rows, when),
-                          "flock /tmp/bench.lock python -m bench.ladder", details)
-    chart(rows, os.path.join(harness.ROOT, "bench", "ladder.png"))
+    if set(args.rungs) != {"torch", *OURS, *DEEPSPEED} or args.world != [1, 2]:
+        print("bench/RESULTS.md not written: that needs every rung on 1 and 2 ranks")
+        return 0
+    command = "flock /tmp/bench.lock python -m bench.ladder" + (f" --rounds {args.rounds}" if args.rounds > 1 else "")
+    section, png = SECTION, "ladder.png"
+    if args.model != "112m":  # a section of its own
+        command += f" --model {args.model}"
+        section, png = f"## The ZeRO ladder, {args.model.upper()} (bench/ladder.py --model {args.model})", \
+            f"ladder_{args.model}.png"
+        details = details.replace("![ladder](ladder.png)", f"![ladder]({png})")
+    harness.write_section(os.path.join(harness.ROOT, "bench", "RESULTS.md"), section, figures(rows, when),
+                          command, details)
+    chart(rows, os.path.join(harness.ROOT, "bench", png))
     return 0
 
 

@@ -18,7 +18,8 @@ gradient per rank. That is DeepSpeed's stage 2 for stages 1 and 2 alike (stage
 1's whole gradients before a reduce-scatter would only cost memory: the values
 are the same), and for stage 0 too: a data-parallel step reduce-scatters the
 gradients and all-gathers the updated parameters, the same bytes on the wire as
-DDP's all-reduce, and every rank's parameters equal DDP's. What differs from
+DDP's all-reduce (under gloo by exchanging slices: runtime/_slice_exchange.py),
+and every rank's parameters equal DDP's. What differs from
 DeepSpeed's stage 0 is memory: the optimizer states are partitioned, not
 replicated. One layout for every stage also makes checkpoints move between
 stages and rank counts as they are (checkpoint/load.py reshards).

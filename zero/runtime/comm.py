@@ -50,6 +50,7 @@ from nvmeio import env
 
 from ..config.errors import ConfigError, Problem
 from ..config.values import compute_device_name
+from ._slice_exchange import SliceExchange
 from .launcher import discover, join_process_group
 
 # torch 2.13 names the flat collectives *_single and warns (FutureWarning) on the old names,
@@ -150,12 +151,30 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+class _Done:
+    """The work of a collective that had nothing to wait for (a world of one)."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 class _CopiedBack:
     """The work of an asynchronous collective that ran on copies: ``wait()`` also copies the
     result back into the caller's tensor."""
 
     def __init__(self, work, result: torch.Tensor, used: torch.Tensor, keep: torch.Tensor):
         self._work, self._result, self._used, self._keep = work, result, used, keep
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
     def wait(self):
         done = self._work.wait()
@@ -180,6 +199,7 @@ class Comm:
     # the other ranks are not left waiting; the engine makes every rank raise at the end.
     deferring: bool = field(default=False, repr=False, compare=False)
     deferred: Optional[Exception] = field(default=None, repr=False, compare=False)
+    _exchange: Optional[SliceExchange] = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def distributed(self) -> bool:
@@ -202,14 +222,34 @@ class Comm:
         if used is not result:
             result.copy_(used)
 
-    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """``full`` (world_size × shard elements) gets every rank's ``shard`` in rank order."""
+    def _slices_exchanged(self, *tensors: torch.Tensor) -> Optional[SliceExchange]:
+        """Under gloo with host tensors, the point-to-point exchange that replaces its flat
+        collectives (_slice_exchange.py [Note: gloo's flat collectives, and the exchange that
+        replaces them]); else None."""
+        if self.backend is None or "gloo" not in self.backend.lower() or self.collective_device.type != "cpu" \
+                or any(t.device.type != "cpu" for t in tensors):
+            return None
+        if self._exchange is None:
+            peers = [dist.get_global_rank(self.group, j) if self.group is not None else j
+                     for j in range(self.world_size)]
+            self._exchange = SliceExchange(self.rank, peers, self.group)
+        return self._exchange
+
+    def all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """``full`` (world_size × shard elements) gets every rank's ``shard`` in rank order;
+        ``async_op``: returns the work (``wait()`` before reading ``full``), else None once done."""
         if not self.distributed:
             full.copy_(shard)
-            return
-        used = self._there(full)
-        _ALL_GATHER(used, self._there(shard), group=self.group)
+            return _DONE if async_op else None
+        exchange = self._slices_exchanged(full, shard)
+        if exchange is not None:
+            return exchange.all_gather(full, shard, async_op)
+        used, given = self._there(full), self._there(shard)
+        work = _ALL_GATHER(used, given, group=self.group, async_op=async_op)
+        if async_op:
+            return work if used is full else _CopiedBack(work, full, used, given)
         self._back(full, used)
+        return None
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         """``shard`` gets this rank's slice of the sum of every rank's ``full``; ``async_op``: returns
@@ -217,6 +257,9 @@ class Comm:
         if not self.distributed:
             shard.copy_(full)
             return None
+        exchange = self._slices_exchanged(shard, full)
+        if exchange is not None:
+            return exchange.reduce_scatter(shard, full, async_op)
         used, given = self._there(shard), self._there(full)
         work = _REDUCE_SCATTER(used, given, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         if async_op:

@@ -24,8 +24,10 @@ With ``overlap_comm`` (DeepSpeed's default) a unit's reduce-scatter is started
 and backward goes on to the next units while it runs; its result is added into
 the partition when it is needed: before the elements in flight would pass
 ``reduce_bucket_size``, before a sub-group's gradient goes to NVMe, and at the
-end of backward (:meth:`GradReducer.flush`). Results are added in the order
-the reductions started, so the sums are the same as without overlap.
+end of backward (:meth:`GradReducer.flush`); and, so that finished ones hold no
+memory, when the next starts, those done already but the newest. Results are
+added in the order the reductions started, so the sums are the same as without
+overlap.
 
 [Note: gradients cross to the host once]
 Computing on CUDA with the partition in host memory, a window's k gradients of a parameter are
@@ -45,7 +47,7 @@ not supported (DDP has the same rule without ``find_unused_parameters``).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Optional, Tuple, Union
+from typing import Deque, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -120,7 +122,7 @@ class GradReducer:
         else:
             self._fresh = [[False] for _ in range(n_units)]
             self._zero = [[False] for _ in range(n_units)]
-        self._buffers: Dict[int, torch.Tensor] = {}
+        self._buffers: Dict[int, Tuple[torch.Tensor, Set[int]]] = {}  # unit -> its flat buffer, slots written
         self.overlap = overlap and comm.distributed  # see [Note: reductions in flight (overlap_comm)]
         self.bucket_numel = bucket_numel
         self._in_flight: Deque[Tuple[object, torch.Tensor, torch.Tensor, int]] = deque()  # work, shard, buf, unit
@@ -142,11 +144,13 @@ class GradReducer:
             return
         layout = unit.layout
         slot = layout.slots[slot_index]
-        buf = self._buffers.get(layout.index)
-        if buf is None:
-            buf = self._buffers[layout.index] = torch.zeros(layout.padded_numel, dtype=self.comm_dtype,
-                                                            device=self.device)
+        entry = self._buffers.get(layout.index)
+        if entry is None:  # not zeroed: what no gradient writes is zeroed before the reduction
+            entry = self._buffers[layout.index] = (torch.empty(layout.padded_numel, dtype=self.comm_dtype,
+                                                               device=self.device), set())
+        buf, written = entry
         buf[slot.offset:slot.stop].copy_(grad.reshape(-1))
+        written.add(slot_index)
 
     def add_series(self, unit: ParamUnit, slot_index: int, grads: List[torch.Tensor]) -> None:
         """One rank: the gradients of one parameter of ``unit`` from successive micro-batches, in
@@ -200,9 +204,15 @@ class GradReducer:
 
     def _reduce_scatter(self, unit: ParamUnit) -> None:
         layout = unit.layout
-        buf = self._buffers.pop(layout.index, None)
-        if buf is None:
+        entry = self._buffers.pop(layout.index, None)
+        if entry is None:
             buf = torch.zeros(layout.padded_numel, dtype=self.comm_dtype, device=self.device)
+        else:
+            buf, written = entry
+            for i, slot in enumerate(layout.slots):
+                if i not in written:  # frozen, or unused by this backward
+                    buf[slot.offset:slot.stop].zero_()
+            buf[layout.numel:].zero_()  # the padding
         shard = torch.empty(layout.shard_numel, dtype=self.comm_dtype, device=self.device)
         if self.predivide != 1.0:
             buf.div_(self.predivide)
@@ -210,6 +220,8 @@ class GradReducer:
             self.comm.reduce_scatter(shard, buf)
             self._land(shard, layout.index)
             return
+        while len(self._in_flight) > 1 and self._in_flight[0][0].is_completed():
+            self._land_oldest()  # done already: its buffers go now (one always stays in flight)
         while self._in_flight and self._in_flight_numel + buf.numel() > self.bucket_numel:
             self._land_oldest()
         work = self.comm.reduce_scatter(shard, buf, async_op=True)
@@ -220,8 +232,15 @@ class GradReducer:
     def _land(self, shard: torch.Tensor, unit_index: int) -> None:
         """A reduced shard (the ranks' sum) into the partition, divided by the world size."""
         shard = shard.float() if shard.dtype != torch.float32 else shard
-        shard.div_(self.comm.world_size / self.predivide)
-        self._accumulate(self._target(unit_index), shard, unit_index, 0)
+        divisor = self.comm.world_size / self.predivide
+        dst = self._target(unit_index)
+        if not self._fresh[unit_index][0] and dst.device == shard.device:  # the first: divided into place
+            torch.div(shard, divisor, out=dst)
+            self._fresh[unit_index][0] = True
+            self._zero[unit_index][0] = False
+            return
+        shard.div_(divisor)
+        self._accumulate(dst, shard, unit_index, 0)
 
     def _land_oldest(self) -> None:
         work, shard, buf, unit_index = self._in_flight.popleft()

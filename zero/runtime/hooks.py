@@ -249,10 +249,12 @@ class Coordinator:
 
     def gather_persistent(self) -> None:
         """Gather the units that stay gathered: the free ones, and below stage 3 every unit (after
-        a step or a load, so that no forward waits for an all-gather)."""
-        for u in self.units:
-            if u.free or (self.whole and u.persistent):
-                u.gather()
+        a step or a load, so that no forward waits for an all-gather): all started at once, then
+        waited for, so that one's latency is not added to the next's."""
+        works = [u.gather(wait=False) for u in self.units if u.free or (self.whole and u.persistent)]
+        for work in works:
+            if work is not None:
+                work.wait()
 
     def refresh(self) -> None:
         """The shards changed (a step, a load): release what views the old values, and below stage 3

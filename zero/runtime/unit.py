@@ -156,11 +156,15 @@ class ParamUnit:
         shard = self.store.resident_shard(self.layout)
         return shard is not None and shard.device == self.device and shard.dtype == self.dtype
 
-    def gather(self, lend: bool = False) -> None:
+    def gather(self, lend: bool = False, wait: bool = True):
         """``lend``: view the fetched shard itself when one rank computes on it as it is and the
-        store can spare it until :meth:`release` (inference: no copy out of the pool)."""
+        store can spare it until :meth:`release` (inference: no copy out of the pool).
+        ``wait=False`` with a resident store (its shard stays valid): returns the all-gather's
+        work, or None when there is none, and the caller waits for it before the parameters are
+        read (stages 0-2 gather every unit at once after a step: hooks.py)."""
         if self._state is ParamState.AVAILABLE:
-            return
+            return None
+        work = None
         try:
             shard = self.store.fetch(self.layout)
         except Exception as error:  # kept for the engine (Comm.deferring)
@@ -186,7 +190,8 @@ class ParamUnit:
                         shard, copied = host_to_device.to_device(shard, self.device)
                     else:
                         shard = shard.to(self.device)
-                self.comm.all_gather_into(full, shard)
+                async_op = not wait and self.store.resident
+                work = self.comm.all_gather_into(full, shard, async_op=async_op)
                 if copied is not None and not self.store.resident:
                     copied.synchronize()  # the pool buffer is reused next: its copy alone is waited for
         finally:
@@ -195,6 +200,7 @@ class ParamUnit:
         self._point(full)
         self.lent = lent
         self._state = ParamState.AVAILABLE
+        return work
 
     def unlend(self) -> None:
         """View a copy instead of the store's tensor, which goes back to the store now (something
