@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
 from bench import _gpu_install, _gpu_report, harness, io_bound
@@ -528,14 +528,14 @@ def main(argv=None) -> int:
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != ROOT)
     sizes = REHEARSAL if args.rehearse else REAL
     if args.total_s:
-        sizes = Sizes(**{**asdict(sizes), "total_s": args.total_s})
+        sizes = replace(sizes, total_s=args.total_s)
     if args.ks:
-        sizes = Sizes(**{**asdict(sizes), "ks": tuple(int(k) for k in args.ks.split(","))})
+        sizes = replace(sizes, ks=tuple(int(k) for k in args.ks.split(",")))
     if args.dtypes:
         dtypes = tuple(args.dtypes.split(","))
         if not set(dtypes) <= {"fp32", "bf16"}:
             p.error(f"--dtypes takes fp32 and bf16, got {args.dtypes}")
-        sizes = Sizes(**{**asdict(sizes), "dtypes": dtypes})
+        sizes = replace(sizes, dtypes=dtypes)
     os.makedirs(args.out, exist_ok=True)
     kit = find_kit(args.kit or os.path.join(ROOT, "gpu_kit"))
     if kit.fio_bin:  # fio from the kit: harness.fio_reference and the children find it on PATH

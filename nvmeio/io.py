@@ -144,9 +144,17 @@ class BaseFileWriter:
     def file_path(self) -> str:
         return self._file_path
 
+    _file = None  # the file a subclass writes through (PlainFileWriter, FastFileWriter, ...)
+
     def write(self, buffer) -> int:
-        raise NotImplementedError(f"{type(self).__name__} writes nothing: use FastFileWriter, PyFileWriter "
-                                  f"or MockFileWriter")
+        """Writes ``buffer`` through the subclass's file, counting bytes and seconds."""
+        if self._file is None:
+            raise TypeError(f"{type(self).__name__} has no file to write through: use FastFileWriter, "
+                            f"PyFileWriter or MockFileWriter")
+        start = time.perf_counter()
+        n = self._file.write(buffer)
+        self._count_write(n, time.perf_counter() - start)
+        return n
 
     def flush(self) -> None:
         self._stats["flush"] += 1
@@ -218,12 +226,6 @@ class PyFileWriter(BaseFileWriter):
         super().__init__(file_path)
         self._file = PlainFileWriter(self._file_path)
 
-    def write(self, buffer) -> int:
-        start = time.perf_counter()
-        n = self._file.write(buffer)
-        self._count_write(n, time.perf_counter() - start)
-        return n
-
     def close(self) -> None:
         if not self._file.closed:
             super().close()
@@ -281,12 +283,6 @@ class FastFileWriter(BaseFileWriter):
             self._release()
             raise
         self._stats.update({"rank": config.global_rank, "aio_bytes": 0})
-
-    def write(self, buffer) -> int:
-        start = time.perf_counter()
-        n = self._file.write(buffer)
-        self._count_write(n, time.perf_counter() - start)
-        return n
 
     def close(self) -> None:
         """Writes what is buffered and fsyncs (with one writer, renames the file into place);

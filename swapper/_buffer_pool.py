@@ -154,7 +154,7 @@ class StagingPool(abc.ABC):
         allocation) so that copies between it and a GPU are DMA that overlap other work; locked
         or huge-page memory is not what CUDA calls pinned until then. Returns why it could not,
         or None. Unregistered when the pool dies, before its memory is freed."""
-        if getattr(self, "_cuda_registered", False):
+        if getattr(self, "_cuda_finalizer", None) is not None:
             return None
         if backend is None:
             from nvmeio import CudaBackend
@@ -163,7 +163,6 @@ class StagingPool(abc.ABC):
         ptr = self._storage.data_ptr()
         why = backend.pin_host(ptr, self.nbytes)
         if why is None:
-            self._cuda_registered = True
             self._cuda_finalizer = weakref.finalize(self, backend.unpin_host, ptr)
         return why
 

@@ -266,3 +266,11 @@ def test_two_open_writers_on_one_pinned_tensor_are_refused(tmp_path, handle):
     first.close()
     FastFileWriter(file_path=str(tmp_path / "b.pt"), config=config).close()
     assert file_bytes(tmp_path / "b.pt") == b""
+
+
+def test_a_bare_base_writer_says_which_writers_write(tmp_path):
+    from nvmeio.io import BaseFileWriter
+
+    with pytest.raises(TypeError, match="BaseFileWriter has no file to write through: use FastFileWriter"):
+        BaseFileWriter(tmp_path / "x.bin").write(b"abc")
+    assert not (tmp_path / "x.bin").exists()

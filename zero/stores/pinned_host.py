@@ -36,6 +36,10 @@ class PinnedHost:
     def __init__(self, backend=None):
         self._backend = backend if backend is not None else CudaBackend()
         self._ptrs: List[int] = []
+        # The memory of every registration, kept here: when this object dies its finalizer runs
+        # before these go, so no registration outlives its memory whatever order the owner's
+        # attributes are dropped in.
+        self._kept: List[torch.Tensor] = []
         self.refused: Optional[str] = None  # why registration failed, once (the tensors still work)
         self._finalizer = weakref.finalize(self, _unregister, self._backend, self._ptrs)
 
@@ -48,6 +52,7 @@ class PinnedHost:
             why = self._backend.pin_host(t.data_ptr(), nbytes)
             if why is None:
                 self._ptrs.append(t.data_ptr())
+                self._kept.append(t)
             else:
                 self.refused = why
                 warnings.warn(f"nvmeio: host memory could not be registered with CUDA ({why}); training "
@@ -58,6 +63,7 @@ class PinnedHost:
         if self._ptrs and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no copy still reads or writes the memory
         self._finalizer()
+        self._kept.clear()
 
 
 def for_gpu_copies(pin_memory: bool) -> Optional[PinnedHost]:
