@@ -29,7 +29,7 @@ except ImportError as _e:
 
 from . import faults  # noqa: F401 - nvmeio.faults.inject(...), as the README shows
 from ._backend_choice import available_backends
-from ._cuda import CudaBackend
+from ._cuda import CudaBackend, RegisteredHost
 from .errors import AioError, ShortReadError, ValidationError
 from ._fast_buffers import FastIOStats
 from ._fast_io import FastIO
@@ -49,4 +49,4 @@ __all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_back
            "AioSettings", "new_handle", "require_gds", "ShortReadError", "ValidationError", "FastIO",
            "FastIOStats", "FastFileWriter", "FastFileReader", "PlainFileWriter", "SafetensorsWriter",
            "SafetensorsReader", "SafetensorsError", "StripedFile", "huge_page_tensor", "CudaBackend",
-           "__version__"]
+           "RegisteredHost", "__version__"]

@@ -5,9 +5,10 @@ Imported without torch; torch is imported by the functions that need it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import weakref
+from typing import Any, Callable, List, Optional
 
-__all__ = ["cuda_unavailable_reason", "stream_fence", "CudaBackend"]
+__all__ = ["cuda_unavailable_reason", "stream_fence", "CudaBackend", "RegisteredHost"]
 
 
 def cuda_unavailable_reason(torch: Any = None) -> Optional[str]:
@@ -124,3 +125,74 @@ def _clear_last_error(cudart: Any) -> None:
             ctypes.CDLL(path).cudaGetLastError()
         except (OSError, AttributeError):
             pass
+
+
+def _unpin_all(backend: Any, ptrs: List[int]) -> None:
+    while ptrs:
+        try:
+            backend.unpin_host(ptrs.pop())
+        except Exception:  # noqa: BLE001 - at exit the CUDA runtime may be gone already
+            pass
+
+
+class RegisteredHost:
+    """Host memory registered with CUDA (``cudaHostRegister``) for one owner, so that copies
+    between it and a GPU are DMA that overlap other work (locked or huge-page memory is not what
+    CUDA calls pinned until then).
+
+    [Note: a registration never outlives its memory]
+    Every tensor registered here is also kept here. :meth:`close` (after a device synchronize,
+    so no copy still uses the memory) unregisters them all; so does the finalizer when this
+    object dies without it, which runs while the tensors it keeps are still alive. A registration
+    left on freed memory made the next allocation at that address fail to register, and torch's
+    next kernel raise that failure as its own (seen on an H200).
+
+    ``on_refused(why)``: called once, the first time registering fails (the memory still works,
+    only its copies are slower); later tensors are not tried. ``backend``: CudaBackend unless a
+    test injects a stand-in with ``pin_host`` / ``unpin_host``."""
+
+    def __init__(self, backend: Any = None, on_refused: Optional[Callable[[str], None]] = None) -> None:
+        self._backend = backend if backend is not None else CudaBackend()
+        self._on_refused = on_refused
+        self._ptrs: List[int] = []
+        self._kept: list = []
+        self.refused: Optional[str] = None
+        self._finalizer = weakref.finalize(self, _unpin_all, self._backend, self._ptrs)
+
+    def register(self, t: Any) -> Optional[str]:
+        """Registers the memory of host tensor ``t`` (contiguous); returns why not, or None."""
+        if self.refused is None:
+            why = self._backend.pin_host(t.data_ptr(), t.numel() * t.element_size())
+            if why is None:
+                self._ptrs.append(t.data_ptr())
+                self._kept.append(t)
+            else:
+                self.refused = why
+                if self._on_refused is not None:
+                    self._on_refused(why)
+        return self.refused
+
+    def empty(self, numel: int, dtype: Any = None) -> Any:
+        """``numel`` elements of ``dtype`` (uint8 by default) of page-aligned host memory, on
+        transparent huge pages, exactly their size, registered."""
+        import torch
+
+        from ._locked import huge_page_tensor
+
+        dtype = torch.uint8 if dtype is None else dtype
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        t = huge_page_tensor(nbytes)
+        self.register(t)
+        return t.view(dtype)
+
+    def close(self) -> None:
+        """Unregisters everything (the memory stays valid for whoever still views it)."""
+        if self._ptrs:
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        self._finalizer()
+        self._kept.clear()

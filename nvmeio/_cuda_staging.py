@@ -77,8 +77,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import _native
-from ._cuda import CudaBackend
+from ._cuda import CudaBackend, RegisteredHost
 from ._device_ops import DeviceOpQueue
 from . import env
 from ._file_checks import compare_with_file, prepare_target
@@ -286,32 +285,16 @@ class _FileLane:
 
 
 class _HostChunks:
-    """``count`` page-aligned host chunks, pinned by the backend while alive."""
+    """``count`` page-aligned host chunks, registered with CUDA while alive."""
 
     def __init__(self, backend: Any, count: int, nbytes: int) -> None:
-        import torch
+        def refused(why: str) -> None:
+            warnings.warn(f"nvmeio: could not pin {nbytes} bytes of staging memory for CUDA "
+                          f"({why}); CUDA tensors still work, but their copies do not overlap "
+                          "the file I/O", RuntimeWarning, stacklevel=4)
 
-        self.regions = [_native.LockedBuffer(nbytes, False) for _ in range(count)]
-        self.tensors = [torch.frombuffer(r, dtype=torch.uint8, count=nbytes) for r in self.regions]
-        pinned = []
-        for region in self.regions:
-            why = backend.pin_host(region.ptr, region.nbytes)
-            if why is not None:
-                warnings.warn(f"nvmeio: could not pin {nbytes} bytes of staging memory for CUDA "
-                              f"({why}); CUDA tensors still work, but their copies do not overlap "
-                              "the file I/O", RuntimeWarning, stacklevel=2)
-                break
-            pinned.append(region.ptr)
-        # Unpinned before the regions are freed (the finalizer keeps them alive).
-        weakref.finalize(self, _unpin_all, backend, pinned, self.regions)
-
-
-def _unpin_all(backend: Any, ptrs: list, regions: list) -> None:
-    for ptr in ptrs:
-        try:
-            backend.unpin_host(ptr)
-        except Exception:  # noqa: BLE001 - at exit the CUDA runtime may be gone already
-            pass
+        self.host = RegisteredHost(backend, on_refused=refused)
+        self.tensors = [self.host.empty(nbytes) for _ in range(count)]
 
 
 class StagingEngine:
@@ -403,10 +386,8 @@ class StagingEngine:
             undo()
             raise
         if validate:  # a difference is reported; the file stays, as on the CPU path
-            region = self._chunks.regions[0]
-
             def fetch(at: int, n: int):
                 copier.wait(copier.to_host(buf.tensor[at:at + n], slots[0][:n]))
-                return memoryview(region)[:n]
+                return memoryview(slots[0].numpy())[:n]
 
             compare_with_file(target, file_offset, buf.nbytes, fetch, self._config.chunk_bytes)

@@ -150,30 +150,19 @@ class StagingPool(abc.ABC):
         """Give buffers back. Releasing one that is not out is an error."""
 
     def register_with_cuda(self, backend=None) -> Optional[str]:
-        """Registers the pool's memory with CUDA (``cudaHostRegister``, once for the whole
-        allocation) so that copies between it and a GPU are DMA that overlap other work; locked
-        or huge-page memory is not what CUDA calls pinned until then. Returns why it could not,
-        or None. Unregistered when the pool dies, before its memory is freed."""
-        if getattr(self, "_cuda_finalizer", None) is not None:
-            return None
-        if backend is None:
-            from nvmeio import CudaBackend
+        """Registers the pool's memory with CUDA, once for the whole allocation
+        (nvmeio.RegisteredHost), so that copies between it and a GPU are DMA that overlap other
+        work. Returns why it could not, or None. Unregistered at close, before the memory goes."""
+        if getattr(self, "_cuda", None) is None:
+            from nvmeio import RegisteredHost
 
-            backend = CudaBackend()
-        ptr = self._storage.data_ptr()
-        why = backend.pin_host(ptr, self.nbytes)
-        if why is None:
-            self._cuda_finalizer = weakref.finalize(self, backend.unpin_host, ptr)
-        return why
+            self._cuda = RegisteredHost(backend)
+            self._cuda.register(self._storage)
+        return self._cuda.refused
 
     def _unregister_cuda(self) -> None:
-        """Before the memory goes (close): a registration outliving it would make the next
-        allocation at that address fail to register, and CUDA would keep the old pages."""
-        finalizer = getattr(self, "_cuda_finalizer", None)
-        if finalizer is not None:
-            if torch.cuda.is_initialized():
-                torch.cuda.synchronize()  # no copy still reads the memory
-            finalizer()
+        if getattr(self, "_cuda", None) is not None:
+            self._cuda.close()
 
     @abc.abstractmethod
     def close(self) -> None:

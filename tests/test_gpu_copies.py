@@ -6,6 +6,7 @@ side); the stream protocol is checked on a GPU (marked cuda), where a training s
 parameters on NVMe must not synchronize a stream or the device per unit.
 """
 import gc
+import warnings
 
 import pytest
 import torch
@@ -130,34 +131,52 @@ def test_no_stream_or_device_synchronize_per_unit_on_cuda(tmp_path, monkeypatch,
     assert syncs.count("device") <= 2 * steps < units, syncs
 
 
-def test_pinned_host_tensors_are_their_size_registered_once_each_and_released_at_close():
-    from zero.stores.pinned_host import PinnedHost
+def test_registered_host_tensors_are_their_size_registered_once_each_and_released_at_close():
+    from nvmeio import RegisteredHost
 
     backend = RecordingBackend()
-    pinned = PinnedHost(backend)
-    a = pinned.empty(1000)
-    b = pinned.empty(3, torch.bfloat16)
+    host = RegisteredHost(backend)
+    a = host.empty(1000, torch.float32)
+    b = host.empty(3, torch.bfloat16)
     assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, 1000, torch.bfloat16, 3)
     assert backend.pinned == [(a.data_ptr(), 4000), (b.data_ptr(), 6)]
     assert a.data_ptr() % 4096 == 0
-    pinned.close()
+    host.close()
     assert sorted(backend.unpinned) == sorted([a.data_ptr(), b.data_ptr()])
     a.fill_(1.5)  # the memory outlives its registration
     assert torch.equal(a, torch.full((1000,), 1.5))
 
 
-def test_pinned_host_refused_warns_once_and_still_gives_memory():
-    from zero.stores.pinned_host import PinnedHost
+def test_a_registration_dropped_without_close_is_unregistered():
+    from nvmeio import RegisteredHost
+
+    backend = RecordingBackend()
+    host = RegisteredHost(backend)
+    ptr = host.empty(4096).data_ptr()  # the caller drops its tensor at once: the host keeps it
+    assert backend.unpinned == []
+    del host
+    gc.collect()
+    assert backend.unpinned == [ptr]
+
+
+def test_a_refused_registration_warns_once_and_still_gives_memory():
+    from nvmeio import RegisteredHost
+    from zero.stores import pinned_host
 
     class Refusing(RecordingBackend):
         def pin_host(self, ptr, nbytes):
             return "cudaHostRegister returned error 1"
 
-    pinned = PinnedHost(Refusing())
+    backend = Refusing()
+    host = RegisteredHost(backend, on_refused=pinned_host._warn)
     with pytest.warns(RuntimeWarning, match="could not be registered with CUDA .cudaHostRegister returned error 1"):
-        t = pinned.empty(10)
-    t2 = pinned.empty(10)  # no second warning (pytest would fail on an unexpected one under -W error)
-    assert t.numel() == t2.numel() == 10 and pinned.refused == "cudaHostRegister returned error 1"
+        t = host.empty(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t2 = host.empty(10)  # not tried again, no second warning
+    assert t.numel() == t2.numel() == 10 and host.refused == "cudaHostRegister returned error 1"
+    host.close()
+    assert backend.unpinned == []
 
 
 def test_a_failed_registration_clears_cudas_last_error(monkeypatch):

@@ -25,8 +25,10 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 
 import torch
 
+from nvmeio import RegisteredHost
+
 from .layouts import RankLayout, SubGroup
-from .pinned_host import PinnedHost, for_gpu_copies
+from .pinned_host import for_gpu_copies
 
 StepFn = Callable[[SubGroup, torch.Tensor, Dict[str, torch.Tensor], torch.Tensor], None]
 
@@ -47,11 +49,11 @@ def nvme_buffer_count(offload, steps_in_backward: bool) -> int:
     return 1 + nvme_read_ahead(offload, steps_in_backward) + int(offload.pipeline_write)
 
 
-def _host_or_device(numel: int, device: torch.device, pinned: Optional[PinnedHost],
+def _host_or_device(numel: int, device: torch.device, pinned: Optional[RegisteredHost],
                     zero: bool = False) -> torch.Tensor:
     """fp32 on ``device``; on the host registered with CUDA through ``pinned`` when given."""
     if pinned is not None and device.type == "cpu":
-        t = pinned.empty(numel)
+        t = pinned.empty(numel, torch.float32)
     else:
         t = torch.empty(numel, dtype=torch.float32, device=device)
     return t.zero_() if zero else t
