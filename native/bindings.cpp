@@ -13,6 +13,7 @@
 #include "faults.h"
 #include "file.h"
 #include "handle.h"
+#include "dequantize.h"
 #include "host_sum.h"
 #include "locked.h"
 
@@ -114,6 +115,18 @@ PYBIND11_MODULE(_native, m) {
         py::arg("dst"), py::arg("first"), py::arg("first_bf16"), py::arg("sources"), py::arg("bf16"),
         py::arg("n"), py::arg("threads"),
         "fp32 dst[:n] = first (0: keep), then += each source in order (bf16 or fp32): see native/host_sum.h.");
+
+  m.def("dequantize_int8",
+        [](uintptr_t dst, bool bf16, uintptr_t codes, uintptr_t scales, int64_t n, int64_t group_size,
+           int threads) {
+          if (group_size <= 0) throw std::invalid_argument("dequantize_int8: group_size must be positive");
+          py::gil_scoped_release nogil;
+          dequantize_int8(reinterpret_cast<void*>(dst), bf16, reinterpret_cast<const int8_t*>(codes),
+                          reinterpret_cast<const float*>(scales), n, group_size, threads);
+        },
+        py::arg("dst"), py::arg("bf16"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("group_size"),
+        py::arg("threads"),
+        "dst[:n] (fp32 or bf16) = int8 codes * their group's fp32 scale: see native/dequantize.h.");
 
   // Fault injection (nvmeio.faults is the API): see native/faults.h.
   py::module_ fm = m.def_submodule("faults", "fault injection for tests (see nvmeio.faults)");

@@ -1,8 +1,8 @@
 #include "host_sum.h"
 
-#include <algorithm>
 #include <cstring>
-#include <thread>
+
+#include "parallel.h"
 
 namespace nvmeio {
 namespace {
@@ -37,25 +37,12 @@ void sum_range(float* dst, SumSource first, const std::vector<SumSource>& source
   }
 }
 
-constexpr int64_t kMinPerThread = 1 << 16;  // below this a thread costs more than it saves
-constexpr int64_t kAlign = 1024;            // thread ranges start on whole cache lines of both types
+constexpr int64_t kAlign = 1024;  // thread ranges start on whole cache lines of both types
 
 }  // namespace
 
 void sum_series(float* dst, SumSource first, const std::vector<SumSource>& sources, int64_t n, int threads) {
-  int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, n / kMinPerThread));
-  if (parts == 1) {
-    sum_range(dst, first, sources, 0, n);
-    return;
-  }
-  int64_t per = ((n + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
-  std::vector<std::thread> helpers;
-  for (int64_t t = 1; t < parts; ++t) {
-    int64_t a = t * per, b = std::min(n, a + per);
-    if (a < b) helpers.emplace_back(sum_range, dst, first, std::cref(sources), a, b);
-  }
-  sum_range(dst, first, sources, 0, std::min(n, per));
-  for (std::thread& h : helpers) h.join();
+  parallel_ranges(n, threads, kAlign, [&](int64_t a, int64_t b) { sum_range(dst, first, sources, a, b); });
 }
 
 }  // namespace nvmeio

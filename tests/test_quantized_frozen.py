@@ -78,6 +78,32 @@ def test_dequantizing_into_a_compute_dtype_rounds_the_fp32_values_once(dtype):
     assert torch.equal(dequantize(codes, scales, dtype), dequantize(codes, scales).to(dtype))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_host_pass_is_bit_identical_to_torchs_multiply_and_rounding(dtype, threads, monkeypatch):
+    # zero/stores/quantized.py [Note: dequantizing on the host]: several threads' ranges, a short last
+    # group, scales from subnormal to near fp32's largest (products overflow to inf, round to bf16's
+    # ties), and strided codes.
+    n = 5 * (1 << 16) * 2 + 3 * GROUP_SIZE + 77
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(-QMAX, QMAX + 1, (2 * n,), dtype=torch.int8, generator=g)[::2]
+    scales = torch.exp2(torch.randint(-140, 128, (-(-n // GROUP_SIZE),), generator=g).float()) \
+        * (1 + torch.rand(-(-n // GROUP_SIZE), generator=g))
+    reference = (codes.to(torch.float32) * scales.repeat_interleave(GROUP_SIZE)[:n]).to(dtype)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    got = dequantize(codes, scales, dtype)
+    assert got.dtype == dtype and got.shape == (n,)
+    assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       reference.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_dequantize_refuses_codes_that_are_not_int8_or_too_few_scales():
+    with pytest.raises(ValueError, match="int8 codes and 2 fp32 scales for 300 elements, got torch.int8 codes and 1"):
+        dequantize(torch.zeros(300, dtype=torch.int8), torch.ones(1))
+    with pytest.raises(ValueError, match="got torch.uint8 codes"):
+        dequantize(torch.zeros(300, dtype=torch.uint8), torch.ones(2))
+
+
 def test_unpack_refuses_bytes_of_another_size():
     with pytest.raises(ValueError, match="a packed shard of 300 elements has 308 bytes, got 307"):
         unpack(torch.zeros(307, dtype=torch.uint8), 300)

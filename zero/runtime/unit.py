@@ -175,12 +175,16 @@ class ParamUnit:
         lent = (shard is not None and lend and self.comm.world_size == 1 and shard.device == self.device
                 and shard.dtype == self.dtype and shard.numel() == self.layout.padded_numel
                 and self.store.lend(self.layout))
+        # A quantized shard is dequantized into a tensor of its own: on one rank it is the unit.
+        own = (shard is not None and not lent and self.comm.world_size == 1 and self.store.frozen.packs(self.layout)
+               and shard.device == self.device and shard.dtype == self.dtype
+               and shard.numel() == self.layout.padded_numel)
         try:
             if shard is None:  # this rank's read failed: zeros, so the others' all_gather completes
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
                 self.comm.all_gather_into(full, torch.zeros(self.layout.shard_numel, dtype=self.dtype,
                                                             device=self.device))
-            elif self.free or lent:
+            elif self.free or lent or own:
                 full = shard
             else:
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)

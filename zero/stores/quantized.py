@@ -28,12 +28,23 @@ or 4 (fp32), plus 4 bytes of scale per :data:`GROUP_SIZE` elements.
 - Trainable units are stored as without the flag, bit for bit.
 
 Packed layout of one shard, as bytes: the fp32 scales, then the int8 codes.
+
+[Note: dequantizing on the host]
+Every fetch of a frozen unit dequantizes its shard, on the compute device. On
+the CPU torch's int8-to-fp32 conversion is a scalar loop: about 3 ns an
+element on the 2-CPU benchmark machine, 2.5 s an iteration for the 311M LoRA
+stand-in, more than the reads the int8 bytes save. :func:`dequantize` does it
+in one vectorised native pass there (native/dequantize.cpp, the fp32 multiply
+and the bf16 rounding torch does, bit for bit; on torch's thread count),
+torch's ops elsewhere (CUDA, fp16 outputs).
 """
 from __future__ import annotations
 
 from typing import AbstractSet, FrozenSet
 
 import torch
+
+from nvmeio import _native
 
 from .layouts import UnitLayout
 
@@ -76,11 +87,23 @@ def quantize(values: torch.Tensor, group_size: int = GROUP_SIZE):
     return codes.view(-1)[:n], scales
 
 
+_NATIVE_OUT = (torch.float32, torch.bfloat16)  # dtypes the host pass writes (see the note)
+
+
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
                group_size: int = GROUP_SIZE) -> torch.Tensor:
     """The values ``codes`` and ``scales`` stand for, in ``dtype``: ``codes * scale`` computed in
     fp32, then rounded once to ``dtype``."""
     n = codes.numel()
+    if codes.device.type == "cpu" and dtype in _NATIVE_OUT and n:
+        codes, scales = codes.contiguous(), scales.to(torch.float32).contiguous()  # kept alive for the call
+        if codes.dtype != torch.int8 or scales.numel() < group_count(n, group_size):
+            raise ValueError(f"dequantize: int8 codes and {group_count(n, group_size)} fp32 scales for {n} elements, "
+                             f"got {codes.dtype} codes and {scales.numel()} scales")
+        out = torch.empty(n, dtype=dtype)
+        _native.dequantize_int8(out.data_ptr(), dtype == torch.bfloat16, codes.data_ptr(), scales.data_ptr(), n,
+                                group_size, torch.get_num_threads())
+        return out
     whole = n // group_size * group_size
     values = codes.to(torch.float32)
     if whole:
