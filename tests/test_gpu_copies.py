@@ -1,5 +1,6 @@
-"""The CUDA path's copies (issue 30): gradients cross to the host once per window, a unit's
-host-to-GPU copy waits for nothing but itself, and swap pools are registered with CUDA.
+"""The CUDA path's copies (issue 30): gradients cross to the host once per window and once per
+unit, a unit's host-to-GPU copy waits for nothing but itself, and swap pools are registered with
+CUDA.
 
 The arithmetic of the crossing runs here on CPU tensors (it is the same torch code on either
 side); the stream protocol is checked on a GPU (marked cuda), where a training step with its
@@ -11,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from helpers import make_engine, train_engine
+from helpers import make_engine, same_weights, train_engine, train_windows, weights
 from swapper import PinnedBufferPool, SpanPool
 from zero.examples import GPTConfig, make_batches
-from zero.runtime.grad_reducer import _cross_to_host, _fold_on_device
+from zero.runtime.device_to_host import GradCrossing, fold_on_device
 
 
 def in_loop_order(dst: torch.Tensor, grads, add: bool) -> torch.Tensor:
@@ -36,8 +37,79 @@ def test_a_windows_gradients_cross_once_with_the_loops_sums(dtype, k, add):
     grads = [(torch.randn(1031, generator=gen) * 10 ** (i % 5)).to(dtype) for i in range(k)]
     dst = torch.randn(1031, generator=gen)
     expected = in_loop_order(dst, grads, add)
-    _cross_to_host(dst, grads, add)
+    crossing = GradCrossing(torch.device("cpu"))
+    crossing.put(0, dst, grads, add)
+    crossing.send(0)
+    crossing.flush()
     assert torch.equal(dst, expected)
+
+
+def test_a_units_gradients_cross_in_one_copy_and_land_only_when_flushed_or_two_are_in_flight():
+    """device_to_host.py [Note: a unit's gradients cross in one copy]: payloads of mixed dtypes
+    and odd sizes packed at aligned offsets; the host slices change only when their copy lands."""
+    gen = torch.Generator().manual_seed(3)
+    parts = {u: [torch.randn(n, generator=gen) for n in (7, 1031, 64)] for u in range(3)}
+    grads = {u: [[(torch.randn(n, generator=gen)).to(dt) for _ in range(k)]
+                 for n, dt, k in ((7, torch.bfloat16, 1), (1031, torch.float32, 1), (64, torch.bfloat16, 3))]
+             for u in range(3)}
+    expected = {u: [in_loop_order(d, g, add=u == 1) for d, g in zip(parts[u], grads[u])] for u in range(3)}
+    crossing = GradCrossing(torch.device("cpu"))
+    before = {u: [d.clone() for d in parts[u]] for u in range(3)}
+    for u in range(3):
+        for d, g in zip(parts[u], grads[u]):
+            crossing.put(u, d, g, add=u == 1)
+        crossing.send(u)
+        assert crossing.copies == u + 1  # one per unit, whatever its parameters
+    assert crossing.in_flight == 2  # the third send landed the first
+    assert all(torch.equal(a, b) for a, b in zip(parts[0], expected[0]))
+    assert all(torch.equal(a, b) for u in (1, 2) for a, b in zip(parts[u], before[u]))
+    crossing.flush()
+    assert crossing.in_flight == 0
+    assert all(torch.equal(a, b) for u in range(3) for a, b in zip(parts[u], expected[u]))
+    crossing.send(0)  # nothing pending: no copy
+    assert crossing.copies == 3
+
+
+def test_an_abandoned_backward_lands_nothing():
+    dst = torch.zeros(100)
+    crossing = GradCrossing(torch.device("cpu"))
+    crossing.put(0, dst, [torch.ones(100)], add=False)
+    crossing.send(0)
+    crossing.put(1, dst, [torch.ones(100)], add=True)  # put, never sent
+    crossing.abandon()
+    crossing.flush()
+    assert crossing.in_flight == 0 and bool((dst == 0).all())
+    crossing.send(1)
+    assert crossing.copies == 1
+
+
+@pytest.mark.parametrize("case", ["bf16 loop", "bf16 train_batch", "fp32 nvme stash"])
+def test_training_through_the_crossing_equals_training_without_it(tmp_path, monkeypatch, case):
+    """The engine's gradients forced through GradCrossing on the CPU (as on a GPU with the
+    optimizer offloaded): losses and weights bit-identical to the direct path, one copy per unit
+    with gradients per backward."""
+    precision, mode = case.split(" ", 1)
+    offload = "nvme" if mode == "nvme stash" else "cpu"
+    k, steps = 2, 2
+    batches = make_batches(GPTConfig(), steps * k, 4, seed=5)
+
+    def run(where):
+        engine = make_engine(tmp_path / where, offload, accumulation=k, precision=precision)
+        if mode == "train_batch":
+            losses = train_windows(engine, batches, steps, accumulation=k)
+        else:
+            losses = train_engine(engine, batches, steps, accumulation=k)
+        return engine, losses, weights(engine.module)
+
+    direct, direct_losses, direct_weights = run("direct")
+    monkeypatch.setattr(GradCrossing, "applies", lambda self, grad, dst: True)
+    crossed, losses, crossed_weights = run("crossed")
+    assert losses == direct_losses
+    assert same_weights(crossed_weights, direct_weights)
+    with_grads = sum(1 for u in crossed.units if u.grad_count)
+    backwards = steps * (1 if mode == "train_batch" else k)
+    assert crossed.parts.reducer.crossing.copies == with_grads * backwards
+    assert direct.parts.reducer.crossing.copies == 0
 
 
 @pytest.mark.parametrize("dtypes,add,on_device", [
@@ -47,7 +119,7 @@ def test_a_windows_gradients_cross_once_with_the_loops_sums(dtype, k, add):
     ([torch.float32] * 2, False, True), ([torch.float32] * 2, True, False),
     ([torch.bfloat16] * 16, True, True), ([torch.float32] * 16, False, True)])
 def test_the_sum_is_made_where_fewer_bytes_cross(dtypes, add, on_device):
-    assert _fold_on_device([torch.zeros(1, dtype=d) for d in dtypes], add) is on_device
+    assert fold_on_device([torch.zeros(1, dtype=d) for d in dtypes], add) is on_device
 
 
 class RecordingBackend:
@@ -197,3 +269,24 @@ def test_a_failed_registration_clears_cudas_last_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     assert CudaBackend().pin_host(4096, 8192) == "cudaHostRegister returned error 712"
     assert calls == [("register", 4096, 8192, 1), ("get_last_error",)]
+
+
+def scenario_crossed(rank, world_size, scratch, forced, offload):
+    """scenario_train with the reduced shards forced through GradCrossing (``forced``)."""
+    from helpers import scenario_train
+
+    if forced:
+        GradCrossing.applies = lambda self, grad, dst: True  # this rank's process only
+    return scenario_train(rank, world_size, scratch, offload_optimizer=offload, offload_param=offload,
+                          accumulation=2, steps=3, overlap_comm=True)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_two_ranks_reduced_shards_through_the_crossing_equal_the_direct_path(tmp_path, offload):
+    from helpers import run_ranks
+
+    results = run_ranks(2, [(name, scenario_crossed, {"forced": name == "crossed", "offload": offload})
+                            for name in ("direct", "crossed")], tmp_path)
+    for r in results:
+        assert "error" not in r["direct"] and "error" not in r["crossed"], r
+        assert r["crossed"] == r["direct"]

@@ -69,6 +69,7 @@ from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer, stash_norm_ranges, step_in_backward_blocker
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
+from ..stores.pinned_host import for_gpu_copies
 from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
 from ..stores.quantized import GROUP_SIZE, NOT_QUANTIZED, FrozenShards
 from ..stores.layouts import RankLayout, build_rank_layout
@@ -230,7 +231,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
     _choose_persistent(units, zc)
     reducer, optimizer = _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device,
-                                         dtype, headroom)
+                                         dtype, headroom, release)
     coordinator = _install_hooks(module, units, module_units, reducer, param_store, zc, timers, release)
     activations = _make_activation_store(config, aio, job_id, comm, device, activation_budget, release) \
         if optimizer is not None else None  # train_batch needs an optimizer
@@ -373,9 +374,11 @@ def _choose_persistent(units, zc) -> None:
             budget -= u.layout.numel
 
 
-def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device, dtype, headroom):
+def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device, dtype, headroom,
+                    release):
     """The gradient reducer (a stash to NVMe with the optimizer there, holding completed
-    gradients in the memory ``headroom`` leaves) and the optimizer."""
+    gradients in the memory ``headroom`` leaves; registered host memory for the gradients' copies
+    from a GPU to an offloaded optimizer) and the optimizer."""
     if spec is None:
         return None, None
     comm_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
@@ -388,9 +391,14 @@ def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, co
                           want_norms=config.gradient_clipping > 0 or scaler.dynamic,
                           defer_errors=comm.world_size > 1)  # see BackwardPass.raise_if_failed_anywhere
     zc = config.zero_optimization
+    pinned = None
+    if device.type == "cuda" and zc.offload_optimizer.device != "none":
+        pinned = for_gpu_copies(True)  # two units' staging at most, whatever pin_memory says of the states
+        if pinned is not None:
+            release.callback(pinned.close)
     reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,
                           predivide=config.gradient_predivide_factor, stash=stash, overlap=zc.overlap_comm,
-                          bucket_numel=zc.reduce_bucket_size)
+                          bucket_numel=zc.reduce_bucket_size, pinned=pinned)
     optimizer = ZeroOptimizer(rank_layout, opt_store, param_store, reducer, comm,
                               hyper=[{k: v for k, v in g.items() if k != "params"} for g in spec.groups],
                               group_ranges=group_ranges,

@@ -34,7 +34,8 @@ Computing on CUDA with the partition in host memory, a window's k gradients of a
 summed on the device (fp32, in micro-batch order) and cross once; a partial sum already on the
 host comes back to the device for the adds. These are the fp32 additions, in the order, that the
 host would make, so the result is bit-identical, and the PCIe bytes do not grow with k (they
-were k copies, each waited for).
+were k copies, each waited for). A unit's gradients then cross together, in one asynchronous
+copy (device_to_host.py [Note: a unit's gradients cross in one copy]).
 
 [Note: every rank reduces the same units in the same order]
 Collectives must match across ranks. A unit is reduced when the last of its
@@ -54,6 +55,7 @@ import torch
 from nvmeio.host_sum import sum_series
 
 from .comm import Comm
+from .device_to_host import GradCrossing
 from .grad_stash import NO_STASH, GradStash, NoStash
 from ..stores.layouts import RankLayout
 from .unit import ParamUnit
@@ -66,33 +68,6 @@ def _sum_in_torch(dst: torch.Tensor, grads: List[torch.Tensor], first: Optional[
         dst.add_(g)
 
 
-def _fold_on_device(grads: List[torch.Tensor], add: bool) -> bool:
-    """Whether summing on the device moves fewer bytes than sending each gradient: an fp32 sum
-    crosses once, plus the host's partial sum coming over when ``add``."""
-    return sum(g.element_size() for g in grads) > 4 * (1 + add)
-
-
-def _cross_to_host(dst: torch.Tensor, grads: List[torch.Tensor], add: bool) -> None:
-    """Gradients on the compute device into their host slice ``dst`` (copied, or added to it when
-    ``add``) with one transfer: see [Note: gradients cross to the host once]."""
-    if not _fold_on_device(grads, add):
-        if not add:
-            # A dtype change is made on the host (a blocking copy_): a 16-bit gradient crosses in
-            # 2 bytes, where a non_blocking copy_ would widen it to 4 on the device first.
-            dst.copy_(grads[0], non_blocking=grads[0].dtype == dst.dtype)
-            grads = grads[1:]
-        sum_series(dst, [g.to(dst.device) for g in grads])
-        return
-    if add:
-        acc = dst.to(grads[0].device, non_blocking=True)
-    else:
-        acc = grads[0].to(torch.float32, copy=True)
-        grads = grads[1:]
-    for g in grads:
-        acc.add_(g)
-    dst.copy_(acc)
-
-
 class GradReducer:
     """Accumulates gradients into ``grads``, the flat fp32 partition of the rank, or, when
     ``grads`` is None, into the sub-group buffers of ``stash`` (a :class:`GradStash`; with the
@@ -101,7 +76,7 @@ class GradReducer:
     def __init__(self, rank_layout: RankLayout, grads: Optional[torch.Tensor], comm: Comm, device: torch.device,
                  dtype: torch.dtype, comm_dtype: torch.dtype, hold: bool = True, predivide: float = 1.0,
                  stash: Union[GradStash, NoStash] = NO_STASH, overlap: bool = False,
-                 bucket_numel: int = 500_000_000):
+                 bucket_numel: int = 500_000_000, pinned=None):
         self.rank_layout = rank_layout
         self.stash = stash
         if (grads is None) != self.stash.on_nvme:
@@ -128,6 +103,7 @@ class GradReducer:
         self._in_flight: Deque[Tuple[object, torch.Tensor, torch.Tensor, int]] = deque()  # work, shard, buf, unit
         self._in_flight_numel = 0
         self.peak_in_flight_numel = 0  # most elements in flight at once (tests)
+        self.crossing = GradCrossing(device, pinned)  # device gradients into a host partition
 
     # -- during backward -----------------------------------------------------------------------
     def _target(self, unit_index: int) -> torch.Tensor:
@@ -177,8 +153,8 @@ class GradReducer:
         was_fresh = fresh[slot_index]
         fresh[slot_index] = True
         self._zero[layout.index][slot_index] = False
-        if flats[0].device != dst.device:
-            _cross_to_host(dst, flats, add=was_fresh)
+        if self.crossing.applies(flats[0], dst):
+            self.crossing.put(layout.index, dst, flats, add=was_fresh)
             return
         first = None if was_fresh else flats.pop(0)
         combine(dst, flats, first)
@@ -191,6 +167,7 @@ class GradReducer:
     def finish(self, unit: ParamUnit) -> None:
         """All gradients of ``unit`` for this backward are in: reduce-scatter them (several ranks);
         with a stash, write its sub-group out when this was the sub-group's last unit."""
+        self.crossing.send(unit.layout.index)
         self.reduce(unit)
         if self.stash.on_nvme:
             sg = self.stash.unit_done(unit.layout.index)
@@ -234,6 +211,12 @@ class GradReducer:
         shard = shard.float() if shard.dtype != torch.float32 else shard
         divisor = self.comm.world_size / self.predivide
         dst = self._target(unit_index)
+        if self.crossing.applies(shard, dst):  # to a host partition: with the unit's copy
+            self.crossing.put(unit_index, dst, [shard.div_(divisor)], add=self._fresh[unit_index][0])
+            self._fresh[unit_index][0] = True
+            self._zero[unit_index][0] = False
+            self.crossing.send(unit_index)
+            return
         if not self._fresh[unit_index][0] and dst.device == shard.device:  # the first: divided into place
             torch.div(shard, divisor, out=dst)
             self._fresh[unit_index][0] = True
@@ -253,15 +236,14 @@ class GradReducer:
         sub-group is written, before anything reads the gradients)."""
         while self._in_flight:
             self._land_oldest()
+        self.crossing.flush()
 
     def _accumulate(self, dst: torch.Tensor, src: torch.Tensor, unit_index: int, slot_index: int) -> None:
         if not self._fresh[unit_index][slot_index]:
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src)
             self._fresh[unit_index][slot_index] = True
             self._zero[unit_index][slot_index] = False
         else:
-            if src.device != dst.device:
-                src = src.to(dst.device)
             dst.add_(src)
 
     # -- at the step ---------------------------------------------------------------------------
@@ -314,6 +296,7 @@ class GradReducer:
             except Exception:  # noqa: BLE001 - the backward's own error is the one raised
                 pass
         self._in_flight_numel = 0
+        self.crossing.abandon()
         self.stash.abandon()
         self.clear(consumed=False)
 
