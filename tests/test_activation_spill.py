@@ -326,3 +326,23 @@ def test_on_cuda_saved_tensors_go_to_host_memory_and_back_unchanged(tmp_path):
         if swapper is not None:
             assert store.stats.spilled_bytes == store.stats.read_bytes > 0
             swapper.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the asynchronous copy to host memory "
+                                                          "(no GPU here)")
+def test_on_cuda_saving_waits_for_no_copy_and_an_in_place_change_after_it_is_refused(monkeypatch):
+    waits = []
+    real = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), real(self))[1])
+    store = SavedActivations(None)
+    store.begin(backward_turns=False)
+    x = big().cuda().detach().requires_grad_()
+    with store.saving(0):
+        y = (x * 3).sin()
+        out = (y * y).sum()
+    assert waits == [] and store.stats.saved_bytes > 0
+    y.add_(1)  # a saved tensor changed after it was saved: its copy may have raced the change
+    with pytest.raises(RuntimeError, match="was modified by an in-place operation after it was saved"):
+        out.backward()
+    store.end()

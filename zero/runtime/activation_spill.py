@@ -20,7 +20,9 @@ held by someone else anyway; a leaf is handed back as itself, so that an alias
 re-pointed at its unit's data by the gather before backward is read there.
 
 On the CPU a kept storage is the activation's own (no copy); on CUDA it is
-copied to host memory (the CUDA-only branches below, marked). Past the budget
+copied to host memory on the copy stream, not waited for when saved: a spill to
+NVMe waits for that copy alone, a return to the device is ordered after it on
+the device (the CUDA-only branches below, marked). Past the budget
 the *oldest* kept storages are written to the window's swap file
 (swapper/_activation_swapper.py) and dropped: the window's first units are the
 ones backward needs last, which leaves their reads the most time. Reads start
@@ -92,6 +94,8 @@ class _Stored:
     data: Optional[torch.Tensor] = None  # HOST on the CPU: a detached view of the activation; else bytes
     blob: object = None  # the swapper's, once written
     refs: int = 0  # saved views alive
+    copied: object = None  # CUDA: the event of the copy into ``data``, until something waited for it
+    source: object = None  # CUDA: a weak reference to the saved tensor (in-place changes are refused)
 
 
 class _Saved:
@@ -107,6 +111,25 @@ class _Saved:
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t``'s whole storage as one uint8 tensor (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _to_host_async(t: torch.Tensor):
+    """CUDA only: ``t``'s whole storage copied into pinned host memory on the device's copy
+    stream, after the work queued so far; returns the host bytes and the copy's event. Saving
+    does not wait for the copy (each saved tensor was a blocking copy); the caching allocator
+    keeps ``t``'s memory until the copy stream is done with it."""
+    from .host_to_device import copy_stream
+
+    whole = _whole_storage(t)
+    host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
+    stream = copy_stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(whole, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    whole.record_stream(stream)
+    return host, done
 
 
 def _modified(t: torch.Tensor, packed: int) -> RuntimeError:
@@ -214,8 +237,8 @@ class SavedActivations:
         if t.device.type == "cpu":
             stored.data = t.detach()  # the activation itself; shares its version counter
         else:  # CUDA only: a pinned host copy (not run in this repository's CI, which has no GPU)
-            stored.data = torch.empty(stored.nbytes, dtype=torch.uint8, pin_memory=True)
-            stored.data.copy_(_whole_storage(t))  # synchronous: the copy is complete when written out
+            stored.data, stored.copied = _to_host_async(t)
+            stored.source = weakref.ref(t)
         self._records.append(stored)
         self._by_storage[storage._cdata] = stored
         self._kept[stored.seq] = stored
@@ -235,6 +258,9 @@ class SavedActivations:
                 if data._version != stored.version:
                     raise _modified(data, stored.version)
                 data = _whole_storage(data)
+            elif stored.copied is not None:  # CUDA only: the bytes are on the host before they go out
+                stored.copied.synchronize()
+                stored.copied = None
             stored.blob = self.swapper.write(data)
             stored.data, stored.state = None, StoredState.ON_NVME
             self._host_bytes -= stored.nbytes
@@ -258,6 +284,9 @@ class SavedActivations:
             data = stored.data
             if stored.state is StoredState.HOST and stored.device.type == "cpu" and data._version != stored.version:
                 raise _modified(data, stored.version)
+            source = stored.source() if stored.source is not None else None
+            if source is not None and source._version != stored.version:  # CUDA: the copy may have raced it
+                raise _modified(source, stored.version)
             if stored.device.type == "cuda" and stored.state is not StoredState.LOADED:
                 data = self._to_device(stored)  # CUDA only
             self._read_ahead()
@@ -282,6 +311,9 @@ class SavedActivations:
 
     def _to_device(self, stored: _Stored) -> torch.Tensor:
         """CUDA only: a kept host copy back on the device, kept there for the other saved views."""
+        if stored.copied is not None:  # after the copy that filled it, on the device: the host goes on
+            torch.cuda.current_stream(stored.device).wait_event(stored.copied)
+            stored.copied = None
         stored.data = stored.data.to(stored.device, non_blocking=True)
         self._kept.pop(stored.seq, None)
         self._host_bytes -= stored.nbytes
