@@ -155,6 +155,7 @@ class ZeroOptimizer(Optimizer):
         self.scaler = scaler
         self.adam = adam
         self.adam_step = 0
+        self._scalars: Dict[tuple, tuple] = {}  # (name, device) -> (what it is of, the scalar there)
         self.skipped_steps = 0
         self.global_grad_norm: Optional[float] = None
         self._pending: Optional[_PendingStep] = None
@@ -320,7 +321,7 @@ class ZeroOptimizer(Optimizer):
 
     def _adam(self, sg: SubGroup, master: torch.Tensor, states: Dict[str, torch.Tensor], grad: torch.Tensor,
               coef: Optional[torch.Tensor]) -> None:
-        step = torch.tensor(float(self.adam_step), device=master.device)
+        step = self._scalar_on(master.device, "step", self.adam_step, lambda: torch.tensor(float(self.adam_step)))
         kernel = torch._fused_adamw_ if self.adam.decoupled_weight_decay else torch._fused_adam_
         for group, ranges in zip(self.param_groups, self._sg_ranges[sg.index]):
             if not ranges:
@@ -331,7 +332,7 @@ class ZeroOptimizer(Optimizer):
             else:
                 grads = [self.reducer.grad(a, b) for a, b in ranges]
             if coef is not None:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
+                torch._foreach_mul_(grads, self._scalar_on(grads[0].device, "coef", coef, lambda: coef))
             views = lambda t: [t[a - sg.start:b - sg.start] for a, b in ranges]
             beta1, beta2 = group["betas"]
             kernel(views(master), grads, views(states["exp_avg"]), views(states["exp_avg_sq"]),
@@ -339,6 +340,15 @@ class ZeroOptimizer(Optimizer):
                    lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                    weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                    amsgrad=self.adam.amsgrad, maximize=False)
+
+    def _scalar_on(self, device: torch.device, name: str, of, make) -> torch.Tensor:
+        """``make()``, a scalar of this step, on ``device``: copied there once per ``of`` (the step
+        number, the coefficient tensor), not once per sub-group, where a copy from pageable host
+        memory synchronizes the stream each time."""
+        held = self._scalars.get((name, device))
+        if held is None or not (held[0] is of or (isinstance(of, int) and held[0] == of)):
+            held = self._scalars[name, device] = (of, make().to(device))
+        return held[1]
 
     def _write_back(self, sg: SubGroup, master: torch.Tensor) -> None:
         """The sub-group's parameter shards from its master; a unit the step cannot change (frozen:
