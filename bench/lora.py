@@ -17,7 +17,10 @@ counters (``io_bytes``: what it read and wrote) and the process's ``/proc/self/i
 iteration; seconds the median of ``--iters`` after ``--warmup``. The frozen base is read once per
 iteration (the default ``stage3_max_reuse_distance`` keeps a unit gathered from its forward to its
 backward) and never written (a step writes back only the units it can change); with the flag each
-fetch also dequantizes on the CPU (about 8 ns per element here, bf16 output, on 2 shared cores). The loss check trains a smaller LoRA model (4 layers x d_model 256, vocab 512, batch 4 x 64
+fetch also dequantizes on the CPU (one vectorised native pass, zero/stores/quantized.py [Note: dequantizing
+on the host]; before it torch's ops took about 8 ns per element here). Each row also has fio's best time for
+its bytes (one read and one write job at once, bench/harness.py ``fio_reference``): the iteration's
+floor where it is I/O-bound. The loss check trains a smaller LoRA model (4 layers x d_model 256, vocab 512, batch 4 x 64
 tokens, rank 8, lr 1e-3) for ``--loss-steps`` steps on NVMe with and without the flag, from the
 same weights and batches, and compares the losses step by step.
 """
@@ -142,6 +145,8 @@ def run(args) -> dict:
                         "iters": args.iters}
                 row = {"dtype": dtype, "flag": flag, **run_child("iterations", spec, args.timeout)}
                 shutil.rmtree(swap, ignore_errors=True)
+                if "error" not in row:  # the disk's best time for the iteration's bytes, in this run
+                    row["fio"] = harness.fio_reference(row["swap_read_bytes"], row["swap_write_bytes"], root)
                 record["runs"].append(row)
                 harness.save_json(record, args.out, indent=1)
                 print(f"{dtype} flag={flag}: {describe(row)}", flush=True)
@@ -178,6 +183,19 @@ def _bytes(row) -> int:
     return row["swap_read_bytes"] + row["swap_write_bytes"]
 
 
+def floor_s(row):
+    """fio's time for the row's bytes (the I/O-bound floor of its iteration), or None."""
+    return (row.get("fio") or {}).get("seconds")
+
+
+def time_ratios(record: dict, dtype: str):
+    """(s / iteration with the flag over without, the disk floors' same ratio), or None."""
+    off, on = _find(record["runs"], dtype, False), _find(record["runs"], dtype, True)
+    if not off or not on or not floor_s(off) or not floor_s(on):
+        return None
+    return on["median_s"] / off["median_s"], floor_s(on) / floor_s(off)
+
+
 def bytes_ratio(record: dict, dtype: str):
     off, on = _find(record["runs"], dtype, False), _find(record["runs"], dtype, True)
     return _bytes(on) / _bytes(off) if off and on else None
@@ -203,18 +221,20 @@ def loss_text(record: dict, dtype: str) -> str:
 
 
 def table(record: dict) -> list:
-    lines = ["| compute dtype | frozen base | s / iteration | read GiB | written GiB | bytes / unquantized | "
-             "/proc read GiB | /proc written GiB | base on NVMe GiB | peak RSS GiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| compute dtype | frozen base | s / iteration | disk's time for its bytes s (fio) | read GiB | "
+             "written GiB | bytes / unquantized | /proc read GiB | /proc written GiB | base on NVMe GiB | "
+             "peak RSS GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in record["runs"]:
         base = "int8 + scales" if row["flag"] else row["dtype"]
         head = f"| {row['dtype']} | {base} |"
         if "error" in row:
-            lines.append(head + f" failed: {row['error'].replace('|', '/')} | | | | | | | |")
+            lines.append(head + f" failed: {row['error'].replace('|', '/')} | | | | | | | | |")
             continue
         off = _find(record["runs"], row["dtype"], False)
         ratio = f"**{_bytes(row) / _bytes(off):.3f}**" if row["flag"] and off else "1"
-        lines.append(head + f" {row['median_s']:.3f} | {row['swap_read_bytes'] / GiB:.3f} | "
+        floor = f"{floor_s(row):.3f}" if floor_s(row) else "—"
+        lines.append(head + f" {row['median_s']:.3f} | {floor} | {row['swap_read_bytes'] / GiB:.3f} | "
                      f"{row['swap_write_bytes'] / GiB:.4f} | {ratio} | {row['read_bytes'] / GiB:.3f} | "
                      f"{row['write_bytes'] / GiB:.4f} | {row['nvme_bytes'] / GiB:.3f} | {row['peak_rss_bytes'] / GiB:.2f} |")
     return lines
@@ -232,6 +252,15 @@ def figures(record: dict) -> list:
                 f"{dtype} base: bytes / iteration, int8 over {dtype} (s / iteration {on['median_s']:.2f} vs "
                 f"{off['median_s']:.2f})", f"**{ratio:.3f}x**", f"≤ {GOALS[dtype]}x (issue 32)",
                 ratio <= GOALS[dtype], when))
+        t = time_ratios(record, dtype)
+        if t is not None:
+            off = _find(record["runs"], dtype, False)
+            bound = off["median_s"] / floor_s(off)
+            regime = "I/O-bound" if bound <= 1.15 else f"not I/O-bound here: {bound:.1f}x its disk time"
+            out.append(harness.Figure(
+                f"{dtype}: s / iteration, int8 over {dtype} base (the disk's time for their bytes: "
+                f"{t[1]:.3f}x; unquantized {regime})", f"{t[0]:.3f}x", "falls with the bytes where I/O-bound",
+                None if bound > 1.15 else t[0] <= 1.15 * t[1], when))
         d = loss_diffs(record, dtype)
         if d is not None:
             out.append(harness.Figure(f"{dtype}: LoRA loss over {m['loss_steps']} steps (small model), largest "
