@@ -70,6 +70,27 @@ def test_a_units_gradients_cross_in_one_copy_and_land_only_when_flushed_or_two_a
     assert crossing.copies == 3
 
 
+def test_a_unit_larger_than_a_slab_crosses_in_element_ranges_with_the_same_sums(monkeypatch):
+    """The staging memory is bounded: a unit past SLAB_BYTES goes as several copies, each a range
+    of every parameter's elements (a window's two 16-bit gradients in the same ranges)."""
+    from zero.runtime import device_to_host
+
+    monkeypatch.setattr(device_to_host, "SLAB_BYTES", 8192)
+    gen = torch.Generator().manual_seed(4)
+    dsts = [torch.randn(n, generator=gen) for n in (5000, 3, 2049)]
+    grads = [[torch.randn(5000, generator=gen).to(torch.bfloat16) for _ in range(2)],
+             [torch.randn(3, generator=gen)], [torch.randn(2049, generator=gen)]]
+    expected = [in_loop_order(d, g, add=False) for d, g in zip(dsts, grads)]
+    crossing = GradCrossing(torch.device("cpu"))
+    for d, g in zip(dsts, grads):
+        crossing.put(0, d, g, add=False)
+    crossing.send(0)
+    crossing.flush()
+    assert crossing.copies == 4  # 20000 + 12 + 8196 bytes (and padding), 8 KiB at a time
+    assert all(s.numel() <= 8192 for s in crossing._free)
+    assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
+
+
 def test_an_abandoned_backward_lands_nothing():
     dst = torch.zeros(100)
     crossing = GradCrossing(torch.device("cpu"))

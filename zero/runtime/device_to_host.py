@@ -7,7 +7,8 @@ everything before it, once per parameter. Instead (:class:`GradCrossing`) each p
 gradient is made ready on the device as it arrives (a window's k summed there when that moves
 fewer bytes: grad_reducer.py [Note: gradients cross to the host once]); when the unit's last
 gradient is in, its payloads are packed into one device buffer and copied, on the copy stream, to
-host memory registered with CUDA, in their own dtype (a 16-bit gradient crosses in 2 bytes); the
+host memory registered with CUDA, in their own dtype (a 16-bit gradient crosses in 2 bytes; a unit
+above 64 MiB crosses in several copies of element ranges, which bounds the staging memory); the
 host lands them (copies or adds them into the partition, widening on the fly) only when the
 copy's event says it is done, at the latest when the partition is read (``flush``). Two units
 may be in flight; a third waits for the oldest to land. The host does the same fp32 operations
@@ -24,6 +25,7 @@ from nvmeio.host_sum import sum_series
 
 _ALIGN = 64  # each payload starts on a cache line of the host slab (and any dtype's alignment)
 MAX_IN_FLIGHT = 2
+SLAB_BYTES = 64 << 20  # the most one copy stages: host memory of the crossing <= 3 slabs
 
 
 class _Payload(NamedTuple):
@@ -92,19 +94,35 @@ class GradCrossing:
         self._pending.setdefault(unit_index, []).append((dst, payloads, add_on_host))
 
     def send(self, unit_index: int) -> None:
-        """The unit's gradients are all in: start their copy."""
+        """The unit's gradients are all in: start their copy (several for a unit above
+        :data:`SLAB_BYTES`, each a range of elements of its parameters, so the staging memory
+        stays bounded whatever the largest parameter)."""
         entries = self._pending.pop(unit_index, None)
         if not entries:
             return
         flats, landings, total = [], [], 0
         for dst, payloads, add in entries:
-            metas = []
-            for p in payloads:
-                flat = p.reshape(-1)
-                metas.append(_Payload(total, flat.numel(), flat.dtype))
-                flats.append((total, flat.view(torch.uint8)))
-                total += -(-flat.numel() * flat.element_size() // _ALIGN) * _ALIGN
-            landings.append(_Landing(dst, metas, add))
+            per_element = sum(p.element_size() for p in payloads)
+            start, n = 0, dst.numel()
+            while start < n:
+                room = (SLAB_BYTES - total) // per_element - _ALIGN * len(payloads)
+                if room <= 0:
+                    self._start_copy(flats, landings, total)
+                    flats, landings, total = [], [], 0
+                    continue
+                stop = min(n, start + room)
+                metas = []
+                for p in payloads:
+                    flat = p.reshape(-1)[start:stop]
+                    metas.append(_Payload(total, flat.numel(), flat.dtype))
+                    flats.append((total, flat.view(torch.uint8)))
+                    total += -(-flat.numel() * flat.element_size() // _ALIGN) * _ALIGN
+                landings.append(_Landing(dst[start:stop], metas, add))
+                start = stop
+        if flats:
+            self._start_copy(flats, landings, total)
+
+    def _start_copy(self, flats: List[Tuple[int, torch.Tensor]], landings: List[_Landing], total: int) -> None:
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._land_oldest()
         slab = self._slab(total)
@@ -137,7 +155,7 @@ class GradCrossing:
         for i, slab in enumerate(self._free):
             if slab.numel() >= nbytes:
                 return self._free.pop(i)
-        nbytes = -(-nbytes // (1 << 20)) << 20  # whole MiB, so slabs are reused across units
+        nbytes = min(SLAB_BYTES, -(-nbytes // (1 << 20)) << 20)  # whole MiB, so slabs are reused across units
         if self._pinned is not None:
             return self._pinned.empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
