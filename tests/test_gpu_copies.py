@@ -45,7 +45,7 @@ def test_a_windows_gradients_cross_once_with_the_loops_sums(dtype, k, add):
 
 
 def test_a_units_gradients_cross_in_one_copy_and_land_only_when_flushed_or_two_are_in_flight():
-    """device_to_host.py [Note: a unit's gradients cross in one copy]: payloads of mixed dtypes
+    """zero/runtime/device_to_host.py [Note: a unit's gradients cross in one copy]: payloads of mixed dtypes
     and odd sizes packed at aligned offsets; the host slices change only when their copy lands."""
     gen = torch.Generator().manual_seed(3)
     parts = {u: [torch.randn(n, generator=gen) for n in (7, 1031, 64)] for u in range(3)}

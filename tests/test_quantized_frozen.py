@@ -98,7 +98,8 @@ def test_the_native_host_pass_is_bit_identical_to_torchs_multiply_and_rounding(d
 
 
 def test_dequantize_refuses_codes_that_are_not_int8_or_too_few_scales():
-    with pytest.raises(ValueError, match="int8 codes and 2 fp32 scales for 300 elements, got torch.int8 codes and 1"):
+    with pytest.raises(ValueError, match="int8 codes on the CPU and 2 fp32 scales for 300 elements in groups of 256, "
+                                         "into fp32 or bf16; got torch.int8 codes on cpu, 1 scales"):
         dequantize(torch.zeros(300, dtype=torch.int8), torch.ones(1))
     with pytest.raises(ValueError, match="got torch.uint8 codes"):
         dequantize(torch.zeros(300, dtype=torch.uint8), torch.ones(2))

@@ -44,7 +44,7 @@ from typing import AbstractSet, FrozenSet
 
 import torch
 
-from nvmeio import _native
+from nvmeio.int8_groups import NATIVE_DTYPES, dequantize_int8
 
 from .layouts import UnitLayout
 
@@ -87,23 +87,13 @@ def quantize(values: torch.Tensor, group_size: int = GROUP_SIZE):
     return codes.view(-1)[:n], scales
 
 
-_NATIVE_OUT = (torch.float32, torch.bfloat16)  # dtypes the host pass writes (see the note)
-
-
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
                group_size: int = GROUP_SIZE) -> torch.Tensor:
     """The values ``codes`` and ``scales`` stand for, in ``dtype``: ``codes * scale`` computed in
     fp32, then rounded once to ``dtype``."""
     n = codes.numel()
-    if codes.device.type == "cpu" and dtype in _NATIVE_OUT and n:
-        codes, scales = codes.contiguous(), scales.to(torch.float32).contiguous()  # kept alive for the call
-        if codes.dtype != torch.int8 or scales.numel() < group_count(n, group_size):
-            raise ValueError(f"dequantize: int8 codes and {group_count(n, group_size)} fp32 scales for {n} elements, "
-                             f"got {codes.dtype} codes and {scales.numel()} scales")
-        out = torch.empty(n, dtype=dtype)
-        _native.dequantize_int8(out.data_ptr(), dtype == torch.bfloat16, codes.data_ptr(), scales.data_ptr(), n,
-                                group_size, torch.get_num_threads())
-        return out
+    if codes.device.type == "cpu" and dtype in NATIVE_DTYPES:
+        return dequantize_int8(codes, scales, group_size, dtype)
     whole = n // group_size * group_size
     values = codes.to(torch.float32)
     if whole:
