@@ -165,7 +165,7 @@ class GradCrossing:
         if event is not None:
             event.synchronize()  # this copy alone
         for dst, payloads, add in landings:
-            land(dst, [slab[p.offset:p.offset + p.numel * _itemsize(p.dtype)].view(p.dtype) for p in payloads], add)
+            land(dst, [slab[p.offset:p.offset + p.numel * p.dtype.itemsize].view(p.dtype) for p in payloads], add)
         self._free.append(slab)
 
     def flush(self) -> None:
@@ -185,7 +185,3 @@ class GradCrossing:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
