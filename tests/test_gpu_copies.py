@@ -155,6 +155,15 @@ class RecordingBackend:
         self.unpinned.append(ptr)
 
 
+class RefusingBackend(RecordingBackend):
+    def __init__(self, why: str):
+        super().__init__()
+        self.why = why
+
+    def pin_host(self, ptr, nbytes):
+        return self.why
+
+
 @pytest.mark.parametrize("make", [lambda: PinnedBufferPool(3, 5000, pin_memory=False),
                                   lambda: SpanPool(3 * 5000, pin_memory=False)], ids=["buffers", "spans"])
 def test_a_pool_is_registered_with_cuda_once_whole_and_unregistered_when_it_dies(make):
@@ -182,11 +191,7 @@ def test_a_pool_never_closed_is_unregistered_when_it_dies():
 
 
 def test_a_refused_registration_says_why_and_registers_nothing():
-    class Refusing(RecordingBackend):
-        def pin_host(self, ptr, nbytes):
-            return "cudaHostRegister returned error 2"
-
-    backend = Refusing()
+    backend = RefusingBackend("cudaHostRegister returned error 2")
     pool = PinnedBufferPool(2, 1000, pin_memory=False)
     assert pool.register_with_cuda(backend) == "cudaHostRegister returned error 2"
     pool.close()
@@ -256,11 +261,7 @@ def test_a_refused_registration_warns_once_and_still_gives_memory():
     from nvmeio import RegisteredHost
     from zero.stores import pinned_host
 
-    class Refusing(RecordingBackend):
-        def pin_host(self, ptr, nbytes):
-            return "cudaHostRegister returned error 1"
-
-    backend = Refusing()
+    backend = RefusingBackend("cudaHostRegister returned error 1")
     host = RegisteredHost(backend, on_refused=pinned_host._warn)
     with pytest.warns(RuntimeWarning, match="could not be registered with CUDA .cudaHostRegister returned error 1"):
         t = host.empty(10)
