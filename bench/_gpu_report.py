@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from bench import _gpu_lora
+
 GiB = 1 << 30
 DEEPNVME = {"gpu": "DeepNVMe: GPU buffers about as fast as CPU buffers",
             "gds": "DeepNVMe: GDS up to 37% faster"}
@@ -102,7 +104,14 @@ def _train(st: dict) -> str:
     return "; ".join(parts) or st.get("error", "")
 
 
-SUMMARIES = {"install": _install, "tests": _tests, "disk": _disk, "aio": _aio, "train": _train}
+def _lora(st: dict) -> str:
+    parts = [f"{d}: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.2f}x, seconds {on['median_s'] / off['median_s']:.2f}x "
+             f"(quantized / not); / disk {_f(_gpu_lora.to_disk(off))} and {_f(_gpu_lora.to_disk(on))}"
+             for d, off, on in _gpu_lora.pairs(st)]
+    return "; ".join(parts) or st.get("error", "")
+
+
+SUMMARIES = {"install": _install, "tests": _tests, "disk": _disk, "aio": _aio, "train": _train, "lora": _lora}
 
 
 # -- the document ----------------------------------------------------------------------------------
@@ -127,7 +136,8 @@ def markdown(record: dict) -> str:
                      f"{(result + error + note).replace('|', '/')} |")
     lines.append("")
     lines += _tests_details(stages.get("tests", {})) + _aio_details(stages.get("aio", {}))
-    lines += _train_details(stages.get("train", {})) + _install_details(stages.get("install", {}))
+    lines += _train_details(stages.get("train", {})) + _lora_details(stages.get("lora", {}))
+    lines += _install_details(stages.get("install", {}))
     return "\n".join(lines) + "\n"
 
 
@@ -182,6 +192,44 @@ def _train_details(st: dict) -> list:
     out.append("")
     for dtype, comp in st.get("compute", {}).items():
         out.append(f"- plain torch {dtype}: " + run_line(comp))
+    for row in st.get("runs", []):
+        if "busiest_thread" in row:
+            w = row["warmup"]
+
+            def mean(values: list) -> float:  # over the measured iterations
+                return sum(values[w:]) / max(1, len(values) - w)
+            names = ", ".join(sorted({name for name, _ in row["busiest_thread"][w:]}))
+            out.append(f"- ours {row['dtype']} k={row['k']}, a measured iteration's mean: "
+                       f"{mean(row['times_s']):.3f} s, blocked on NVMe {mean(row['blocked_s']):.3f} s, the busiest "
+                       f"thread's CPU {mean([t for _, t in row['busiest_thread']]):.3f} s ({names}), the process's "
+                       f"CPU {mean(row['cpu_s']):.3f} s")
+    return out + [""]
+
+
+def _lora_details(st: dict) -> list:
+    if not st.get("runs"):
+        return []
+    mdl = st.get("model", {})
+    out = ["## LoRA on a frozen base on NVMe, without and with zero_quantized_nontrainable_weights", "",
+           f"bench/lora.py's stand-in on {st.get('device')}: GPT {mdl.get('layers')} x d {mdl.get('d_model')} with rank "
+           "8 adapters, the base frozen on NVMe (int8, a scale per 256 elements, with the flag), AdamW in host memory, "
+           "micro-batches of 1 x 8 tokens, the median iteration; bytes: the parameter swapper's; disk: the disk "
+           "stage's time for those bytes.", "",
+           "| dtype | quantized | s/it | swapper read GiB | written GiB | disk s | / disk | init s |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for row in st["runs"]:
+        head = f"| {row['dtype']} | {'yes' if row['flag'] else 'no'} |"
+        if "median_s" not in row:
+            out.append(head + f" {_gpu_lora.line(row).replace('|', '/')} |" + " |" * 5)
+            continue
+        disk = (row.get("disk") or {}).get("seconds")
+        out.append(head + f" {row['median_s']:.3f} | {row['swap_read_bytes'] / GiB:.3f} | "
+                   f"{row['swap_write_bytes'] / GiB:.4f} | {_f(disk, 3)} | {_f(_gpu_lora.to_disk(row))} | "
+                   f"{row['init_s']} |")
+    out.append("")
+    for d, off, on in _gpu_lora.pairs(st):
+        out.append(f"- {d}: quantized / unquantized: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.3f}x, "
+                   f"seconds {on['median_s'] / off['median_s']:.3f}x")
     return out + [""]
 
 

@@ -8,19 +8,20 @@ trained with parameters and optimizer on NVMe, and aio_handle / gds_handle with 
 It writes gpu_check.json, gpu_check.md and gpu_check.log (every command's output) to --out.
 
 [Note: stages, budgets and what survives a failure]
-Five stages run in order, each within a time budget of its own, all within --total-s (training,
-last, has what is left): ``install`` (the kit's wheels that are missing or older here, then
-nvmeio from this tree without build isolation or network, liburing from the kit so that the
-io_uring backend builds; tools/gpu_kit.sh makes the kit), ``tests`` (pytest on
-tests/test_cuda_paths.py, tests/test_gds_handle.py and the tests marked cuda elsewhere),
-``disk`` (nvme_tune's best read and write GiB/s: the disk's time for a byte count, fio being
-absent there; fio's own when it is on PATH, as a kit can carry it), ``aio`` (GiB/s of locked
-host buffers, CUDA tensors through aio_handle and through gds_handle) and ``train``
-(bench/io_bound.py's children: plain torch on the GPU in memory, and ours at k = 1, 4, 16 in
-fp32 and bf16). Whatever imports torch or nvmeio runs in a child process with a timeout, so a
-crash, a hang or a failed build ends one stage, recorded with its error, and the next stage
-runs; the JSON and the markdown are rewritten after every stage, so a run stopped from outside
-keeps what had finished.
+Six stages run in order (--stages picks some; install always runs), each within a time budget
+of its own, all within --total-s (training has what is left but the later stages' budgets):
+``install`` (the kit's wheels that are missing or older here, then nvmeio from this tree without
+build isolation or network, liburing from the kit so that the io_uring backend builds;
+tools/gpu_kit.sh makes the kit), ``tests`` (pytest on tests/test_cuda_paths.py,
+tests/test_gds_handle.py and the tests marked cuda elsewhere), ``disk`` (nvme_tune's best read
+and write GiB/s: the disk's time for a byte count, fio being absent there; fio's own when it is
+on PATH, as a kit can carry it), ``aio`` (GiB/s of locked host buffers, CUDA tensors through
+aio_handle and through gds_handle), ``train`` (bench/io_bound.py's children: plain torch on the
+GPU in memory, and ours at k = 1, 4, 16 in fp32 and bf16) and ``lora`` (bench/lora.py's LoRA
+stand-in without and with quantized frozen weights, bench/_gpu_lora.py). Whatever imports torch
+or nvmeio runs in a child process with a timeout, so a crash, a hang or a failed build ends one
+stage, recorded with its error, and the next stage runs; the JSON and the markdown are rewritten
+after every stage, so a run stopped from outside keeps what had finished.
 
 Children import nvmeio from the tree when it imports there (a native module built in place),
 else from the installed package (the install stage's, built from this tree) through a folder
@@ -46,13 +47,13 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
-from bench import _gpu_install, _gpu_report, harness, io_bound
+from bench import _gpu_install, _gpu_lora, _gpu_report, harness, io_bound
 from bench._gpu_install import Kit, find_kit
 from tools import fio
 
 ROOT = harness.ROOT
 GiB = harness.GiB
-STAGES = ("install", "tests", "disk", "aio", "train")
+STAGES = ("install", "tests", "disk", "aio", "train", "lora")
 NO_CUDA = "no CUDA: rehearsed on CPU"
 TINY_MODEL = dict(vocab=256, d_model=32, heads=2, layers=2, seq=16, tie=True)
 
@@ -79,11 +80,13 @@ class Sizes:
     use_fio: bool
 
 
-REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 120, "disk": 45, "aio": 45}, model=io_bound.MODEL,
+REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 120, "disk": 45, "aio": 45, "lora": 110},
+             model=io_bound.MODEL,
              ks=(1, 4, 16), dtypes=("fp32", "bf16"), warmup=1, iters=2, torch_iters=3, min_run_s=30, run_cap_s=200,
              tune_io_size="1G", tune_budget_s=25, aio_bytes=1 * GiB, aio_rounds=3, one_process_per_run=True,
              use_fio=True)
-REHEARSAL = Sizes(total_s=240, budgets={"install": 60, "tests": 90, "disk": 40, "aio": 40}, model=TINY_MODEL,
+REHEARSAL = Sizes(total_s=240, budgets={"install": 60, "tests": 90, "disk": 40, "aio": 40, "lora": 40},
+                  model=TINY_MODEL,
                   ks=(1, 4), dtypes=("fp32", "bf16"), warmup=1, iters=1, torch_iters=1, min_run_s=0, run_cap_s=120,
                   tune_io_size="8M", tune_budget_s=2, aio_bytes=8 << 20, aio_rounds=1, one_process_per_run=False,
                   use_fio=False)  # fio would reserve huge pages on a shared machine, for nothing a rehearsal needs
@@ -128,6 +131,7 @@ class Run:
     installed_only: Optional[str] = None  # the folder of bench/ and tools/ alone, when it is used
     cuda: bool = False
     record: dict = field(default_factory=dict)
+    stages: tuple = STAGES  # the stages this run runs, in STAGES' order
 
     @property
     def log_path(self) -> str:
@@ -179,7 +183,10 @@ class Run:
 
 def run_stage(run: Run, name: str, fn: Callable[[Run, Stage], dict]) -> None:
     left = run.sizes.total_s - (time.monotonic() - run.t0)
-    budget = max(0.0, min(run.sizes.budgets.get(name, left), left))
+    # A stage without a budget of its own (train) has what is left but the later stages' budgets.
+    later = run.stages[run.stages.index(name) + 1:]
+    reserved = sum(run.sizes.budgets.get(n, 0) for n in later)
+    budget = max(0.0, min(run.sizes.budgets.get(name, left - reserved), left))
     run.say(f"{name}: start, budget {budget:.0f} s")
     t = time.monotonic()
     if budget < 1:
@@ -518,6 +525,8 @@ def main(argv=None) -> int:
     p.add_argument("--total-s", type=float, help="seconds for all stages (default 470; --rehearse 240)")
     p.add_argument("--ks", help="micro-batches per iteration to train, comma-separated (default 1,4,16)")
     p.add_argument("--dtypes", help="fp32 and / or bf16, comma-separated (default both)")
+    p.add_argument("--stages", help=f"the stages to run, comma-separated, of {','.join(STAGES)} (default all; "
+                                    "install always runs: the others import what it built)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -536,12 +545,18 @@ def main(argv=None) -> int:
         if not set(dtypes) <= {"fp32", "bf16"}:
             p.error(f"--dtypes takes fp32 and bf16, got {args.dtypes}")
         sizes = replace(sizes, dtypes=dtypes)
+    stages = STAGES
+    if args.stages:
+        chosen = set(args.stages.split(","))
+        if not chosen <= set(STAGES):
+            p.error(f"--stages takes {','.join(STAGES)}, got {args.stages}")
+        stages = tuple(n for n in STAGES if n in chosen or n == "install")
     os.makedirs(args.out, exist_ok=True)
     kit = find_kit(args.kit or os.path.join(ROOT, "gpu_kit"))
     if kit.fio_bin:  # fio from the kit: harness.fio_reference and the children find it on PATH
         os.environ["PATH"] = kit.fio_bin + os.pathsep + os.environ.get("PATH", "")
     scratch = tempfile.mkdtemp(prefix="gpu-check-", dir=_gpu_install.scratch_parent(args.nvme_dir, ROOT))
-    run = Run(sizes, args.out, scratch, kit, args.rehearse)
+    run = Run(sizes, args.out, scratch, kit, args.rehearse, stages=stages)
     open(run.log_path, "w").close()
     run.record = {"meta": {**harness.provenance(scratch), "command": "python -m bench.gpu_check " + " ".join(argv),
                            "rehearse": args.rehearse, "sizes": asdict(sizes), "scratch": scratch},
@@ -549,9 +564,9 @@ def main(argv=None) -> int:
     run.say(f"{'rehearsal, ' if args.rehearse else ''}scratch {scratch} ({run.record['meta'].get('fstype')}), "
             f"kit {kit.path or 'none'}, out {args.out}")
     fns = {"install": stage_install, "tests": stage_tests, "disk": stage_disk, "aio": stage_aio,
-           "train": stage_train}
+           "train": stage_train, "lora": lambda r, st: _gpu_lora.stage_lora(r, st, disk_reference)}
     try:
-        for name in STAGES:
+        for name in stages:
             run_stage(run, name, fns[name])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -153,6 +153,28 @@ def proc_io() -> dict:
         return {k: int(v) for k, v in (line.split(":") for line in f)}
 
 
+def thread_cpu() -> dict:
+    """CPU seconds (user + system) of each of this process's threads: ``{tid: (name, seconds)}``.
+    A thread whose CPU seconds over an interval come near the interval's is what bounds it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime, stime: fields 14, 15
+    return out
+
+
+def busiest_thread(before: dict, after: dict) -> tuple:
+    """(name, CPU seconds) of the thread that used most CPU between two :func:`thread_cpu`."""
+    used = [(name, s - before.get(tid, (name, 0.0))[1]) for tid, (name, s) in after.items()]
+    return max(used, key=lambda u: u[1], default=("", 0.0))
+
+
 def settled_io(quiet: float = 0.5, timeout: float = 10.0) -> dict:
     """:func:`proc_io` once it has stopped moving (no byte read or written for ``quiet`` s): the
     writes an iteration left in flight have landed."""

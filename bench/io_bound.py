@@ -196,6 +196,7 @@ def child_train(spec: dict) -> dict:
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM starts again from the current RSS
         f.write("5")
     times, reads, writes, losses = [], [], [], []
+    busiest, cpu, waits = [], [], []  # where an iteration's time went (see blocked_seconds)
     w = spec["warmup"]
 
     def written(io: dict) -> int:
@@ -203,9 +204,13 @@ def child_train(spec: dict) -> dict:
 
     for i in range(w + spec["iters"]):
         io0 = harness.settled_io() if i == w else harness.proc_io()  # the warm-up's writes land outside the window
+        wait0, threads0, cpu0 = blocked_seconds(engine), harness.thread_cpu(), time.process_time()
         start = time.perf_counter()
         losses.append(iteration())
         seconds = time.perf_counter() - start
+        busiest.append(harness.busiest_thread(threads0, harness.thread_cpu()))
+        cpu.append(time.process_time() - cpu0)
+        waits.append(blocked_seconds(engine) - wait0)
         io1 = harness.settled_io() if i == w + spec["iters"] - 1 else harness.proc_io()  # the last one's: inside
         times.append(seconds)
         reads.append(io1["read_bytes"] - io0["read_bytes"])
@@ -219,7 +224,18 @@ def child_train(spec: dict) -> dict:
             "median_s": statistics.median(times[w:]), "read_bytes": int(statistics.mean(reads[w:])),
             "write_bytes": int(statistics.mean(writes[w:])), "times_s": [round(t, 3) for t in times],
             "reads": reads, "writes": writes, "losses": losses,
+            "busiest_thread": [[name, round(t, 3)] for name, t in busiest], "cpu_s": [round(t, 3) for t in cpu],
+            "blocked_s": [round(t, 3) for t in waits], "warmup": w,
             "peak_rss_bytes": max(init_peak, train_peak), "train_peak_rss_bytes": train_peak}
+
+
+def blocked_seconds(engine) -> float:
+    """Seconds the engine's stores have been blocked on NVMe reads and writes (ours; 0 for
+    DeepSpeed). Beside them the CPU seconds of an iteration's busiest thread say whether the
+    host's own work, rather than the disk, is what the iteration waits for."""
+    parts = getattr(engine, "parts", None)
+    stores = [getattr(parts, "param_store", None), getattr(parts, "optimizer_store", None)]
+    return sum(getattr(s, "read_wait_seconds", 0.0) + getattr(s, "write_wait_seconds", 0.0) for s in stores if s)
 
 
 # -- the run ---------------------------------------------------------------------------------------

@@ -27,18 +27,60 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     record = json.loads((out / "gpu_check.json").read_text())
     assert list(record["stages"]) == list(gpu_check.STAGES)
     statuses = {name: st["status"] for name, st in record["stages"].items()}
-    assert statuses == {"install": "dry", "tests": "ok", "disk": "ok", "aio": "ok", "train": "ok"}, \
+    assert statuses == {"install": "dry", "tests": "ok", "disk": "ok", "aio": "ok", "train": "ok", "lora": "ok"}, \
         json.dumps(record["stages"], indent=1)[:4000]
-    for name in ("tests", "aio", "train"):  # the CUDA parts say they ran on the CPU
+    for name in ("tests", "aio", "train", "lora"):  # the CUDA parts say they ran on the CPU
         assert gpu_check.NO_CUDA in record["stages"][name]["note"]
     train = record["stages"]["train"]
     assert [(row["dtype"], row["k"]) for row in train["runs"]] == [(d, k) for d in gpu_check.REHEARSAL.dtypes
                                                                    for k in gpu_check.REHEARSAL.ks]
     assert all(row["median_s"] > 0 and row["disk"]["seconds"] > 0 for row in train["runs"])
+    # where each iteration's time went: one figure per iteration, the busiest thread's CPU within the process's
+    for row in train["runs"]:
+        n = len(row["times_s"])
+        assert len(row["busiest_thread"]) == len(row["cpu_s"]) == len(row["blocked_s"]) == n
+        assert all(0 <= t <= c + 0.02 for (_, t), c in zip(row["busiest_thread"], row["cpu_s"]))
+    lora = record["stages"]["lora"]
+    assert [(row["dtype"], row["flag"]) for row in lora["runs"]] == [(d, f) for d in gpu_check.REHEARSAL.dtypes
+                                                                     for f in (False, True)]
+    for row in lora["runs"]:
+        assert row["median_s"] > 0 and row["disk"]["seconds"] > 0 and row["swap_read_bytes"] > 0, row
+        assert (row["quantized_units"] > 0) == row["flag"], row
+    off, on = ({r["flag"]: r for r in lora["runs"] if r["dtype"] == "fp32"}[f] for f in (False, True))
+    assert on["swap_read_bytes"] < 0.5 * off["swap_read_bytes"]  # int8 codes and scales against fp32
     md = (out / "gpu_check.md").read_text()
     for name in gpu_check.STAGES:
         assert f"| {name} | {statuses[name]} |" in md
     assert "[gpu_check" in r.stdout and (out / "gpu_check.log").stat().st_size > 0
+
+
+def test_stages_picks_some_and_install_always_runs(tmp_path):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    r = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--stages", "disk", "--out", str(out)],
+                    timeout=200, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(json.loads((out / "gpu_check.json").read_text())["stages"]) == ["install", "disk"]
+    bad = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--stages", "disk,lroa", "--out",
+                       str(out)], timeout=60, cwd=REPO, env=env)
+    assert bad.returncode == 2 and "--stages takes install,tests,disk,aio,train,lora, got disk,lroa" in bad.stderr
+
+
+def test_a_stage_without_a_budget_leaves_the_later_stages_theirs(tmp_path):
+    run = gpu_check.Run(gpu_check.REAL, str(tmp_path), str(tmp_path), Kit(None), rehearse=True)
+    got = {}
+
+    def record(r, stage):
+        got["train"] = stage.deadline - stage.start
+        return {"status": "ok"}
+    run.record = {"meta": {}, "stages": {}}
+    run.write = lambda: None
+    gpu_check.run_stage(run, "train", record)
+    left = gpu_check.REAL.total_s - gpu_check.REAL.budgets["lora"]
+    assert left - 5 < got["train"] <= left
+    run.stages = ("install", "train")
+    gpu_check.run_stage(run, "train", record)
+    assert got["train"] > left
 
 
 def test_kit_script_is_valid_bash():
