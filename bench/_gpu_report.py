@@ -230,6 +230,14 @@ def _lora_details(st: dict) -> list:
     for d, off, on in _gpu_lora.pairs(st):
         out.append(f"- {d}: quantized / unquantized: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.3f}x, "
                    f"seconds {on['median_s'] / off['median_s']:.3f}x")
+    for row in st["runs"]:
+        if "phases" in row:
+            ph = row["phases"]
+            out.append(f"- {row['dtype']}, {'quantized' if row['flag'] else 'unquantized'}, one more iteration phase "
+                       f"by phase (the device synchronized after each): forward {ph['forward']:.3f} s, backward "
+                       f"{ph['backward']:.3f} s, step {ph['step']:.3f} s, flush {ph['flush']:.3f} s; blocked on NVMe "
+                       f"{ph['blocked']:.3f} s; busiest thread {ph['busiest_thread'][0]} "
+                       f"{ph['busiest_thread'][1]:.2f} s CPU")
     return out + [""]
 
 

@@ -102,13 +102,39 @@ def child_iterations(spec: dict) -> dict:
         reads.append(io1["read_bytes"] - io0["read_bytes"])
         writes.append((io1["write_bytes"] - io1["cancelled_write_bytes"]) - (io0["write_bytes"] - io0["cancelled_write_bytes"]))
         losses.append(float(loss.detach()))
-    return {"params": params, "trainable": trainable, "init_s": round(init_s, 1),
+    return {"params": params, "phases": profiled_iteration(engine, x, y), "trainable": trainable, "init_s": round(init_s, 1),
             "quantized_units": len(engine.frozen_shards.units), "units": len(engine.parts.units),
             "nvme_bytes": engine.parts.param_store.swapper.nvme_bytes,
             "median_s": statistics.median(times[w:]), "times_s": [round(t, 3) for t in times],
             "swap_read_bytes": int(statistics.mean(swap_r[w:])), "swap_write_bytes": int(statistics.mean(swap_w[w:])),
             "read_bytes": int(statistics.mean(reads[w:])), "write_bytes": int(statistics.mean(writes[w:])),
             "losses": losses, "peak_rss_bytes": harness.status_bytes("VmHWM")}
+
+
+def profiled_iteration(engine, x, y) -> dict:
+    """One more iteration, after the measured ones, timed phase by phase (the device synchronized at
+    each phase's end, so each phase holds the work it queued): forward, backward, step and the
+    writes' flush; beside them the seconds blocked on NVMe and the busiest thread's CPU seconds."""
+    import torch
+
+    from bench.io_bound import blocked_seconds
+
+    def sync():
+        if str(engine.device).startswith("cuda"):
+            torch.cuda.synchronize(engine.device)
+
+    out, holder = {}, {}
+    blocked0, threads0 = blocked_seconds(engine), harness.thread_cpu()
+    for name, phase in (("forward", lambda: holder.update(loss=engine(x, y))),
+                        ("backward", lambda: engine.backward(holder["loss"])), ("step", engine.step),
+                        ("flush", engine.parts.param_store.flush)):
+        start = time.perf_counter()
+        phase()
+        sync()
+        out[name] = round(time.perf_counter() - start, 4)
+    out["blocked"] = round(blocked_seconds(engine) - blocked0, 4)
+    out["busiest_thread"] = list(harness.busiest_thread(threads0, harness.thread_cpu()))
+    return out
 
 
 def child_losses(spec: dict) -> dict:

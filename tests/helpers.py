@@ -716,3 +716,23 @@ class HFCheckpointedGPT(CheckpointedGPT):
 
     def checkpointed(self, block, x):
         return self._gradient_checkpointing_func(block, x)
+
+
+def dequantized_base(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with each frozen unit's parameters replaced by what one rank stores for them: the
+    unit (a module's own parameters, flattened in order) quantized in groups and dequantized."""
+    from zero.runtime.unit import plan_units
+    from zero.stores.quantized import dequantize, quantize
+
+    _, params_per_unit, _ = plan_units(model, 1)
+    with torch.no_grad():
+        for params in params_per_unit:
+            if any(p.requires_grad for p in params):
+                continue
+            flat = torch.cat([p.reshape(-1) for p in params])
+            values = dequantize(*quantize(flat))
+            at = 0
+            for p in params:
+                p.copy_(values[at:at + p.numel()].view(p.shape))
+                at += p.numel()
+    return model

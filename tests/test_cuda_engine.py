@@ -295,6 +295,44 @@ def test_gathered_parameters_modified_on_rank_0_in_training(tmp_path, device):
     assert_matches(losses, (expected, dict(reference.named_parameters()), initial), final, device)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_quantized_frozen_weights_cross_on_the_copy_stream_and_train_as_the_dequantized_base(
+        tmp_path, device, precision):
+    """zero_quantized_nontrainable_weights on the device: each frozen unit's int8 bytes go to the
+    device on the copy stream (runtime/host_to_device.py ``copy_then_reuse``, waiting for that copy
+    alone), are dequantized there, and the LoRA run equals the unflagged engine's on the dequantized
+    base, bit for bit (the same kernels on the same values)."""
+    from zero.examples import add_lora
+    from zero.runtime import host_to_device
+    from helpers import dequantized_base
+
+    def lora():
+        return add_lora(GPT(CFG), rank=2)
+
+    batches = make_batches(CFG, STEPS, MICRO)
+    runs = []
+    for flag, model in ((True, lora), (False, lambda: dequantized_base(lora()))):
+        config = base_config("nvme", "cpu", tmp_path / str(flag), precision=precision, micro=MICRO, lr=LR)
+        config["compute_device"] = device.type
+        config["zero_optimization"]["zero_quantized_nontrainable_weights"] = flag
+        engine = make_engine(tmp_path / str(flag), model=model, config=config)
+        copies = []
+        if flag:
+            frozen = engine.frozen_shards
+            assert frozen and (frozen.to_device is host_to_device.copy_then_reuse) == (device.type == "cuda")
+            real = frozen.to_device
+            frozen.to_device = lambda packed, dev: (copies.append(packed.numel()), real(packed, dev))[1]
+        try:
+            runs.append((train_engine(engine, batches, STEPS), weights(engine.module), copies))
+        finally:
+            engine.destroy()
+    (flagged, flagged_weights, copies), (plain, plain_weights, _) = runs
+    assert flagged == plain
+    for name, value in plain_weights.items():
+        assert torch.equal(flagged_weights[name], value), name
+    assert (len(copies) > 0) == (device.type == "cuda")  # on the CPU the packed bytes are dequantized in place
+
+
 def test_load_pretrained_into_a_built_engine_trains_from_the_loaded_weights(tmp_path, device):
     batches = make_batches(CFG, STEPS, MICRO)
     torch.manual_seed(1)

@@ -46,6 +46,7 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     for row in lora["runs"]:
         assert row["median_s"] > 0 and row["disk"]["seconds"] > 0 and row["swap_read_bytes"] > 0, row
         assert (row["quantized_units"] > 0) == row["flag"], row
+        assert {"forward", "backward", "step", "flush", "blocked", "busiest_thread"} <= set(row["phases"]), row
     off, on = ({r["flag"]: r for r in lora["runs"] if r["dtype"] == "fp32"}[f] for f in (False, True))
     assert on["swap_read_bytes"] < 0.5 * off["swap_read_bytes"]  # int8 codes and scales against fp32
     md = (out / "gpu_check.md").read_text()

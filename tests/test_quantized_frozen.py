@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import zero
-from helpers import base_config, make_engine, same_weights, train_engine, weights
+from helpers import base_config, dequantized_base, make_engine, same_weights, train_engine, weights
 from zero.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from zero.examples import GPT, GPTConfig, add_lora, make_batches, relative_error
-from zero.runtime.unit import plan_units
 from zero.stores.quantized import (GROUP_SIZE, QMAX, dequantize, pack, packed_nbytes, quantize,
                                    unpack)
 
@@ -19,23 +18,6 @@ FLAG = {"zero_optimization": {"zero_quantized_nontrainable_weights": True}}
 
 def lora_gpt() -> torch.nn.Module:
     return add_lora(GPT(CFG), rank=2)
-
-
-def dequantized_base(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with each frozen unit's parameters replaced by what one rank stores for them: the
-    unit (a module's own parameters, flattened in order) quantized in groups and dequantized."""
-    _, params_per_unit, _ = plan_units(model, 1)
-    with torch.no_grad():
-        for params in params_per_unit:
-            if any(p.requires_grad for p in params):
-                continue
-            flat = torch.cat([p.reshape(-1) for p in params])
-            values = dequantize(*quantize(flat))
-            at = 0
-            for p in params:
-                p.copy_(values[at:at + p.numel()].view(p.shape))
-                at += p.numel()
-    return model
 
 
 def frozen_units(engine):
@@ -108,6 +90,32 @@ def test_dequantize_refuses_codes_that_are_not_int8_or_too_few_scales():
 def test_unpack_refuses_bytes_of_another_size():
     with pytest.raises(ValueError, match="a packed shard of 300 elements has 308 bytes, got 307"):
         unpack(torch.zeros(307, dtype=torch.uint8), 300)
+
+
+def test_decode_moves_the_packed_bytes_through_the_stores_copy_only_across_devices():
+    """The engine gives a CUDA store its copy-stream copy (runtime/host_to_device.py
+    ``copy_then_reuse``): a plain ``.to`` would wait for every kernel queued before it, once per
+    frozen unit. Shards already on the compute device are not copied at all."""
+    from zero.runtime.unit import plan_units
+    from zero.stores.quantized import FrozenShards
+
+    (layout,), _, _ = plan_units(torch.nn.Linear(300, 1, bias=False), 1)
+    values = torch.randn(300)
+    moved = []
+    frozen = FrozenShards({layout.index}, to_device=lambda packed, device: (moved.append((packed, device)), packed)[1])
+    packed = frozen.encode(layout, values)
+    expected = dequantize(*quantize(values))
+    assert torch.equal(frozen.decode(layout, packed, torch.float32, torch.device("cpu")), expected) and moved == []
+    cuda = torch.device("cuda", 0)  # only compared with: the recording copy hands the CPU tensor back
+    assert torch.equal(frozen.decode(layout, packed, torch.float32, cuda), expected)
+    assert len(moved) == 1 and moved[0][0] is packed and moved[0][1] == cuda
+
+
+def test_the_engine_gives_a_cpu_store_no_copy_of_its_own(tmp_path):
+    from zero.runtime import host_to_device
+
+    engine = make_engine(tmp_path, model=lora_gpt, config=base_config("nvme", "cpu", tmp_path), overrides=FLAG)
+    assert engine.frozen_shards and engine.frozen_shards.to_device is not host_to_device.copy_then_reuse
 
 
 # -- the engine --------------------------------------------------------------------------------------

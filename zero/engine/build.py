@@ -60,6 +60,7 @@ from ..runtime.hooks import Coordinator
 from ..stores import memory_check
 from ..runtime.grad_stash import NO_STASH, GradStash
 from ..runtime.grad_reducer import GradReducer
+from ..runtime import host_to_device
 from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
 from ..stores import malloc_settings
@@ -223,7 +224,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
         release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
-    frozen = _frozen_shards(config, units, spec, comm)
+    frozen = _frozen_shards(config, units, spec, comm, device)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
                                     frozen)
     _link_units(units, param_store, opt_store, release)
@@ -283,7 +284,8 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
     return store
 
 
-def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec], comm: Comm) -> FrozenShards:
+def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec], comm: Comm,
+                   device: torch.device) -> FrozenShards:
     """The units stored quantized with ``zero_quantized_nontrainable_weights`` (stage 3): those
     whose parameters are all frozen, every one in an engine without an optimizer (see
     stores/quantized.py, [Note: frozen weights stored quantized])."""
@@ -305,7 +307,7 @@ def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec]
             "zero_quantized_nontrainable_weights: %d module(s) own frozen and trainable parameters together and "
             "stay unquantized (a module's parameters are stored as one unit): %s", len(mixed),
             ", ".join(mixed[:5]) + (f" and {len(mixed) - 5} more" if len(mixed) > 5 else ""))
-    return FrozenShards(frozen)
+    return FrozenShards(frozen, to_device=host_to_device.copy_then_reuse if device.type == "cuda" else None)
 
 
 def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,

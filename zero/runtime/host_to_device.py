@@ -45,3 +45,11 @@ def to_device(shard: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, 
     current.wait_event(done)
     out.record_stream(current)  # its memory is not reused before the compute stream is done with it
     return out, done
+
+
+def copy_then_reuse(shard: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """:func:`to_device`, returning once ``shard`` may be reused: the CPU waits for this copy alone
+    (the compute stream's queued kernels go on running)."""
+    out, done = to_device(shard, device)
+    done.synchronize()
+    return out

@@ -40,7 +40,7 @@ torch's ops elsewhere (CUDA, fp16 outputs).
 """
 from __future__ import annotations
 
-from typing import AbstractSet, FrozenSet
+from typing import AbstractSet, Callable, FrozenSet, Optional
 
 import torch
 
@@ -120,9 +120,14 @@ class FrozenShards:
     """Which units' shards a parameter store keeps quantized, and the codec for them. The null
     object (:data:`NOT_QUANTIZED`) quantizes none, so stores ask it unconditionally."""
 
-    def __init__(self, units: AbstractSet[int] = frozenset(), group_size: int = GROUP_SIZE):
+    def __init__(self, units: AbstractSet[int] = frozenset(), group_size: int = GROUP_SIZE,
+                 to_device: Optional[Callable[[torch.Tensor, torch.device], torch.Tensor]] = None):
         self.units: FrozenSet[int] = frozenset(units)
         self.group_size = group_size
+        # How packed bytes reach the compute device: ``to_device(packed, device)`` returns once
+        # ``packed`` may be reused. On CUDA the engine's copy on its copy stream, which waits for that
+        # copy alone (runtime/host_to_device.py); a plain ``.to`` waits for every kernel queued before it.
+        self.to_device = to_device or (lambda packed, device: packed.to(device))
 
     def __bool__(self) -> bool:
         return bool(self.units)
@@ -146,7 +151,8 @@ class FrozenShards:
         """The shard in ``dtype`` on ``device`` (the packed bytes are moved first: 1/4 of fp32's).
         The move waits for its copy: ``packed`` may be a swap pool's buffer, registered with CUDA,
         which goes back to the pool as soon as this returns."""
-        codes, scales = unpack(packed.to(device), layout.shard_numel, self.group_size)
+        moved = packed if packed.device == device else self.to_device(packed, device)
+        codes, scales = unpack(moved, layout.shard_numel, self.group_size)
         return dequantize(codes, scales, dtype, self.group_size)
 
     def as_stored(self, layout: UnitLayout, values: torch.Tensor) -> torch.Tensor:
