@@ -151,7 +151,8 @@ class FrozenShards:
         """The shard in ``dtype`` on ``device`` (the packed bytes are moved first: 1/4 of fp32's).
         The move waits for its copy: ``packed`` may be a swap pool's buffer, registered with CUDA,
         which goes back to the pool as soon as this returns."""
-        moved = packed if packed.device == device else self.to_device(packed, device)
+        host_to_device = packed.device.type == "cpu" and device.type != "cpu"
+        moved = self.to_device(packed, device) if host_to_device else packed.to(device)
         codes, scales = unpack(moved, layout.shard_numel, self.group_size)
         return dequantize(codes, scales, dtype, self.group_size)
 
