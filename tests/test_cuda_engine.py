@@ -299,7 +299,7 @@ def test_gathered_parameters_modified_on_rank_0_in_training(tmp_path, device):
 def test_quantized_frozen_weights_cross_on_the_copy_stream_and_train_as_the_dequantized_base(
         tmp_path, device, precision):
     """zero_quantized_nontrainable_weights on the device: each frozen unit's int8 bytes go to the
-    device on the copy stream (runtime/host_to_device.py ``copy_then_reuse``, waiting for that copy
+    device on the copy stream (zero/runtime/host_to_device.py ``copy_then_reuse``, waiting for that copy
     alone), are dequantized there, and the LoRA run equals the unflagged engine's on the dequantized
     base, bit for bit (the same kernels on the same values)."""
     from zero.examples import add_lora

@@ -93,7 +93,7 @@ def test_unpack_refuses_bytes_of_another_size():
 
 
 def test_decode_moves_the_packed_bytes_through_the_stores_copy_only_across_devices():
-    """The engine gives a CUDA store its copy-stream copy (runtime/host_to_device.py
+    """The engine gives a CUDA store its copy-stream copy (zero/runtime/host_to_device.py
     ``copy_then_reuse``): a plain ``.to`` would wait for every kernel queued before it, once per
     frozen unit. Shards already on the compute device are not copied at all."""
     from zero.runtime.unit import plan_units

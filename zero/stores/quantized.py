@@ -126,7 +126,7 @@ class FrozenShards:
         self.group_size = group_size
         # How packed bytes reach the compute device: ``to_device(packed, device)`` returns once
         # ``packed`` may be reused. On CUDA the engine's copy on its copy stream, which waits for that
-        # copy alone (runtime/host_to_device.py); a plain ``.to`` waits for every kernel queued before it.
+        # copy alone (zero/runtime/host_to_device.py); a plain ``.to`` waits for every kernel queued before it.
         self.to_device = to_device or (lambda packed, device: packed.to(device))
 
     def __bool__(self) -> bool:
