@@ -171,6 +171,8 @@ def case_config(case: Case, nvme_path, device: torch.device) -> dict:
     if case.precision == "fp16" and not case.dynamic:
         config["fp16"] = {"enabled": True, "loss_scale": FP16_SCALE}
     config["compute_device"] = device.type  # the suite pins the CPU otherwise (tests/conftest.py)
+    if case.offload_param == "cpu":  # as the Hugging Face guide's configs: host shards read ahead onto the GPU
+        config["zero_optimization"]["offload_param"]["pin_memory"] = True
     return config
 
 

@@ -12,10 +12,13 @@ import warnings
 import pytest
 import torch
 
+import zero
 from helpers import make_engine, same_weights, train_engine, train_windows, weights
 from swapper import PinnedBufferPool, SpanPool
 from zero.examples import GPTConfig, make_batches
 from zero.runtime.device_to_host import GradCrossing, fold_on_device
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def in_loop_order(dst: torch.Tensor, grads, add: bool) -> torch.Tensor:
@@ -133,6 +136,120 @@ def test_training_through_the_crossing_equals_training_without_it(tmp_path, monk
     assert direct.parts.reducer.crossing.copies == 0
 
 
+class SnapshotAhead:
+    """A CPU stand-in for runtime/host_to_device.py AheadCopy: the values at the copy's start
+    (a copy started before a change must not show it), counted when started and when taken."""
+
+    started = taken = 0
+
+    def __init__(self, shard, device):
+        type(self).started += 1
+        self.values = shard.clone()
+
+    def take(self):
+        type(self).taken += 1
+        return self.values
+
+
+@pytest.mark.parametrize("case", ["fp32 loop", "bf16 loop", "fp32 train_batch", "bf16 quantized"])
+def test_host_resident_shards_read_ahead_onto_the_device_train_as_gathered_ones(tmp_path, monkeypatch, case):
+    """stores/param_store.py [Note: host-resident shards are read ahead onto the GPU], forced on the
+    CPU: units gathered from copies started ahead (as on a GPU, where a host shard is never free
+    to view) train bit-identically to units copied when gathered, across steps that change the
+    shards (the fp32 master stepped in place) and a load of new weights; most gathers after the
+    first iteration take a copy started ahead, and none outlives a change of its shard."""
+    from zero.examples import GPT, add_lora
+    from zero.runtime.unit import ParamUnit
+
+    precision, mode = case.split(" ", 1)
+    k, steps = 2, 3
+    batches = make_batches(GPTConfig(), steps * k, 4, seed=7)
+    monkeypatch.setattr(ParamUnit, "free_gather", lambda self: False)  # a host shard, a GPU's compute
+    lora = mode == "quantized"
+
+    def run(where, ahead):
+        overrides = {"zero_optimization": {"zero_quantized_nontrainable_weights": True}} if lora else None
+        engine = make_engine(tmp_path / where, "cpu", accumulation=k, precision=precision, overrides=overrides,
+                             model=(lambda: add_lora(GPT(GPTConfig()), rank=2)) if lora else None)
+        store = engine.parts.param_store
+        assert store.copy_ahead is None and not store.reads_ahead  # computing on the CPU: nothing to copy
+        store.copy_ahead = ahead
+        run = train_windows if mode == "train_batch" else train_engine
+        losses = run(engine, batches[:k], 1, accumulation=k)
+        zero.load_pretrained(engine, tmp_path / "pretrained")  # new weights in every shard, then a refresh
+        after_load.update(gathers=len(gathers), taken=SnapshotAhead.taken)
+        losses += run(engine, batches[k:], steps - 1, accumulation=k)
+        after_load.update(trained=len(gathers), trained_taken=SnapshotAhead.taken)
+        return losses, weights(engine.module)
+
+    zero.save_pretrained(add_lora(GPT(GPTConfig()), rank=2) if lora else GPT(GPTConfig()), tmp_path / "pretrained")
+    gathers, after_load = [], {}
+    direct_losses, direct_weights = run("direct", None)
+    SnapshotAhead.started = SnapshotAhead.taken = 0
+    real_gather = ParamUnit.gather
+    monkeypatch.setattr(ParamUnit, "gather", lambda self, *a, **kw: (gathers.append(self), real_gather(self, *a, **kw))[1])
+    losses, ahead_weights = run("ahead", SnapshotAhead)
+    assert losses == direct_losses
+    assert same_weights(ahead_weights, direct_weights)
+    # the trace is recorded by then: nearly every gather of the iterations after the load finds its copy
+    taken = after_load["trained_taken"] - after_load["taken"]
+    gathered = after_load["trained"] - after_load["gathers"]
+    assert SnapshotAhead.started >= SnapshotAhead.taken and taken >= 0.8 * gathered > 0, (taken, gathered)
+
+
+def test_a_copy_read_ahead_before_a_step_is_never_gathered_after_it(tmp_path, monkeypatch):
+    """A step changes the fp32 master in place (the store is the master, so ``write`` never sees
+    it): the refresh after it drops every copy started before, and the next gather reads the new
+    values."""
+    from zero.runtime.param_state import ParamState
+    from zero.runtime.unit import ParamUnit
+
+    monkeypatch.setattr(ParamUnit, "free_gather", lambda self: False)
+    engine = make_engine(tmp_path, "cpu")
+    store, coordinator = engine.parts.param_store, engine.parts.coordinator
+    assert store.aliased
+    store.copy_ahead = SnapshotAhead
+    u = next(u for u in engine.units if u.layout.shard_numel > 0 and u.state is ParamState.NOT_AVAILABLE)
+    assert store.prefetch([u.layout]) == 1
+    u.mark_prefetched()
+    store.shard(u.layout).add_(1.0)  # what the step does to the master
+    coordinator.refresh()
+    assert u.state is ParamState.NOT_AVAILABLE
+    with zero.GatheredParameters(u.params):
+        gathered = torch.cat([p.detach().reshape(-1) for p in u.params])
+    assert torch.equal(gathered, store.shard(u.layout)[:gathered.numel()])
+    engine.destroy()
+
+    engine = make_engine(tmp_path / "bf16", "cpu", precision="bf16")  # a store of its own, written to
+    store = engine.parts.param_store
+    assert not store.aliased
+    store.copy_ahead = SnapshotAhead
+    u = next(u for u in engine.units if u.layout.shard_numel > 0 and u.state is ParamState.NOT_AVAILABLE)
+    store.prefetch([u.layout])
+    u.mark_prefetched()
+    store.write(u.layout, torch.zeros(u.layout.shard_numel))  # a write drops the copy started before it
+    with zero.GatheredParameters(u.params):
+        assert all(bool((p == 0).all()) for p in u.params)
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_on_cuda_pinned_host_shards_are_read_ahead_and_unpinned_ones_are_not(tmp_path):
+    from zero.runtime.host_to_device import AheadCopy
+
+    for pinned in (True, False):
+        engine = make_engine(tmp_path / str(pinned), "cpu", overrides={
+            "compute_device": "cuda", "zero_optimization": {"offload_param": {"pin_memory": pinned}}})
+        try:
+            store = engine.parts.param_store
+            assert (store.copy_ahead is AheadCopy) == pinned and store.reads_ahead == pinned
+            batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 2, 4, seed=1)]
+            losses = train_engine(engine, batches, 2)
+            assert all(torch.isfinite(torch.tensor(losses)))
+        finally:
+            engine.destroy()
+
+
 @pytest.mark.parametrize("dtypes,add,on_device", [
     ([torch.bfloat16], False, False), ([torch.float32], False, False),  # one crossing either way
     ([torch.bfloat16], True, False),  # 2 bytes over and added there, not 4 over, 4 back
@@ -198,9 +315,6 @@ def test_a_refused_registration_says_why_and_registers_nothing():
     del pool
     gc.collect()
     assert backend.unpinned == []
-
-
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.cuda

@@ -327,8 +327,11 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         if (dtype == torch.float32 and isinstance(opt_store, FlatOptimizerStore)
                 and opt_store.master.device == home):
             alias = opt_store.master
+        # pageable memory would make each copy a blocking one: read ahead only from pinned memory
+        pinned = home.type == "cpu" and device.type == "cuda" and offload.pin_memory
+        ahead = host_to_device.AheadCopy if pinned else None
         store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory and device.type == "cuda", flat=alias,
-                               frozen=frozen, compute_device=device)
+                               frozen=frozen, compute_device=device, copy_ahead=ahead)
     release.callback(store.close)
     store.check_free_space()
     if opt_store is not None:

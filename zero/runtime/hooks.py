@@ -257,9 +257,15 @@ class Coordinator:
                 work.wait()
 
     def refresh(self) -> None:
-        """The shards changed (a step, a load): release what views the old values, and below stage 3
-        gather every unit again at once."""
+        """The shards changed (a step, a load): release what views the old values, drop the copies
+        of a host-resident store read ahead before the change (stores/param_store.py, [Note:
+        host-resident shards are read ahead onto the GPU]), and below stage 3 gather every unit
+        again at once."""
         self.release_all()
+        if self.store.resident and self.store.reads_ahead:
+            self.store.drop_prefetched()
+            for u in self.units:
+                u.drop_prefetch()
         if self.whole:
             self.gather_persistent()
 

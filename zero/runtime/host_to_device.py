@@ -32,19 +32,43 @@ def copy_stream(device: torch.device) -> "torch.cuda.Stream":
         return stream
 
 
-def to_device(shard: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
-    """``shard`` (host memory) copied to CUDA ``device``: the copy, ready for the current stream's
-    work queued from now on, and the event that says when ``shard`` may be reused (see the [Note])."""
+def start_copy(shard: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
+    """``shard`` (host memory) copied to CUDA ``device`` on the copy stream: the copy and the event
+    that says when it is done. Nothing waits for it yet."""
     stream = copy_stream(device)
-    current = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         out = torch.empty(shard.shape, dtype=shard.dtype, device=device)
         out.copy_(shard, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
+    return out, done
+
+
+def ready_for_current_stream(out: torch.Tensor, done: "torch.cuda.Event") -> torch.Tensor:
+    """``out`` (from :func:`start_copy`) for the current stream's work queued from now on."""
+    current = torch.cuda.current_stream(out.device)
     current.wait_event(done)
     out.record_stream(current)  # its memory is not reused before the compute stream is done with it
-    return out, done
+    return out
+
+
+def to_device(shard: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
+    """``shard`` (host memory) copied to CUDA ``device``: the copy, ready for the current stream's
+    work queued from now on, and the event that says when ``shard`` may be reused (see the [Note])."""
+    out, done = start_copy(shard, device)
+    return ready_for_current_stream(out, done), done
+
+
+class AheadCopy:
+    """A host-resident shard's copy to the device, started before its unit is gathered (a
+    read-ahead: stores/param_store.py FlatParamStore): the compute stream waits for it only when
+    :meth:`take` hands it over, not when it starts."""
+
+    def __init__(self, shard: torch.Tensor, device: torch.device):
+        self._out, self._done = start_copy(shard, device)
+
+    def take(self) -> torch.Tensor:
+        return ready_for_current_stream(self._out, self._done)
 
 
 def copy_then_reuse(shard: torch.Tensor, device: torch.device) -> torch.Tensor:

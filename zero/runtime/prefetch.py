@@ -183,7 +183,7 @@ class Prefetcher:
         if pos >= len(self.trace) or self.trace[pos] != u.index:
             self.trace_ok = False
             return
-        if self.store.resident:
+        if not self.store.reads_ahead:
             return
         room = self.store.prefetch_capacity()  # bytes
         budget = self.prefetch_numel

@@ -26,6 +26,18 @@ beyond memory"). A shard whose sub-group is still in the
 optimizer's host memory (stepped last, its write in flight) is copied from
 there instead of read, and the optimizer swapper completes the reads of a
 sub-group's shards before it rewrites the file (``on_rewrite``).
+
+[Note: host-resident shards are read ahead onto the GPU]
+With ``offload_param.device: cpu`` and CUDA compute, a unit's shard crosses to the GPU when the
+unit is gathered. Copied on the copy stream from registered memory, that overlaps the kernels
+already queued, but only as far as the CPU runs ahead of the GPU. So :class:`FlatParamStore`
+reads ahead as the NVMe store does, the read being the host-to-device copy itself: the
+prefetcher (runtime/prefetch.py) starts the copies of the next units in the trace (within
+``stage3_prefetch_bucket_size`` and the live-parameter bound: device memory), each on the copy
+stream with nothing waiting for it (runtime/host_to_device.py ``AheadCopy``), and the unit's
+gather takes the copy, the compute stream waiting for that copy's event alone. A copy not yet
+taken is dropped when its shard changes: :meth:`FlatParamStore.write`, and after a step or a
+load every one (the fp32 master the store may be is stepped in place, unseen by ``write``).
 """
 from __future__ import annotations
 
@@ -135,6 +147,11 @@ class ParamStore(abc.ABC):
         """Give back the memory of prefetched shards that were not fetched, but those of the unit
         indices in ``keep``."""
 
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether :meth:`prefetch` brings shards closer (the prefetcher asks first)."""
+        return not self.resident
+
     @abc.abstractmethod
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         """Replace the shard with ``values`` (any dtype/device; cast on copy)."""
@@ -160,8 +177,13 @@ class FlatParamStore(ParamStore):
 
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, device: torch.device,
                  pin_memory: bool = False, flat: Optional[torch.Tensor] = None,
-                 frozen: FrozenShards = NOT_QUANTIZED, compute_device: Optional[torch.device] = None):
+                 frozen: FrozenShards = NOT_QUANTIZED, compute_device: Optional[torch.device] = None,
+                 copy_ahead=None):
         self.rank_layout = rank_layout
+        # copy_ahead(shard, device): an object whose take() is the shard on the compute device (see
+        # the note on read-ahead); None where the shards need no copy to be computed on.
+        self.copy_ahead = copy_ahead
+        self._ahead: Dict[int, object] = {}  # unit index -> its copy started ahead
         self.dtype = dtype
         self.frozen = frozen
         self.compute_device = compute_device or device  # where quantized shards are dequantized
@@ -190,21 +212,52 @@ class FlatParamStore(ParamStore):
         return self.flat[start:stop]
 
     def init_shard(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        self._ahead.pop(layout.index, None)
         if self.frozen.packs(layout):
             self.write(layout, values)
         elif not self.aliased:
             self.shard(layout).copy_(values)
 
+    def _stored(self, layout: UnitLayout) -> torch.Tensor:
+        """What the store holds for the shard: its packed bytes or its slice of the flat tensor."""
+        return self._packed[layout.index] if self.frozen.packs(layout) else self.shard(layout)
+
     def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
+        ahead = self._ahead.pop(layout.index, None)
+        stored = ahead.take() if ahead is not None else self._stored(layout)
         if self.frozen.packs(layout):
-            return self.frozen.decode(layout, self._packed[layout.index], torch.float32 if widen else self.dtype,
-                                      self.compute_device)
-        return self.shard(layout)
+            return self.frozen.decode(layout, stored, torch.float32 if widen else self.dtype, self.compute_device)
+        return stored
+
+    # -- read-ahead onto the compute device (see the note) -----------------------------------------
+    @property
+    def reads_ahead(self) -> bool:
+        return self.copy_ahead is not None
+
+    def prefetch(self, layouts: Iterable[UnitLayout]) -> int:
+        started = 0
+        for layout in layouts:
+            if layout.index not in self._ahead and layout.shard_numel > 0:
+                self._ahead[layout.index] = self.copy_ahead(self._stored(layout), self.compute_device)
+            started += 1
+        return started
+
+    def prefetch_capacity(self) -> int:
+        return 1 << 62  # the prefetcher's bucket and live-parameter bound are the device memory's
+
+    def prefetch_cost(self, layout: UnitLayout) -> int:
+        stored = self._stored(layout)
+        return stored.numel() * stored.element_size()
+
+    def drop_prefetched(self, keep: Iterable[int] = ()) -> None:
+        for index in set(self._ahead).difference(keep):
+            del self._ahead[index]
 
     def resident_shard(self, layout: UnitLayout) -> Optional[torch.Tensor]:
         return None if self.frozen.packs(layout) else self.shard(layout)
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
+        self._ahead.pop(layout.index, None)  # a copy started before this write holds the old values
         if self.frozen.packs(layout):
             self._packed[layout.index] = self.frozen.encode(layout, values).to(self.flat.device)
         elif not self.aliased:
