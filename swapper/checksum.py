@@ -25,16 +25,29 @@ matrix products' second thread, and a parallel kernel waits for its slowest
 thread: on the 2-CPU benchmark machine ~0.6 s of hashing a k = 16 iteration
 (311M GPT, batch 1 x 8) cost 4 s of its 16. Whoever needs a digest and waits
 for it leaves its core idle, so a helper is never starved for long.
+
+[Note: a drive's share of a striped region]
+A region of a file striped over several drives (nvmeio.striping) keeps, beside its digest,
+one digest per drive of that drive's share of the region (the share of each part is one
+contiguous range of that part), so a mismatch names the drive whose bytes changed rather than
+"one of N". The region's own digest stays the plain digest of its bytes (checkpoints carry it
+and it must match a plain file's); the shares cost a second hash of a striped region, where it
+is recorded (on the helper with :meth:`ChecksumTable.record_later`). A digest known from
+elsewhere (:meth:`ChecksumTable.assign`, a checkpoint's) has no shares: its mismatch names the
+drives the region spans.
 """
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from nvmeio.striping import StripedFile
 
 from ._errors import SwapCorruptionError
 
@@ -139,20 +152,20 @@ def run_in_background() -> None:
 
 
 class PendingDigests:
-    """Digests of ``tensors`` computed on a helper thread; :meth:`wait` before they may change."""
+    """Digests computed on a helper thread, one per job (a call returning it); :meth:`wait`
+    before the hashed tensors may change."""
 
-    def __init__(self, table: "ChecksumTable", tensors: Sequence[torch.Tensor]):
-        self._values: List[Optional[int]] = [None] * len(tensors)
+    def __init__(self, jobs: Sequence[Callable[[], object]]):
+        self._values: List[object] = [None] * len(jobs)
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(table, list(tensors)), name="nvmeio-digest",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(list(jobs),), name="nvmeio-digest", daemon=True)
         self._thread.start()
 
-    def _run(self, table: "ChecksumTable", tensors: List[torch.Tensor]) -> None:
+    def _run(self, jobs: List[Callable[[], object]]) -> None:
         run_in_background()
         try:
-            for i, t in enumerate(tensors):
-                self._values[i] = table.digest(t)
+            for i, job in enumerate(jobs):
+                self._values[i] = job()
         except BaseException as exc:  # noqa: BLE001 - raised by wait()
             self._error = exc
 
@@ -161,9 +174,12 @@ class PendingDigests:
         if self._error is not None:
             raise self._error
 
-    def value(self, index: int) -> int:
+    def value(self, index: int):
         self.wait()
         return self._values[index]
+
+
+DriveDigests = Tuple[Tuple[int, int], ...]  # (part, digest of its share), for each part a region touches
 
 
 @dataclass(frozen=True)
@@ -172,9 +188,19 @@ class _Region:
     nbytes: int
     digest: int
     pending: Optional[Tuple[PendingDigests, int]] = None  # (record_later's digests, index) until read
+    drives: Union[DriveDigests, Tuple[PendingDigests, int], None] = None  # striped files (see the note)
 
     def value(self) -> int:
         return self.digest if self.pending is None else self.pending[0].value(self.pending[1])
+
+    def drive_digests(self) -> Optional[DriveDigests]:
+        if self.drives is not None and isinstance(self.drives[0], PendingDigests):
+            return self.drives[0].value(self.drives[1])
+        return self.drives
+
+
+def _striped(path) -> bool:
+    return isinstance(path, StripedFile) and len(path.parts) > 1
 
 
 class ChecksumTable:
@@ -191,19 +217,32 @@ class ChecksumTable:
     def digest(self, data: torch.Tensor) -> int:
         return self._digest(_memory(data))
 
+    def drive_digests(self, path: StripedFile, offset: int, data: torch.Tensor) -> DriveDigests:
+        """The digest of each drive's share of ``data`` at ``offset`` of striped ``path``."""
+        raw = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        shares: Dict[int, List[memoryview]] = {}
+        for piece in path.pieces(offset, raw.numel()):  # a part's pieces are its share in order
+            shares.setdefault(piece.part, []).append(_memory(raw[piece.start:piece.start + piece.length]))
+        return tuple((part, digest_chunks(self.algorithm, chunks)) for part, chunks in sorted(shares.items()))
+
     def record(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Remember the digest of ``data``, about to be written at ``offset`` of ``path``.
 
         Regions it overlaps are forgotten: their bytes are being overwritten.
         """
-        self.assign(path, offset, data.numel() * data.element_size(), self.digest(data))
+        drives = self.drive_digests(path, offset, data) if _striped(path) else None
+        self._put(path, _Region(offset, data.numel() * data.element_size(), self.digest(data), drives=drives))
 
     def record_later(self, path: str, regions: Sequence[Tuple[int, torch.Tensor]]) -> PendingDigests:
         """:meth:`record` each ``(offset, data)`` of ``regions``, hashing on a helper thread (see
         the note): the caller must not change the data before the returned digests' ``wait()``."""
-        pending = PendingDigests(self, [t for _, t in regions])
+        jobs = [functools.partial(self.digest, t) for _, t in regions]
+        if _striped(path):
+            jobs += [functools.partial(self.drive_digests, path, offset, t) for offset, t in regions]
+        pending = PendingDigests(jobs)
         for i, (offset, t) in enumerate(regions):
-            self._put(path, _Region(offset, t.numel() * t.element_size(), 0, (pending, i)))
+            drives = (pending, len(regions) + i) if _striped(path) else None
+            self._put(path, _Region(offset, t.numel() * t.element_size(), 0, (pending, i), drives))
         return pending
 
     def recorded(self, path: str, offset: int, nbytes: int) -> Optional[int]:
@@ -232,18 +271,33 @@ class ChecksumTable:
         pieces = [raw[r.offset - offset:r.offset - offset + r.nbytes] for r in inside]
         helper = None  # every other region hashed on a helper thread (see the note)
         if len(pieces) > 1 and sum(r.nbytes for r in inside) >= PARALLEL_MIN_BYTES:
-            helper = PendingDigests(self, pieces[1::2])
+            helper = PendingDigests([functools.partial(self.digest, p) for p in pieces[1::2]])
         for i, r in enumerate(inside):
             if helper is None or i % 2 == 0:
                 actual = self.digest(pieces[i])
             else:
                 actual = helper.value(i // 2)
             if actual != r.value():
+                drives, where = self._changed_drives(path, r, pieces[i])
                 raise SwapCorruptionError(
                     f"swap file {path} changed since it was written: {self.algorithm.value} of bytes "
-                    f"[{r.offset}, {r.offset + r.nbytes}) is {actual:#x}, expected {r.value():#x}",
-                    path,
+                    f"[{r.offset}, {r.offset + r.nbytes}) is {actual:#x}, expected {r.value():#x}{where}",
+                    drives[0] if len(drives) == 1 else path,
                 )
+
+    def _changed_drives(self, path, region: _Region, data: torch.Tensor) -> Tuple[List[str], str]:
+        """The part files a mismatched region's change is on, and the words that say so."""
+        if not _striped(path):
+            return [], ""
+        now = self.drive_digests(path, region.offset, data)
+        then = region.drive_digests()
+        if then is None:  # a digest from elsewhere: the drives it spans
+            spanned = [path.parts[part] for part, _ in now]
+            return spanned, f"; the region is on the drives of {', '.join(spanned)} (no digest per drive recorded)"
+        changed = [path.parts[part] for (part, digest), (_, was) in zip(now, then) if digest != was]
+        if not changed:  # cannot be, short of the recorded shares being wrong themselves
+            return [], ""
+        return changed, f"; the changed bytes are on {', '.join(changed)}"
 
     def forget(self, path: str) -> None:
         self._files.pop(path, None)

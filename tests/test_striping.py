@@ -315,6 +315,69 @@ def test_an_io_error_on_one_drive_names_it_and_the_swap_can_be_retried(tmp_path_
     s.release(["w"])
 
 
+# -- checksums per drive (swapper/checksum.py, [Note: a drive's share of a striped region]) ------------
+
+def _corrupt(path: str, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["record", "record_later"])
+def test_a_mismatch_in_a_striped_region_names_the_drive_whose_share_changed(later):
+    from swapper import SwapCorruptionError
+    from swapper.checksum import ChecksumTable
+
+    f = StripedFile(("/d0/x.swp", "/d1/x.swp", "/d2/x.swp"), unit=65536)
+    data = torch.from_numpy(np.frombuffer(random_bytes(5 * 65536 + 1000), dtype=np.uint8).copy())
+    table = ChecksumTable("crc32")
+    if later:
+        table.record_later(f, [(4096, data)]).wait()
+    else:
+        table.record(f, 4096, data)
+    table.verify(f, 4096, data)  # unchanged: no error
+    for part in range(3):
+        piece = next(p for p in f.pieces(4096, data.numel()) if p.part == part)
+        changed = data.clone()
+        changed[piece.start + 7] ^= 1
+        with pytest.raises(SwapCorruptionError) as info:
+            table.verify(f, 4096, changed)
+        assert f"the changed bytes are on {f.parts[part]}" in str(info.value)
+        assert info.value.filename == f.parts[part]
+    assert table.recorded(f, 4096, data.numel()) == table.digest(data)  # the plain digest, as a checkpoint carries
+
+
+def test_a_digest_assigned_from_elsewhere_names_the_drives_its_region_spans():
+    from swapper import SwapCorruptionError
+    from swapper.checksum import ChecksumTable
+
+    f = StripedFile(("/d0/x.swp", "/d1/x.swp", "/d2/x.swp"), unit=65536)
+    data = torch.zeros(2 * 65536, dtype=torch.uint8)  # units 0 and 1: drives 0 and 1, not 2
+    table = ChecksumTable("crc32")
+    table.assign(f, 0, data.numel(), table.digest(data) ^ 1)
+    with pytest.raises(SwapCorruptionError, match="on the drives of /d0/x.swp, /d1/x.swp \\(no digest per drive"):
+        table.verify(f, 0, data)
+
+
+def test_a_changed_swap_file_on_one_of_three_drives_is_named_by_the_swapper(tmp_path_factory, swappers):
+    from swapper import SwapCorruptionError
+
+    dirs = drive_dirs(tmp_path_factory.mktemp("drives"), 3)
+    s = swappers(PartitionedParamSwapper(dirs, {"block_size": 4096}, buffer_count=2, max_in_cpu=0,
+                                         checksum="crc32"))
+    t = _data(200_000, torch.float32, 0)  # 800 KB: units on every drive
+    s.register("w", t.numel(), t.dtype)
+    s.swap_out_tensors(["w"], [t], async_op=False)
+    f = s.swap_dir.file(swap_file_name("w"))
+    _corrupt(f.parts[2])
+    with pytest.raises(SwapCorruptionError) as info:
+        s.swap_in(["w"])
+    assert info.value.filename == f.parts[2] and f"the changed bytes are on {f.parts[2]}" in str(info.value)
+    assert f.parts[0] + "," not in str(info.value).split("the changed bytes")[1]
+
+
 def test_config_takes_a_list_of_nvme_paths_and_names_a_bad_one(tmp_path):
     from zero import ConfigError
     from zero.config.load import load_config
