@@ -98,7 +98,7 @@ class Partition:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def skew(self) -> int:

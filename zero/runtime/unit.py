@@ -16,7 +16,7 @@ their data, so a released parameter is gathered again before backward uses it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -62,6 +62,8 @@ class ParamUnit:
         self.grads_left = self.grad_count  # gradients still to arrive in this backward (or window)
         self.reduced = False  # gradients reduced during the current backward
         self.aliases: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (param, alias) of a window (window.py)
+        # Called when the unit stops being gathered or on its way (the prefetcher's, prefetch.py)
+        self.on_unavailable: Optional[Callable[["ParamUnit"], None]] = None
 
     @property
     def index(self) -> int:
@@ -102,6 +104,11 @@ class ParamUnit:
         """The read ahead will not be used (the store dropped it)."""
         if self._state is ParamState.INFLIGHT:
             self._state = ParamState.NOT_AVAILABLE
+            self._unavailable()
+
+    def _unavailable(self) -> None:
+        if self.on_unavailable is not None:
+            self.on_unavailable(self)
 
     # -- backward (hooks.py) -----------------------------------------------------------------------
     def expect_grads(self, micro_batches: int = 1) -> None:
@@ -235,7 +242,10 @@ class ParamUnit:
         if self.lent:
             self.lent = False
             self.store.fetched(self.layout)
+        was = self._state
         self._state = ParamState.NOT_AVAILABLE
+        if was is not ParamState.NOT_AVAILABLE:
+            self._unavailable()
 
 
 def named_param_aliases(module: nn.Module) -> Dict[nn.Parameter, List[str]]:

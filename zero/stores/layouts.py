@@ -19,6 +19,7 @@ sub-group alone), so a unit's shard is never split between two sub-groups.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
@@ -64,11 +65,11 @@ class UnitLayout:
     slots: Tuple[ParamSlot, ...]
     world_size: int
 
-    @property
+    @functools.cached_property  # asked on every fetch and read-ahead: computed once
     def numel(self) -> int:
         return sum(s.numel for s in self.slots)
 
-    @property
+    @functools.cached_property
     def shard_numel(self) -> int:
         return -(-self.numel // self.world_size)
 
