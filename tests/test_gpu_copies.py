@@ -137,7 +137,7 @@ def test_training_through_the_crossing_equals_training_without_it(tmp_path, monk
 
 
 class SnapshotAhead:
-    """A CPU stand-in for runtime/host_to_device.py AheadCopy: the values at the copy's start
+    """A CPU stand-in for zero/runtime/host_to_device.py AheadCopy: the values at the copy's start
     (a copy started before a change must not show it), counted when started and when taken."""
 
     started = taken = 0
@@ -153,7 +153,7 @@ class SnapshotAhead:
 
 @pytest.mark.parametrize("case", ["fp32 loop", "bf16 loop", "fp32 train_batch", "bf16 quantized"])
 def test_host_resident_shards_read_ahead_onto_the_device_train_as_gathered_ones(tmp_path, monkeypatch, case):
-    """stores/param_store.py [Note: host-resident shards are read ahead onto the GPU], forced on the
+    """zero/stores/param_store.py [Note: host-resident shards are read ahead onto the GPU], forced on the
     CPU: units gathered from copies started ahead (as on a GPU, where a host shard is never free
     to view) train bit-identically to units copied when gathered, across steps that change the
     shards (the fp32 master stepped in place) and a load of new weights; most gathers after the
