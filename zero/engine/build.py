@@ -331,7 +331,8 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         pinned = home.type == "cpu" and device.type == "cuda" and offload.pin_memory
         ahead = host_to_device.AheadCopy if pinned else None
         store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory and device.type == "cuda", flat=alias,
-                               frozen=frozen, compute_device=device, copy_ahead=ahead)
+                               frozen=frozen, compute_device=device, copy_ahead=ahead,
+                               ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize)
     release.callback(store.close)
     store.check_free_space()
     if opt_store is not None:

@@ -35,7 +35,9 @@ reads ahead as the NVMe store does, the read being the host-to-device copy itsel
 prefetcher (runtime/prefetch.py) starts the copies of the next units in the trace (within
 ``stage3_prefetch_bucket_size`` and the live-parameter bound: device memory), each on the copy
 stream with nothing waiting for it (runtime/host_to_device.py ``AheadCopy``), and the unit's
-gather takes the copy, the compute stream waiting for that copy's event alone. A copy not yet
+gather takes the copy, the compute stream waiting for that copy's event alone. The copies not
+yet taken hold at most ``stage3_prefetch_bucket_size`` elements' bytes of device memory (as
+DeepSpeed's prefetch buffer), besides the live-parameter bound that counts them. A copy not yet
 taken is dropped when its shard changes: :meth:`FlatParamStore.write`, and after a step or a
 load every one (the fp32 master the store may be is stepped in place, unseen by ``write``).
 """
@@ -46,7 +48,7 @@ import logging
 
 import time
 import warnings
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -178,12 +180,13 @@ class FlatParamStore(ParamStore):
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, device: torch.device,
                  pin_memory: bool = False, flat: Optional[torch.Tensor] = None,
                  frozen: FrozenShards = NOT_QUANTIZED, compute_device: Optional[torch.device] = None,
-                 copy_ahead=None):
+                 copy_ahead=None, ahead_bytes: int = 0):
         self.rank_layout = rank_layout
         # copy_ahead(shard, device): an object whose take() is the shard on the compute device (see
         # the note on read-ahead); None where the shards need no copy to be computed on.
         self.copy_ahead = copy_ahead
-        self._ahead: Dict[int, object] = {}  # unit index -> its copy started ahead
+        self.ahead_bytes = ahead_bytes  # the most the copies not yet taken may hold
+        self._ahead: Dict[int, Tuple[object, int]] = {}  # unit index -> (its copy started ahead, bytes)
         self.dtype = dtype
         self.frozen = frozen
         self.compute_device = compute_device or device  # where quantized shards are dequantized
@@ -224,7 +227,7 @@ class FlatParamStore(ParamStore):
 
     def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
         ahead = self._ahead.pop(layout.index, None)
-        stored = ahead.take() if ahead is not None else self._stored(layout)
+        stored = ahead[0].take() if ahead is not None else self._stored(layout)
         if self.frozen.packs(layout):
             return self.frozen.decode(layout, stored, torch.float32 if widen else self.dtype, self.compute_device)
         return stored
@@ -238,12 +241,13 @@ class FlatParamStore(ParamStore):
         started = 0
         for layout in layouts:
             if layout.index not in self._ahead and layout.shard_numel > 0:
-                self._ahead[layout.index] = self.copy_ahead(self._stored(layout), self.compute_device)
+                self._ahead[layout.index] = (self.copy_ahead(self._stored(layout), self.compute_device),
+                                             self.prefetch_cost(layout))
             started += 1
         return started
 
     def prefetch_capacity(self) -> int:
-        return 1 << 62  # the prefetcher's bucket and live-parameter bound are the device memory's
+        return max(0, self.ahead_bytes - sum(nbytes for _, nbytes in self._ahead.values()))
 
     def prefetch_cost(self, layout: UnitLayout) -> int:
         stored = self._stored(layout)
