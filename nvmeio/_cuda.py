@@ -180,7 +180,7 @@ class RegisteredHost:
         from ._locked import huge_page_tensor
 
         dtype = torch.uint8 if dtype is None else dtype
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
         t = huge_page_tensor(nbytes)

@@ -75,7 +75,7 @@ class PoolBuffer:
 
     def view(self, numel: int, dtype: torch.dtype, byte_offset: int = 0) -> torch.Tensor:
         """``numel`` elements of ``dtype`` starting ``byte_offset`` bytes into the buffer."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize  # asked on every fetch: no tensor made to learn it
         end = byte_offset + numel * itemsize
         if byte_offset % itemsize or end > self.nbytes:
             raise BufferTooSmallError(
@@ -195,7 +195,7 @@ class PinnedBufferPool(StagingPool):
         self.buffer_size = as_count(buffer_size, "buffer_size")
         self.dtype = dtype
         self.pin_memory = pin_memory
-        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         self.buffer_nbytes = self.buffer_size * self.itemsize
         self._stride_bytes = align_up(self.buffer_nbytes)
         self.nbytes = self.buffer_count * self._stride_bytes

@@ -73,7 +73,7 @@ class PackedSpans(PoolKind):
             raise ValueError(f"spare_buffers must be a non-negative integer, got {self.spare_buffers!r}")
 
     def make(self, buffer_count, buffer_size, dtype, *, pin_memory, handle) -> SpanPool:
-        stride = align_up(buffer_size * torch.empty(0, dtype=dtype).element_size())
+        stride = align_up(buffer_size * dtype.itemsize)
         return SpanPool(buffer_count * stride, self.spare_buffers * stride, pin_memory=pin_memory, handle=handle)
 
     def footprint(self, request_bytes: int, buffer_bytes: Optional[int]) -> int:

@@ -57,7 +57,7 @@ class SubGroupLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def tensor_bytes(self) -> int:

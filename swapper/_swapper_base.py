@@ -163,7 +163,7 @@ class SwapperBase(abc.ABC):
             raise SwapStateError("the swapper was cleaned up")
 
     def _itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def _make_pool(self, buffer_size: int) -> StagingPool:
         return self.pool_kind.make(self.buffer_count, buffer_size, self.dtype, pin_memory=self.pin_memory,

@@ -199,6 +199,11 @@ class _Region:
         return self.drives
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat (uint8)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
 def _striped(path) -> bool:
     return isinstance(path, StripedFile) and len(path.parts) > 1
 
@@ -219,7 +224,7 @@ class ChecksumTable:
 
     def drive_digests(self, path: StripedFile, offset: int, data: torch.Tensor) -> DriveDigests:
         """The digest of each drive's share of ``data`` at ``offset`` of striped ``path``."""
-        raw = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        raw = _raw(data)
         shares: Dict[int, List[memoryview]] = {}
         for piece in path.pieces(offset, raw.numel()):  # a part's pieces are its share in order
             shares.setdefault(piece.part, []).append(_memory(raw[piece.start:piece.start + piece.length]))
@@ -265,7 +270,7 @@ class ChecksumTable:
 
     def verify(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Check every recorded region of ``path`` inside the bytes ``data`` was read from."""
-        raw = data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        raw = _raw(data)
         end = offset + raw.numel()
         inside = [r for r in self._files.get(path, []) if r.offset >= offset and r.offset + r.nbytes <= end]
         pieces = [raw[r.offset - offset:r.offset - offset + r.nbytes] for r in inside]

@@ -248,7 +248,7 @@ def _plan(module, config, comm, device, dtype, spec):
     rank_layout = build_rank_layout(layouts, comm.rank, config.zero_optimization.sub_group_size)
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
-    parts = memory_check.host_memory_parts(config, rank_layout, torch.empty(0, dtype=dtype).element_size(),
+    parts = memory_check.host_memory_parts(config, rank_layout, dtype.itemsize,
                                            adam_states, spec is not None, _steps_in_backward(config, spec),
                                            compute_device=device)
     memory = memory_check.probe()
