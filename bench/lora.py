@@ -9,7 +9,9 @@ The LoRA stand-in: the 311M GPT of ``zero.examples`` (bench/io_bound.py's: vocab
 d_model 1024, 128 positions, tied head) with ``zero.examples.add_lora`` (rank 8 adapters on every
 block's qkv, proj, fc and out; every other parameter frozen), micro-batches of 1 x 8 tokens, one
 optimizer step per iteration. Stage 3, the parameters on NVMe (``max_in_cpu`` 0, ``buffer_size``
-2e7, bench/io_bound.py's aio settings), AdamW in host memory (``offload_optimizer`` cpu: the
+2e7, bench/io_bound.py's aio settings; DeepSpeed's persistence threshold, 1e5 elements, so the
+adapters and layer norms stay gathered and the base weights are read; a smaller model's threshold
+scaled with d_model squared), AdamW in host memory (``offload_optimizer`` cpu: the
 trainable adapters are 0.6% of the model). Each of fp32 and bf16 compute runs without and with
 ``zero_quantized_nontrainable_weights`` (the frozen base int8 with an fp32 scale per 256 elements,
 zero/stores/quantized.py), in a fresh process: bytes per iteration are the parameter swapper's own
@@ -49,12 +51,20 @@ LOSS_GOAL = 0.01
 GiB = harness.GiB
 
 
-def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int = 1) -> dict:
+def persistence_threshold(d_model: int) -> int:
+    """DeepSpeed's default ``stage3_param_persistence_threshold`` (1e5 elements) at the 311M's d_model
+    1024, scaled with d_model squared, so a smaller model keeps the same kinds of units gathered for
+    good (layer norms, adapters) and reads its base weights each iteration as the 311M does."""
+    return 100_000 * d_model * d_model // (1024 * 1024)
+
+
+def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int = 1, d_model: int = 1024) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
             "bf16": {"enabled": dtype == "bf16"}, "aio": AIO, "steps_per_print": 10 ** 6,
             "zero_optimization": {
                 "stage": 3, "sub_group_size": int(2e7), "zero_quantized_nontrainable_weights": flag,
+                "stage3_param_persistence_threshold": persistence_threshold(d_model),
                 "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7),
                                   "max_in_cpu": 0},
                 "offload_optimizer": {"device": "cpu"}}}
@@ -66,7 +76,7 @@ def _engine(spec: dict, lr: float = 1e-4, micro: int = 1):
     import zero
 
     ex = training.examples()
-    conf = config(spec["dtype"], spec["flag"], spec["nvme_path"], lr, micro)
+    conf = config(spec["dtype"], spec["flag"], spec["nvme_path"], lr, micro, spec["model"]["d_model"])
     torch.manual_seed(0)
     with zero.Init(config_dict_or_path=conf):
         model = ex.GPT(ex.GPTConfig(**spec["model"]))

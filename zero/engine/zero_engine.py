@@ -269,7 +269,6 @@ class ZeroEngine(nn.Module):
                 error.add_note(self._step_failure)
             raise
         if stepped:
-            self.parts.coordinator.refresh()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
@@ -277,6 +276,8 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         if self.config.train_batch_size:
             self.global_samples += self.config.train_batch_size
+        if stepped:  # counted first: a unit that fails to gather here is gathered again at its use
+            self.parts.coordinator.refresh(after_step=True)
         if self.timers.enabled:
             self._report_times()
         every = self.config.steps_per_print

@@ -43,7 +43,7 @@ import copy
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.nn as nn
@@ -119,7 +119,7 @@ class Coordinator:
                  memory_efficient_linear: bool = True, max_live_numel: int = 10**9,
                  max_reuse_distance: int = 10**9, whole: bool = False):
         self.root = root
-        self.whole = whole  # stages 0-2: every unit persistent, gathered again right after a step
+        self.whole = whole  # stages 0-2: every unit persistent, all gathered at the build
         self.units = units
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
         self.reducer = reducer
@@ -239,35 +239,69 @@ class Coordinator:
         self.live.numel -= u.layout.numel
 
     def release_all(self) -> None:
-        """Release every non-persistent unit (after a step, every unit whose shard changed)."""
+        """Release every unit but the free ones (after a load, an abandoned forward or backward)."""
+        self._release(lambda u: True)
+
+    def _release(self, changed: Callable[[ParamUnit], bool]) -> List[ParamUnit]:
+        """Release every non-persistent unit, and the persistent ones ``changed`` says changed;
+        returns the persistent units it released that were gathered."""
+        gathered = []
         for u in self.units:
             u.drop_holds()
-            if not u.free:
-                u.release()
+            if u.free or (u.persistent and not changed(u)):
+                continue
+            if u.persistent and u.state is ParamState.AVAILABLE:
+                gathered.append(u)
+            u.release()
         self.live.numel = 0
         self.live.kept.clear()
+        return gathered
 
-    def gather_persistent(self) -> None:
-        """Gather the units that stay gathered: the free ones, and below stage 3 every unit (after
-        a step or a load, so that no forward waits for an all-gather): all started at once, then
-        waited for, so that one's latency is not added to the next's."""
-        works = [u.gather(wait=False) for u in self.units if u.free or (self.whole and u.persistent)]
+    def gather_persistent(self, again: Sequence[ParamUnit] = ()) -> None:
+        """Gather the units that stay gathered and are not: the free ones, every unit below stage
+        3 and the persistent units in ``again`` (those a step or a load released: DeepSpeed too
+        all-gathers its persistent parameters after each step), so that no forward waits for
+        them one at a time. From NVMe their reads go in batches as large as the room for reads
+        ahead allows, all of a batch in flight before the first is gathered; the gathers are
+        started, then waited for, so that one's latency is not added to the next's."""
+        again = set(again)
+        todo = [u for u in self.units if (u.free or (self.whole and u.persistent) or u in again)
+                and u.state is not ParamState.AVAILABLE]
+        works = []
+        while todo:
+            batch = todo if self.store.resident else self._read_ahead_batch(todo)
+            works += [u.gather(wait=False) for u in batch]  # each gathered unit's pool room comes back
+            todo = todo[len(batch):]
         for work in works:
             if work is not None:
                 work.wait()
 
-    def refresh(self) -> None:
-        """The shards changed (a step, a load): release what views the old values, drop the copies
-        of a host-resident store read ahead before the change (stores/param_store.py, [Note:
-        host-resident shards are read ahead onto the GPU]), and below stage 3 gather every unit
-        again at once."""
-        self.release_all()
+    def _read_ahead_batch(self, units: List[ParamUnit]) -> List[ParamUnit]:
+        """The leading ``units`` whose reads the store has room for (one at least), their reads
+        started together."""
+        room, batch = self.store.prefetch_capacity(), units[:1]
+        room -= self.store.prefetch_cost(units[0].layout)
+        for u in units[1:]:
+            room -= self.store.prefetch_cost(u.layout)
+            if room < 0:
+                break
+            batch.append(u)
+        self.store.prefetch([u.layout for u in batch])
+        return batch
+
+    def refresh(self, after_step: bool = False) -> None:
+        """The shards changed: every unit's (a load) or, ``after_step``, the trainable units'
+        (a step never changes a unit without a trainable parameter, so a frozen persistent unit,
+        such as a LoRA base's layer norm, stays gathered). Release what views the old values,
+        drop the copies of a host-resident store read ahead before the change (stores/param_store.py,
+        [Note: host-resident shards are read ahead onto the GPU]), and gather again at once the
+        persistent units it released."""
+        again = self._release((lambda u: u.grad_count > 0) if after_step else (lambda u: True))
         if self.store.resident and self.store.reads_ahead:
             self.store.drop_prefetched()
             for u in self.units:
                 u.drop_prefetch()
-        if self.whole:
-            self.gather_persistent()
+        self.gather_persistent(again)
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
