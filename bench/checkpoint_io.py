@@ -185,7 +185,7 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap, "max_in_cpu": 0,
-                                                            "checksum": checksum},
+                                                            "min_swap_bytes": 0, "checksum": checksum},
                               "offload_optimizer": {"device": "nvme", "nvme_path": swap, "checksum": checksum}},
         "aio": {"block_size": 1048576, "queue_depth": 32, "intra_op_parallelism": 4},
         "checkpoint": {"writer": {"type": "fast", "show_statistics": False}},

@@ -69,7 +69,7 @@ def run_child(checksum: str, steps: int, warmup: int, nvme_path: str) -> dict:
     y = torch.randint(0, cfg.vocab, (BATCH, cfg.seq), generator=g)
     config = ds_config("nvme", nvme_path)
     zc = config["zero_optimization"]
-    zc["offload_param"].update(max_in_cpu=0, checksum=checksum)
+    zc["offload_param"].update(max_in_cpu=0, min_swap_bytes=0, checksum=checksum)
     zc["offload_optimizer"].update(checksum=checksum)
     from swapper.checksum import ChecksumTable
 

@@ -77,10 +77,20 @@ GiB = harness.GiB
 
 # -- the children ----------------------------------------------------------------------------------
 
-def config(contender: str, dtype: str, k: int, nvme_path: str) -> dict:
-    """The DeepSpeed-style config of one contender (our engine and DeepSpeed read the same keys)."""
+def scaled(default: int, d_model: int) -> int:
+    """A size DeepSpeed sets for every model (the persistence threshold, the smallest partition
+    its swapper puts on NVMe) as it is at the 311M's d_model 1024, scaled with d_model squared, so
+    a smaller model (the rehearsal's, --quick) keeps the same kinds of units in memory and reads
+    its weight matrices from NVMe as the 311M does."""
+    return default * d_model * d_model // (1024 * 1024)
+
+
+def config(contender: str, dtype: str, k: int, nvme_path: str, d_model: int = 1024) -> dict:
+    """The DeepSpeed-style config of one contender (our engine and DeepSpeed read the same keys, but
+    ``min_swap_bytes``: ours, DeepSpeed's 1 MiB rule scaled, see :func:`scaled`)."""
     zc = {"stage": 3, "sub_group_size": int(2e7),
-          "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7), "max_in_cpu": 0},
+          "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7), "max_in_cpu": 0,
+                            **({} if contender.startswith("ds") else {"min_swap_bytes": scaled(1 << 20, d_model)})},
           "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True,
                                 "pipeline_write": True}}
     if contender.startswith("ds"):
@@ -158,7 +168,7 @@ def child_train(spec: dict) -> dict:
     contender, dtype, k = spec["contender"], spec["dtype"], spec["k"]
     ex = training.examples(deepspeed=contender.startswith("ds"))
     cfg = ex.GPTConfig(**spec["model"])
-    conf = config(contender, dtype, k, spec["nvme_path"])
+    conf = config(contender, dtype, k, spec["nvme_path"], cfg.d_model)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     if contender.startswith("ds"):

@@ -9,9 +9,10 @@ The LoRA stand-in: the 311M GPT of ``zero.examples`` (bench/io_bound.py's: vocab
 d_model 1024, 128 positions, tied head) with ``zero.examples.add_lora`` (rank 8 adapters on every
 block's qkv, proj, fc and out; every other parameter frozen), micro-batches of 1 x 8 tokens, one
 optimizer step per iteration. Stage 3, the parameters on NVMe (``max_in_cpu`` 0, ``buffer_size``
-2e7, bench/io_bound.py's aio settings; DeepSpeed's persistence threshold, 1e5 elements, so the
-adapters and layer norms stay gathered and the base weights are read; a smaller model's threshold
-scaled with d_model squared), AdamW in host memory (``offload_optimizer`` cpu: the
+2e7, bench/io_bound.py's aio settings; DeepSpeed's persistence threshold, 1e5 elements, and
+smallest partition on NVMe, 1 MiB, so the adapters and layer norms stay gathered and in host
+memory while the base weights are read; a smaller model's both scaled with d_model squared),
+AdamW in host memory (``offload_optimizer`` cpu: the
 trainable adapters are 0.6% of the model). Each of fp32 and bf16 compute runs without and with
 ``zero_quantized_nontrainable_weights`` (the frozen base int8 with an fp32 scale per 256 elements,
 zero/stores/quantized.py), in a fresh process: bytes per iteration are the parameter swapper's own
@@ -39,7 +40,7 @@ import tempfile
 import time
 
 from bench import harness, training
-from bench.io_bound import AIO, MODEL, SEQ
+from bench.io_bound import AIO, MODEL, SEQ, scaled
 
 SECTION = "## LoRA on a quantized frozen base (bench/lora.py)"
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)
@@ -51,22 +52,15 @@ LOSS_GOAL = 0.01
 GiB = harness.GiB
 
 
-def persistence_threshold(d_model: int) -> int:
-    """DeepSpeed's default ``stage3_param_persistence_threshold`` (1e5 elements) at the 311M's d_model
-    1024, scaled with d_model squared, so a smaller model keeps the same kinds of units gathered for
-    good (layer norms, adapters) and reads its base weights each iteration as the 311M does."""
-    return 100_000 * d_model * d_model // (1024 * 1024)
-
-
 def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int = 1, d_model: int = 1024) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
             "bf16": {"enabled": dtype == "bf16"}, "aio": AIO, "steps_per_print": 10 ** 6,
             "zero_optimization": {
                 "stage": 3, "sub_group_size": int(2e7), "zero_quantized_nontrainable_weights": flag,
-                "stage3_param_persistence_threshold": persistence_threshold(d_model),
+                "stage3_param_persistence_threshold": scaled(100_000, d_model),
                 "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7),
-                                  "max_in_cpu": 0},
+                                  "max_in_cpu": 0, "min_swap_bytes": scaled(1 << 20, d_model)},
                 "offload_optimizer": {"device": "cpu"}}}
 
 

@@ -11,7 +11,9 @@ registered (naming both sizes), and a swap-in that finds no free buffer first
 completes the writes in flight (which return theirs) and otherwise raises
 :class:`PoolExhaustedError` naming the partitions that hold the buffers.
 The first ``max_in_cpu`` elements registered (first fit, in registration
-order) stay in ordinary host memory for good and never touch NVMe. Swap files
+order) stay in ordinary host memory for good and never touch NVMe, and so does
+every partition of fewer than ``min_swap_bytes`` bytes (DeepSpeed's swapper keeps
+those under 1 MiB in host memory: an op costs as much for 4 KiB). Swap files
 are named after the caller's ids (``param_<id>.swp``), which must therefore be
 stable across runs: a parameter's name or its index, never ``id()``.
 
@@ -86,6 +88,7 @@ class PartitionedParamSwapper(SwapperBase):
         max_in_cpu: int = int(1e9),
         dtype: torch.dtype = torch.float32,
         *,
+        min_swap_bytes: int = 0,
         job_id: str = "default",
         rank: int = 0,
         name: str = "params",
@@ -105,12 +108,16 @@ class PartitionedParamSwapper(SwapperBase):
         if max_in_cpu < 0 or max_in_cpu != int(max_in_cpu):
             raise ValueError(f"max_in_cpu must be a non-negative integer, got {max_in_cpu!r}")
         self.max_in_cpu = int(max_in_cpu)
+        if isinstance(min_swap_bytes, bool) or not isinstance(min_swap_bytes, int) or min_swap_bytes < 0:
+            raise ValueError(f"min_swap_bytes must be a non-negative int, got {min_swap_bytes!r}")
+        self.min_swap_bytes = min_swap_bytes
         if pool.spare_buffers > self.buffer_count:
             raise ValueError(f"spare_buffers must be an integer from 0 to buffer_count ({self.buffer_count}), "
                              f"got {pool.spare_buffers!r}")
         self._parts: Dict[ParamId, Partition] = {}
         self._by_file: Dict[str, ParamId] = {}
-        self._cpu_numel = 0
+        self._cpu_numel = 0  # under max_in_cpu
+        self._small_numel = 0  # kept in host memory for their size (min_swap_bytes)
         self._nvme_bytes = 0
         super().__init__(
             nvme_path, config, dtype, job_id=job_id, rank=rank, name=name, checksum=checksum,
@@ -144,10 +151,14 @@ class PartitionedParamSwapper(SwapperBase):
             raise ValueError(f"partition id {param_id!r} is registered already")
         dtype = dtype or self.dtype
         part = Partition(param_id, numel, dtype, file_name, PartitionState.UNWRITTEN)
-        if self._cpu_numel + numel <= self.max_in_cpu:
+        small = self._small(part)
+        if small or self._cpu_numel + numel <= self.max_in_cpu:
             part.state = PartitionState.IN_CPU
             part.cpu_tensor = torch.empty(numel, dtype=dtype)
-            self._cpu_numel += numel
+            if small:
+                self._small_numel += numel
+            else:
+                self._cpu_numel += numel
         else:
             capacity = self._buffer_nbytes()
             if capacity is not None and part.nbytes > capacity:
@@ -172,7 +183,9 @@ class PartitionedParamSwapper(SwapperBase):
             self._drop_buffer(p)
             if p.home is not None:
                 self._unhome(p)  # counted on disk again, as below
-            if p.cpu_tensor is not None:
+            if p.cpu_tensor is not None and self._small(p):
+                self._small_numel -= p.numel
+            elif p.cpu_tensor is not None:
                 self._cpu_numel -= p.numel
             else:
                 self._nvme_bytes -= p.nbytes
@@ -186,10 +199,18 @@ class PartitionedParamSwapper(SwapperBase):
     def state(self, param_id: ParamId) -> PartitionState:
         return self._lookup([param_id])[0].state
 
+    def _small(self, part: Partition) -> bool:
+        return part.nbytes < self.min_swap_bytes
+
     @property
     def cpu_numel(self) -> int:
         """Elements kept in host memory under ``max_in_cpu``."""
         return self._cpu_numel
+
+    @property
+    def small_numel(self) -> int:
+        """Elements kept in host memory because their partitions are under ``min_swap_bytes``."""
+        return self._small_numel
 
     @property
     def nvme_bytes(self) -> int:

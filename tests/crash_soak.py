@@ -55,7 +55,7 @@ def config(nvme: str, job: str) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
             "zero_optimization": {
                 "stage": 3, "sub_group_size": 4096, "stage3_param_persistence_threshold": 0, "nvme_job_id": job,
-                "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0},
+                "offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0, "min_swap_bytes": 0},
                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
             "steps_per_print": 10 ** 6}
 

@@ -157,6 +157,7 @@ def base_config(offload_param: str = "none", offload_optimizer: str = "none", nv
             zero[key]["nvme_path"] = str(nvme_path)
         if key == "offload_param" and device == "nvme":
             zero[key]["max_in_cpu"] = 0
+            zero[key]["min_swap_bytes"] = 0  # every partition on NVMe, however small
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,

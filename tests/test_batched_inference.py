@@ -34,7 +34,7 @@ def build(kind: str, dtype: torch.dtype = torch.float32):
 def inference_config(nvme_path, bf16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": False}, "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                  "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "max_in_cpu": 0}}}
+                                  "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "max_in_cpu": 0, "min_swap_bytes": 0}}}
 
 
 def on_nvme(kind: str, checkpoint, nvme_path, bf16: bool = False):

@@ -46,7 +46,7 @@ def gathered(model) -> dict:
 
 def nvme_init_config(path) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}}}
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0, "min_swap_bytes": 0}}}
 
 
 def build(kind: str, how: str, path):

@@ -49,7 +49,7 @@ def training_args(out, **overrides):
 
 def nvme_config(path, **extra):
     offload = {"device": "nvme", "nvme_path": str(path)}
-    config = {"zero_optimization": {"stage": 3, "offload_param": dict(offload, max_in_cpu=0),
+    config = {"zero_optimization": {"stage": 3, "offload_param": dict(offload, max_in_cpu=0, min_swap_bytes=0),
                                     "offload_optimizer": offload, "stage3_param_persistence_threshold": 0,
                                     "sub_group_size": 4096},
               "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

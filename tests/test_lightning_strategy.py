@@ -73,7 +73,7 @@ def trainer(strategy, root, **kw):
 def nvme_strategy(path, **kw):
     return ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True, remote_device="nvme",
                         offload_params_device="nvme", offload_optimizer_device="nvme", nvme_path=str(path),
-                        max_in_cpu=0, **kw)
+                        max_in_cpu=0, min_swap_bytes=0, **kw)
 
 
 def assert_same_weights(expected: dict, got: dict, exact: bool = False, atol: float = 1e-7):

@@ -87,7 +87,7 @@ def test_parameter_bytes_read_per_window_do_not_grow_with_k(tmp_path):
     for k in (2, 4):
         for use in (True, False):
             nvme = {"device": "nvme", "nvme_path": str(tmp_path / f"{k}-{use}")}
-            config = {"zero_optimization": {"stage": 3, "offload_param": dict(nvme, max_in_cpu=0),
+            config = {"zero_optimization": {"stage": 3, "offload_param": dict(nvme, max_in_cpu=0, min_swap_bytes=0),
                                             "offload_optimizer": nvme, "stage3_param_persistence_threshold": 0,
                                             "sub_group_size": 4096}}
             counted = ParamBytesRead()

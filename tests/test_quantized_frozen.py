@@ -305,7 +305,7 @@ def test_inference_with_the_flag_equals_inference_with_the_dequantized_weights(t
     config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": precision == "bf16"},
               "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True,
                                     "offload_param": {"device": offload, "nvme_path": str(tmp_path),
-                                                      "max_in_cpu": 0}}}
+                                                      "max_in_cpu": 0, "min_swap_bytes": 0}}}
     torch.manual_seed(0)
     engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config)
     assert len(engine.frozen_shards.units) == len(engine.parts.units)
@@ -327,7 +327,7 @@ def test_an_inference_checkpoint_keeps_the_fp32_dequantized_values_and_loads_bac
         path.mkdir()
         return {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": precision == "bf16"},
                 "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True,
-                                      "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}}}
+                                      "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0, "min_swap_bytes": 0}}}
 
     torch.manual_seed(0)
     engine, _, _, _ = zero.initialize(model=GPT(CFG), config=config(tmp_path / "a"))

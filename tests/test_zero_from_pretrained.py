@@ -40,7 +40,7 @@ def inference_config(tmp_path, device="nvme") -> dict:
     """The Hugging Face docs' ZeRO-Inference shape: no optimizer, no scheduler."""
     param = {"device": device}
     if device == "nvme":
-        param.update(nvme_path=str(tmp_path), max_in_cpu=0)
+        param.update(nvme_path=str(tmp_path), max_in_cpu=0, min_swap_bytes=0)
     return {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": False},
             "zero_optimization": {"stage": 3, "offload_param": param, "stage3_param_persistence_threshold": 0}}
 

@@ -24,7 +24,7 @@ def torch_modules() -> nn.Module:
 def nvme_config(path) -> dict:
     return {"train_micro_batch_size_per_gpu": 1,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                  "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}}}
+                                  "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0, "min_swap_bytes": 0}}}
 
 
 @pytest.mark.parametrize("where", ["memory", "nvme"])

@@ -19,7 +19,7 @@ CFG = GPTConfig()
 
 
 def nvme_config(path, max_in_cpu=0, **offload) -> dict:
-    param = {"device": "nvme", "nvme_path": str(path), "max_in_cpu": max_in_cpu, **offload}
+    param = {"device": "nvme", "nvme_path": str(path), "max_in_cpu": max_in_cpu, "min_swap_bytes": 0, **offload}
     return {"train_micro_batch_size_per_gpu": 1,
             "zero_optimization": {"stage": 3, "offload_param": param, "stage3_param_persistence_threshold": 0}}
 
@@ -35,7 +35,7 @@ import zero
 
 path, layers, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_param": {
-    "device": "nvme", "nvme_path": path, "max_in_cpu": 0, "buffer_count": 2}}}
+    "device": "nvme", "nvme_path": path, "max_in_cpu": 0, "min_swap_bytes": 0, "buffer_count": 2}}}
 nn.Linear(8, 8)  # torch's first-use allocations, before the baseline
 reset_peak_rss()
 base = peak_rss_bytes()

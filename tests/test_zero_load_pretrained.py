@@ -26,7 +26,7 @@ CFG = GPTConfig()
 def nvme_config(path) -> dict:
     return {"train_micro_batch_size_per_gpu": 1,
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                  "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}}}
+                                  "offload_param": {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0, "min_swap_bytes": 0}}}
 
 
 def state_of(model: nn.Module) -> dict:
@@ -225,7 +225,7 @@ import zero
 
 ckpt, swap, layers, width = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "offload_param": {
-    "device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "buffer_count": 2}}}
+    "device": "nvme", "nvme_path": swap, "max_in_cpu": 0, "min_swap_bytes": 0, "buffer_count": 2}}}
 with zero.Init(config_dict_or_path=config) as init:
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 pool = init.nvme_store.swapper.pool.nbytes

@@ -103,11 +103,28 @@ class OffloadParamConfig(OffloadBase):
     """Elements per staging buffer; each parameter partition must fit one."""
     max_in_cpu: Int(minimum=0) = 1_000_000_000
     """Elements of parameters allowed to stay in host memory with device nvme."""
+    min_swap_bytes: Optional[Int(minimum=0)] = None
+    """nvmeio's own (device nvme): a parameter partition smaller than this many bytes stays in
+    host memory, never on NVMe, beside ``max_in_cpu``'s; unset, DeepSpeed's rule, whose swapper
+    leaves a partition under max(1 MiB, ``aio.block_size``) in host memory (see
+    :func:`min_swap_bytes`); 0 puts every partition past ``max_in_cpu`` on NVMe."""
 
     @model_validator(mode="after")
     def _check(self) -> "OffloadParamConfig":
         raise_problems(type(self).__name__, self._nvme_problems())
         return self
+
+
+MIN_SWAP_BYTES = 1 << 20  # DeepSpeed's MIN_AIO_BYTES
+
+
+def min_swap_bytes(offload_param: OffloadParamConfig, block_size: int) -> int:
+    """The size under which a parameter partition stays in host memory (``min_swap_bytes``, else
+    DeepSpeed's rule: an NVMe op per partition costs the same whatever its size, so one of a
+    layer norm or a LoRA adapter would cost as much as a weight matrix's, for a few kilobytes)."""
+    if offload_param.min_swap_bytes is not None:
+        return offload_param.min_swap_bytes
+    return max(MIN_SWAP_BYTES, block_size)
 
 
 class OffloadOptimizerConfig(OffloadBase):

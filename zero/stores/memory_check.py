@@ -19,6 +19,7 @@ from swapper.host_memory import HostMemory, format_bytes
 
 from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
+from ..config.offload import min_swap_bytes
 from .layouts import RankLayout
 from .rank_memory import HOST, MemoryPart, RankSizes, location, rank_memory_parts
 
@@ -29,7 +30,10 @@ def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize
     """The engine's host memory, part by part, for this rank computing on ``compute_device``."""
     zc = config.zero_optimization
     spill = spill_offload(zc) if config.activation_checkpointing.cpu_checkpointing else None
-    parts = rank_memory_parts(RankSizes.of_layout(rank_layout), stage=zc.stage, offload_param=zc.offload_param,
+    small = 0
+    if zc.stage == 3 and zc.offload_param.device == "nvme":
+        small = -(-min_swap_bytes(zc.offload_param, config.aio.block_size) // itemsize)
+    parts = rank_memory_parts(RankSizes.of_layout(rank_layout, small), stage=zc.stage, offload_param=zc.offload_param,
                               offload_optimizer=zc.offload_optimizer, itemsize=itemsize,
                               compute_device=location(compute_device), state_count=state_count,
                               has_optimizer=has_optimizer, steps_in_backward=steps_in_backward,

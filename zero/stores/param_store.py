@@ -52,7 +52,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from nvmeio import AioSettings
+
 from ..config import ConfigError, Problem
+from ..config.offload import min_swap_bytes
 from .layouts import RankLayout, SubGroup, UnitLayout
 from .pinned_host import for_gpu_copies
 from .quantized import NOT_QUANTIZED, FrozenShards
@@ -284,7 +287,8 @@ def swap_buffer_count(offload, largest_shard: int, total_numel: int) -> int:
 class NvmeParamStore(ParamStore):
     """Shards in swap files under ``offload_param.nvme_path``, one file per unit.
 
-    The first ``max_in_cpu`` elements stay in host memory (DeepSpeed's rule).
+    The first ``max_in_cpu`` elements stay in host memory, and so does every shard under
+    ``min_swap_bytes`` (both DeepSpeed's rules; zero/config/offload.py ``min_swap_bytes``).
     The pool holds ``swap_buffer_count`` buffers' worth of the largest shard and
     gives each shard a span of its own size (swapper/_span_pool.py, [Note:
     read-ahead bounded by bytes, not by buffers]); ``offload_param.buffer_size``
@@ -326,6 +330,7 @@ class NvmeParamStore(ParamStore):
             offload.nvme_path, aio, buffer_count=count,
             buffer_size=max(1, largest) + (HOME_SLACK_BYTES // 4 if master is not None else 0),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
+            min_swap_bytes=min_swap_bytes(offload, AioSettings.coerce(aio).block_size),
             pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
             read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
             pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))

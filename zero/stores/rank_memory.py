@@ -70,15 +70,17 @@ class RankSizes:
     largest_unit: int
     largest_shard: int
     largest_sub_group: int
+    small_shards: int = 0  # elements of this rank's shards under min_swap_bytes (kept in host memory)
 
     @classmethod
-    def of_layout(cls, rank_layout: RankLayout) -> "RankSizes":
-        """This rank's exact sizes."""
+    def of_layout(cls, rank_layout: RankLayout, small_below: int = 0) -> "RankSizes":
+        """This rank's exact sizes; ``small_below``: shards of fewer elements count in ``small_shards``."""
         units = rank_layout.units
         return cls(units[0].world_size if units else 1, rank_layout.numel,
                    sum(u.padded_numel for u in units), max((u.padded_numel for u in units), default=0),
                    max((u.shard_numel for u in units), default=0),
-                   max((g.numel for g in rank_layout.sub_groups), default=0))
+                   max((g.numel for g in rank_layout.sub_groups), default=0),
+                   sum(u.shard_numel for u in units if u.shard_numel < small_below))
 
     @classmethod
     def of_counts(cls, total_params: int, largest_layer_params: int, world_size: int,
@@ -131,10 +133,13 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
             parts.append(MemoryPart(what, int(nbytes), setting, fixed, where, locked))
 
     if par.device == "nvme":
-        in_cpu = min(par.max_in_cpu, sizes.shard)
+        add("parameter partitions too small for NVMe kept in host memory (min_swap_bytes)",
+            sizes.small_shards * itemsize, "zero_optimization.offload_param.min_swap_bytes", HOST)
+        in_cpu = min(par.max_in_cpu, sizes.shard - sizes.small_shards)
         if in_cpu:
             add("parameters kept in host memory (max_in_cpu)", in_cpu * itemsize,
                 "zero_optimization.offload_param.max_in_cpu", HOST)
+        in_cpu += sizes.small_shards
         count = swap_buffer_count(par, sizes.largest_shard, sizes.shard)
         add(f"parameter swap buffers ({count} x {format_bytes(sizes.largest_shard * itemsize)})",
             count * sizes.largest_shard * itemsize, "zero_optimization.offload_param.buffer_count", HOST,
