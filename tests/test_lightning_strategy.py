@@ -73,7 +73,7 @@ def trainer(strategy, root, **kw):
 def nvme_strategy(path, **kw):
     return ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True, remote_device="nvme",
                         offload_params_device="nvme", offload_optimizer_device="nvme", nvme_path=str(path),
-                        max_in_cpu=0, min_swap_bytes=0, **kw)
+                        max_in_cpu=0, **kw)
 
 
 def assert_same_weights(expected: dict, got: dict, exact: bool = False, atol: float = 1e-7):
@@ -169,7 +169,10 @@ def test_configure_model_builds_under_zero_init_straight_to_nvme(tmp_path):
         def on_fit_start(self, trainer, module):  # after configure_model, before any step
             seen["partitioned"] = all(p.numel() == 0 and p.ds_numel > 0 for p in module.parameters())
 
-    trainer(nvme_strategy(tmp_path), tmp_path, callbacks=[Check()]).fit(ours, loader())
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}  # every partition on NVMe, however small:
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": nvme,  # the config form takes ours
+                                    "offload_param": dict(nvme, max_in_cpu=0, min_swap_bytes=0)}}
+    trainer(ZeroStrategy(config=config), tmp_path, callbacks=[Check()]).fit(ours, loader())
     assert seen["partitioned"]
     torch.testing.assert_close(ours.losses, plain.losses, rtol=1e-6, atol=0)
     assert_same_weights(plain.state_dict(), full_state_dict(ours))
