@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zero
-from helpers import base_config, train_engine
+from helpers import base_config, make_engine, train_engine
 from swapper import PartitionedParamSwapper
 from swapper._param_swapper import PartitionState
 from zero.config import ConfigError, load_config
@@ -133,3 +133,27 @@ def test_the_memory_model_counts_small_partitions_in_host_memory(tmp_path):
         assert parts["parameter swap files"].nbytes == (layout.numel - small) * 4
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("precision,smallest", [("fp32", None), ("bf16", 1 << 19)])
+def test_a_checkpoint_of_small_and_large_partitions_resumes_exactly(tmp_path, precision, smallest):
+    """fp32 with the optimizer on NVMe stores the large partitions in the master's file (homed),
+    bf16 in their own (half the bytes: a lower min_swap_bytes keeps some of them on NVMe): either
+    way the small ones, in host memory, save and load with them."""
+    settings = dict(precision=precision, lr=1e-2, micro=2, model=lambda: GPT(CFG),
+                    overrides={"zero_optimization": {"offload_param": {"min_swap_bytes": smallest}}})
+    batches = make_batches(dataclasses.replace(CFG), 4, 2)
+    engine = make_engine(tmp_path / "swap", "nvme", **settings)
+    try:
+        assert 0 < engine.parts.param_store.swapper.small_numel < engine.parts.rank_layout.numel
+        train_engine(engine, batches[:2], 2)
+        engine.save_checkpoint(tmp_path / "ckpt")
+        expected = train_engine(engine, batches[2:], 2)
+    finally:
+        engine.destroy()
+    resumed = make_engine(tmp_path / "swap", "nvme", seed=1, **settings)
+    try:
+        resumed.load_checkpoint(tmp_path / "ckpt")
+        assert train_engine(resumed, batches[2:], 2) == expected
+    finally:
+        resumed.destroy()
