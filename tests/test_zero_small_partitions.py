@@ -157,3 +157,22 @@ def test_a_checkpoint_of_small_and_large_partitions_resumes_exactly(tmp_path, pr
         assert train_engine(resumed, batches[2:], 2) == expected
     finally:
         resumed.destroy()
+
+
+def test_a_model_built_under_zero_init_on_nvme_takes_the_same_split(tmp_path):
+    """zero.Init writes every slice to NVMe as the model is built; the engine then keeps the small
+    partitions in host memory and trains as plain PyTorch does."""
+    torch.manual_seed(0)
+    reference = GPT(CFG)
+    config = _config(tmp_path)
+    torch.manual_seed(0)
+    with zero.Init(config_dict_or_path=config):
+        model = GPT(CFG)
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    try:
+        swapper = engine.parts.param_store.swapper
+        assert 0 < swapper.small_numel < engine.parts.rank_layout.numel
+        batches = make_batches(dataclasses.replace(CFG), 2, 2)
+        assert train_engine(engine, batches, 2) == train_reference(reference, batches, 2, lr=1e-2)
+    finally:
+        engine.destroy()
