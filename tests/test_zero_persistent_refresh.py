@@ -72,19 +72,21 @@ def _train_and_compare(tmp_path, monkeypatch, stage, offload_param):
         trainable = {u.index for u in units if u.grad_count}
         assert persistent - trainable and persistent & trainable  # frozen and trainable persistent units
         losses = train_engine(engine, batches[:1], 1)  # (stage 3 gathers a persistent unit at its first use)
-        assert all(units[i].state.name == "AVAILABLE" for i in persistent)
+        assert all(units[i].state.name == "AVAILABLE" for i in persistent - trainable)  # kept by the step
+        assert all(units[i].state.name == "NOT_AVAILABLE" for i in persistent & trainable)  # till a forward
         kept = {i: units[i].full for i in persistent - trainable}
         fetches = _Fetches(engine, monkeypatch)
         losses += train_engine(engine, batches[1:], 3)
+        log = list(fetches.log)  # (the gathers below fetch what the last step released)
         # frozen persistent units were never gathered again: the same tensors, never fetched
         assert all(units[i].full is kept[i] for i in kept)
-        assert not {i for i, _, _ in fetches.log} & set(kept)
+        assert not {i for i, _, _ in log} & set(kept)
         expected = train_reference(reference, batches, 4, lr=1e-2)
         assert losses == expected  # (fp32, one rank: bit for bit)
         with zero.GatheredParameters(list(model.parameters())):
             for (name, p), q in zip(model.named_parameters(), reference.parameters()):
                 assert torch.equal(p, q), name
-        return engine, fetches.log, persistent, trainable
+        return engine, log, persistent, trainable
     except BaseException:
         engine.destroy()
         raise
@@ -181,6 +183,9 @@ def test_a_load_gathers_every_persistent_unit_again_frozen_ones_included(tmp_pat
         train_engine(engine, batches, 1)  # gathered at their first use, kept since
         assert all(u.state.name == "AVAILABLE" for u in frozen)
         engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        assert all(u.state.name == "NOT_AVAILABLE" for u in frozen)  # released by the load,
+        with torch.no_grad():
+            engine(*batches[0])  # gathered again together when the next forward starts
         for u in frozen:
             assert u.state.name == "AVAILABLE"
             for p in u.params:

@@ -276,7 +276,7 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         if self.config.train_batch_size:
             self.global_samples += self.config.train_batch_size
-        if stepped:  # counted first: a unit that fails to gather here is gathered again at its use
+        if stepped:  # (counted first: below stage 3 the refresh gathers, and may fail)
             self.parts.coordinator.refresh(after_step=True)
         if self.timers.enabled:
             self._report_times()

@@ -120,6 +120,7 @@ class Coordinator:
                  max_reuse_distance: int = 10**9, whole: bool = False):
         self.root = root
         self.whole = whole  # stages 0-2: every unit persistent, all gathered at the build
+        self._again: Set[ParamUnit] = set()  # persistent units a refresh released, to gather again
         self.units = units
         self.module_units = {m: [units[i] for i in idx] for m, idx in module_units.items()}
         self.reducer = reducer
@@ -295,12 +296,20 @@ class Coordinator:
         such as a LoRA base's layer norm, stays gathered). Release what views the old values,
         drop the copies of a host-resident store read ahead before the change (stores/param_store.py,
         [Note: host-resident shards are read ahead onto the GPU]), and gather again at once the
-        persistent units it released."""
-        again = self._release((lambda u: u.grad_count > 0) if after_step else (lambda u: True))
+        persistent units it released: below stage 3 now, in stage 3 when the next forward starts,
+        so that a read failing there goes the forward's way (on several ranks: the error deferred
+        until every rank has finished its collectives) rather than out of ``step()`` after the
+        update."""
+        self._again.update(self._release((lambda u: u.grad_count > 0) if after_step else (lambda u: True)))
         if self.store.resident and self.store.reads_ahead:
             self.store.drop_prefetched()
             for u in self.units:
                 u.drop_prefetch()
+        if self.whole:  # below stage 3 the parameters are whole between steps, as in DeepSpeed
+            self._gather_again()
+
+    def _gather_again(self) -> None:
+        again, self._again = self._again, set()
         self.gather_persistent(again)
 
     # -- forward --------------------------------------------------------------------------------
@@ -308,6 +317,8 @@ class Coordinator:
         window = self.window
         if not self.stack and (window is None or window.first):
             self.prefetcher.begin_iteration()
+            if self._again:
+                self._gather_again()
         if window is not None and module in self.module_units:
             window.reached(module)
         frame = _Frame(module)
