@@ -43,7 +43,7 @@ import copy
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -258,37 +258,25 @@ class Coordinator:
         self.live.kept.clear()
         return gathered
 
-    def gather_persistent(self, again: Sequence[ParamUnit] = ()) -> None:
+    def gather_persistent(self) -> None:
         """Gather the units that stay gathered and are not: the free ones, every unit below stage
-        3 and the persistent units in ``again`` (those a step or a load released: DeepSpeed too
-        all-gathers its persistent parameters after each step), so that no forward waits for
-        them one at a time. From NVMe their reads go in batches as large as the room for reads
-        ahead allows, all of a batch in flight before the first is gathered; the gathers are
-        started, then waited for, so that one's latency is not added to the next's."""
-        again = set(again)
+        3 and the persistent units a refresh released (DeepSpeed too all-gathers its persistent
+        parameters after each step), so that no forward waits for them one at a time. From NVMe
+        their reads go in batches as large as the room for reads ahead allows, all of a batch in
+        flight before the first is gathered; the gathers are started, then waited for, so that
+        one's latency is not added to the next's."""
+        again, self._again = self._again, set()
         todo = [u for u in self.units if (u.free or (self.whole and u.persistent) or u in again)
                 and u.state is not ParamState.AVAILABLE]
         works = []
         while todo:
-            batch = todo if self.store.resident else self._read_ahead_batch(todo)
+            started = len(todo) if self.store.resident else self.store.prefetch([u.layout for u in todo])
+            batch = todo[:max(1, started)]
             works += [u.gather(wait=False) for u in batch]  # each gathered unit's pool room comes back
             todo = todo[len(batch):]
         for work in works:
             if work is not None:
                 work.wait()
-
-    def _read_ahead_batch(self, units: List[ParamUnit]) -> List[ParamUnit]:
-        """The leading ``units`` whose reads the store has room for (one at least), their reads
-        started together."""
-        room, batch = self.store.prefetch_capacity(), units[:1]
-        room -= self.store.prefetch_cost(units[0].layout)
-        for u in units[1:]:
-            room -= self.store.prefetch_cost(u.layout)
-            if room < 0:
-                break
-            batch.append(u)
-        self.store.prefetch([u.layout for u in batch])
-        return batch
 
     def refresh(self, after_step: bool = False) -> None:
         """The shards changed: every unit's (a load) or, ``after_step``, the trainable units'
@@ -306,11 +294,7 @@ class Coordinator:
             for u in self.units:
                 u.drop_prefetch()
         if self.whole:  # below stage 3 the parameters are whole between steps, as in DeepSpeed
-            self._gather_again()
-
-    def _gather_again(self) -> None:
-        again, self._again = self._again, set()
-        self.gather_persistent(again)
+            self.gather_persistent()
 
     # -- forward --------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args) -> None:
@@ -318,7 +302,7 @@ class Coordinator:
         if not self.stack and (window is None or window.first):
             self.prefetcher.begin_iteration()
             if self._again:
-                self._gather_again()
+                self.gather_persistent()
         if window is not None and module in self.module_units:
             window.reached(module)
         frame = _Frame(module)
