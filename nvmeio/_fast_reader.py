@@ -31,7 +31,8 @@ from typing import Iterator, Optional
 
 from . import _native
 from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
-from .file_ops import open_direct, populate
+from .file_ops import open_direct, populate, seek_position
+from .striping import StripedFile, check_parts_readable
 
 __all__ = ["FastFileReader"]
 
@@ -39,11 +40,19 @@ _ALIGN = 4096
 _SMALL_WINDOW = 256 << 10
 
 
+def _check_regular(mode: int, name: str) -> None:
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", name)
+    if not stat.S_ISREG(mode):
+        raise OSError(errno.EINVAL, "FastFileReader reads regular files only", name)
+
+
 class FastFileReader(io.RawIOBase):
     """Reads ``path`` through an aio_handle (O_DIRECT where the file system allows).
 
     Args:
-        path: the file to read.
+        path: the file to read, or a :class:`~nvmeio.StripedFile` (its logical bytes, every
+            read cut into one op per stripe unit by the handle; no ``fileno``).
         io: a :class:`~nvmeio.FastIO` to borrow the handle and buffers from;
             by default a private one with ``buffer_size`` / ``double_buffer``.
         direct_min: reads of at least this many bytes go straight into the
@@ -57,7 +66,8 @@ class FastFileReader(io.RawIOBase):
                  buffer_size: int = DEFAULT_BUFFER_SIZE, double_buffer: bool = True,
                  direct_min: int = 1 << 20):
         super().__init__()
-        self.name = os.fspath(path)
+        striped = isinstance(path, StripedFile)
+        self.name = path.parts[0] if striped else os.fspath(path)
         self.direct_min = direct_min
         self._own_io = io is None
         self._io = io if io is not None else IOBuffers(buffer_size, double_buffer)
@@ -65,17 +75,21 @@ class FastFileReader(io.RawIOBase):
         self._done = False
         try:
             self._io.acquire(self)
-            self._fd, self.direct = open_direct(self.name, os.O_RDONLY)
-            st = os.fstat(self._fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise IsADirectoryError(errno.EISDIR, "is a directory", self.name)
-            if not stat.S_ISREG(st.st_mode):
-                raise OSError(errno.EINVAL, "FastFileReader reads regular files only", self.name)
+            if striped:
+                for part in path.parts:
+                    _check_regular(os.stat(part).st_mode, part)
+                self.size = path.size()
+                check_parts_readable(path, 0, self.size)  # a missing or short part, named before any read
+                self._src, self.direct = path, True
+            else:
+                self._fd, self.direct = open_direct(self.name, os.O_RDONLY)
+                st = os.fstat(self._fd)
+                _check_regular(st.st_mode, self.name)
+                self.size, self._src = st.st_size, self._fd
             self._bufs = self._io.buffers()
         except BaseException:
             self._finish()
             raise
-        self.size = st.st_size
         self._ptrs = [b.data_ptr() for b in self._bufs]
         self._pos = 0
         self._win = (0, 0, 0)         # (buffer index, file start, length)
@@ -93,6 +107,8 @@ class FastFileReader(io.RawIOBase):
 
     def fileno(self) -> int:
         self._check_open()
+        if self._fd < 0:
+            raise io.UnsupportedOperation(f"{self.name} is striped over several files: it has no one descriptor")
         return self._fd
 
     def tell(self) -> int:
@@ -101,12 +117,7 @@ class FastFileReader(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         self._check_open()
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}.get(whence)
-        if base is None:
-            raise ValueError(f"invalid whence {whence!r}")
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
+        self._pos = seek_position(self._pos, self.size, offset, whence)
         return self._pos
 
     def readinto(self, buffer) -> int:
@@ -130,7 +141,7 @@ class FastFileReader(io.RawIOBase):
                 done += k
             elif n - done >= self.direct_min and (dst + done - p) % _ALIGN == 0:
                 self._settle_ahead()
-                self._io.handle.sync_pread(view[done:n], self._fd, p)
+                self._io.handle.sync_pread(view[done:n], self._src, p)
                 done = n
             else:
                 self._load_window(p)
@@ -155,12 +166,12 @@ class FastFileReader(io.RawIOBase):
         cur, pending = 0, False
         try:
             if pos < end:
-                handle.sync_pread(bufs[0][:min(size, self.size - pos)], self._fd, pos)
+                handle.sync_pread(bufs[0][:min(size, self.size - pos)], self._src, pos)
             while pos < end:
                 n = min(size, self.size - pos)
                 nxt = pos + n
                 if nxt < end and len(bufs) > 1:
-                    handle.async_pread(bufs[cur ^ 1][:min(size, self.size - nxt)], self._fd, nxt)
+                    handle.async_pread(bufs[cur ^ 1][:min(size, self.size - nxt)], self._src, nxt)
                     pending = True
                 lo, hi = max(offset, pos) - pos, min(end, nxt) - pos
                 yield memoryview(bufs[cur].numpy())[lo:hi]
@@ -169,7 +180,7 @@ class FastFileReader(io.RawIOBase):
                     pending = False
                     cur ^= 1
                 elif nxt < end:
-                    handle.sync_pread(bufs[0][:min(size, self.size - nxt)], self._fd, nxt)
+                    handle.sync_pread(bufs[0][:min(size, self.size - nxt)], self._src, nxt)
                 pos = nxt
         finally:
             if pending:
@@ -227,7 +238,7 @@ class FastFileReader(io.RawIOBase):
             index = 0  # nothing is in flight now: either buffer is free
             want = self._io.buffer_size if sequential else min(_SMALL_WINDOW, self._io.buffer_size)
             length = min(want, self.size - start)
-            self._io.handle.sync_pread(self._bufs[index][:length], self._fd, start)
+            self._io.handle.sync_pread(self._bufs[index][:length], self._src, start)
             self._win = (index, start, length)
             if not sequential:
                 return
@@ -236,7 +247,7 @@ class FastFileReader(io.RawIOBase):
         if len(self._bufs) > 1 and nxt < self.size:
             length = min(self._io.buffer_size, self.size - nxt)
             other = index ^ 1
-            self._io.handle.async_pread(self._bufs[other][:length], self._fd, nxt)
+            self._io.handle.async_pread(self._bufs[other][:length], self._src, nxt)
             self._ahead = (other, nxt, length)
 
     def _finish(self) -> None:

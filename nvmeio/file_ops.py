@@ -22,7 +22,7 @@ from typing import Tuple
 
 from .atomic_file import TempFile, open_for_replacing
 
-__all__ = ["temp_beside", "open_direct", "preallocate", "populate", "copy_range"]
+__all__ = ["temp_beside", "open_direct", "preallocate", "populate", "copy_range", "seek_position"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -32,6 +32,16 @@ _libc.madvise.restype = ctypes.c_int
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _populate_works = True
+
+
+def seek_position(position: int, size: int, offset: int, whence: int) -> int:
+    """Where ``seek(offset, whence)`` puts a reader at ``position`` in ``size`` bytes (as a file's)."""
+    base = {os.SEEK_SET: 0, os.SEEK_CUR: position, os.SEEK_END: size}.get(whence)
+    if base is None:
+        raise ValueError(f"invalid whence {whence!r}")
+    if base + offset < 0:
+        raise ValueError(f"negative seek position {base + offset}")
+    return base + offset
 
 
 def open_direct(path: str, flags: int, mode: int = 0o600) -> Tuple[int, bool]:

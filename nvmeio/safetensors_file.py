@@ -34,6 +34,8 @@ from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, 
 from ._fast_buffers import DEFAULT_BUFFER_SIZE, IOBuffers
 from ._fast_reader import FastFileReader
 from ._fast_writer import FastFileWriter
+from ._striped_reader import StripedPageReader
+from .striping import StripedFile
 
 __all__ = ["SafetensorsWriter", "SafetensorsReader", "SafetensorsError", "save_file", "load_file",
            "TensorInfo", "encode_header"]
@@ -290,17 +292,21 @@ class SafetensorsReader:
     file and the tensor. Tensor bytes are read through a
     :class:`~nvmeio.FastFileReader` (O_DIRECT, read-ahead), or with
     ``direct=False`` through the page cache (small scattered reads of many
-    files: no buffers to set up per file).
+    files: no buffers to set up per file). ``path`` may be a :class:`~nvmeio.StripedFile`
+    (a file striped over several, read as one; named by its first part).
     """
 
     def __init__(self, path, *, io: Optional[IOBuffers] = None, buffer_size: int = DEFAULT_BUFFER_SIZE,
                  double_buffer: bool = True, direct: bool = True):
         if direct:
             self._file = FastFileReader(path, io=io, buffer_size=buffer_size, double_buffer=double_buffer)
+        elif isinstance(path, StripedFile):
+            self._file = StripedPageReader(path)
         else:
             self._file = open(path, "rb", buffering=0)  # closed by close()
             self._file.size = os.fstat(self._file.fileno()).st_size
-        self.name = os.fspath(path)
+        self.name = self._file.name if isinstance(path, StripedFile) else os.fspath(path)
+        self.source = path if isinstance(path, StripedFile) else self.name  # what it reads
         try:
             size = self._file.size
             if size < 8:

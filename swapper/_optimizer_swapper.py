@@ -424,9 +424,10 @@ class PartitionedOptimizerSwapper(SwapperBase):
         """The digests recorded with the sub-group's state file (:meth:`SubGroupFiles.stored_checksums`)."""
         return self._files.stored_checksums(sub_group_id)
 
-    def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
+    def link_state(self, sub_group_id: int, dest, header: bytes,
+                   copy: Optional[Callable[[str, str], None]] = None) -> bool:
         """The state file becomes also ``dest``, a hard link (:meth:`SubGroupFiles.link_state`)."""
-        return self._files.link_state(sub_group_id, dest, header)
+        return self._files.link_state(sub_group_id, dest, header, copy)
 
     def adopt_file(self, sub_group_id: int, path: str, offsets: Mapping[str, int],
                    checksums: Optional[Carried] = None) -> bool:

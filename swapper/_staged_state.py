@@ -36,12 +36,12 @@ CHUNK_BYTES = 128 << 20
 
 @dataclass(frozen=True)
 class StagedRegion:
-    """One tensor: ``nbytes`` hashed bytes at ``source`` = (path, byte offset), landing at
+    """One tensor: ``nbytes`` hashed bytes at ``source`` = (path or StripedFile, byte offset), landing at
     ``buffer_offset`` of the buffer (and of the staging file); ``span`` bytes are moved (the
     tensor and its filler up to a 4096-byte boundary, where the source holds them)."""
 
     name: str
-    source: Tuple[str, int]
+    source: Tuple[Union[str, StripedFile], int]
     buffer_offset: int
     nbytes: int
     span: int
@@ -76,15 +76,16 @@ def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence
     each with ``algorithm`` (None: no digest) and writing each chunk to file ``dest`` (None:
     none) on handle ``writes``, as the [Note] above describes. Returns (digest of each region,
     bytes written). Every handle is idle on return, also after an error."""
-    fds: Dict[str, int] = {}
+    fds: Dict[object, object] = {}  # source file -> what its reads are submitted on
     out_fd = -1
     hashers = {r.name: StreamingDigest(algorithm) for r in regions} if algorithm is not None else {}
     written = 0
     pending = set()  # handles with an op in flight
     try:
-        for r in regions:
+        for r in regions:  # a striped source is read as it is: the handle cuts each read by part
             if r.source[0] not in fds:
-                fds[r.source[0]] = open_direct(r.source[0], os.O_RDONLY)[0]
+                src = r.source[0]
+                fds[src] = src if isinstance(src, StripedFile) else open_direct(src, os.O_RDONLY)[0]
         out = None  # where the chunks are written: out_fd, or a striped file (nvmeio/striping.py)
         if dest is not None:
             # One allocation of the whole file up front: direct writes into allocated blocks run
@@ -134,7 +135,8 @@ def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence
             except OSError:
                 pass  # the error raised already (or the one the caller sees) names the file
         for fd in fds.values():
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
         if out_fd >= 0:
             os.close(out_fd)
     return digests, written

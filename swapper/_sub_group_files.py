@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
 import torch
 
 from nvmeio import AioSettings, StripedFile, new_handle
-from nvmeio.striping import fspath
+from nvmeio.striping import file_size, fspath
 
 from ._buffer_pool import PoolBuffer
 from .checksum import ChecksumAlgorithm, ChecksumTable
@@ -115,21 +115,27 @@ class SubGroupFiles:
                for name, offset in layout.offsets().items()}
         return None if any(d is None for d in out.values()) else out
 
-    def link_state(self, sub_group_id: int, dest: str, header: bytes) -> bool:
+    def link_state(self, sub_group_id: int, dest, header: bytes,
+                   copy: Optional[Callable[[str, str], None]] = None) -> bool:
         """Makes the sub-group's swap file also ``dest`` (a hard link: no byte is copied),
         after writing ``header`` into its header page (see [Note: the header page]); the
-        next swap-out writes a new file, so ``dest`` keeps this state. False, changing
-        nothing, where that cannot be done (another file system, a header of another
-        size, a file linked already whose header page holds another header): the caller
-        copies instead."""
+        next swap-out writes a new file, so ``dest`` keeps this state. A swap file striped
+        over drives takes ``dest`` as one path per part, its header page being the start of
+        its first part: each part is linked to its path, or where it cannot be (another file
+        system) copied by ``copy(part, path)`` (zero/checkpoint/format.py [Note: striped
+        shards]). False, changing nothing, where that cannot be done (another file system
+        for a plain file, ``dest`` of another kind than the file, a header of another size,
+        a file linked already whose header page holds another header): the caller copies
+        instead."""
         self.owner.layout(sub_group_id)  # (registered)
         if len(header) != HEADER_BYTES:
             return False
 
-        def link(path: str, shared: bool) -> bool:
-            if isinstance(path, StripedFile):
-                return False  # a shard is one file: the caller copies the stripes into it
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        def link(path, shared: bool) -> bool:
+            striped = isinstance(path, StripedFile)
+            if striped != (not isinstance(dest, str)) or (striped and (copy is None or len(dest) != len(path.parts))):
+                return False  # a shard of another kind than the file: the caller copies it whole
+            fd = os.open(path.parts[0] if striped else path, os.O_RDWR | os.O_CLOEXEC)
             try:
                 if shared:  # a checkpoint's file already: never written again, only linked once more
                     if os.pread(fd, HEADER_BYTES, 0) != header:
@@ -139,7 +145,12 @@ class SubGroupFiles:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            return _hard_link(path, dest)
+            if not striped:
+                return _hard_link(path, dest)
+            for part, target in zip(path.parts, dest):
+                if not _hard_link(part, target):
+                    copy(part, target)
+            return True
 
         return self.owner.share_file(sub_group_id, link)
 
@@ -149,27 +160,42 @@ class SubGroupFiles:
         "master" and every state equal the swapper's) the sub-group's swap file, by a hard
         link: no byte is copied, and the next swap-out writes a new file, so ``path`` is
         never changed. With checksums on, ``checksums`` = (algorithm name, digest of each
-        tensor) that the file carries become the ones its swap-ins verify. False, changing
-        nothing, where that cannot be done (another file system or layout; checksums on
+        tensor) that the file carries become the ones its swap-ins verify. A shard striped
+        over several files (zero/checkpoint/format.py [Note: striped shards]) becomes the
+        swap file of a swapper striped alike, part by part. False, changing nothing, where
+        that cannot be done (another file system, layout or cut of stripes; checksums on
         and none carried, or of another algorithm)."""
         layout = self.owner.layout(sub_group_id)
         if self.checksums is not None and (
                 checksums is None or checksums[0] != self.checksums.algorithm.value
                 or set(checksums[1]) != set(offsets)):
             return False
-        if dict(offsets) != layout.offsets() or os.path.getsize(path) < layout.written_bytes:
+        if dict(offsets) != layout.offsets() or file_size(path) < layout.written_bytes:
             return False
 
-        def adopt(target: str) -> bool:
-            if isinstance(target, StripedFile):
-                return False  # one file cannot become the stripes: the caller stages it
-            same = os.path.exists(target) and os.path.samefile(path, target)  # loaded right after its save
-            if not same:
-                tmp = f"{target}.adopt-{os.getpid()}"
-                if not _hard_link(path, tmp):
+        def adopt(target) -> bool:
+            pairs = _part_pairs(path, target)
+            if pairs is None:
+                return False  # a plain file cannot become stripes, nor stripes of another cut: the caller stages it
+            # Every part is linked under a temporary name first: a link refused leaves the swap file as it was.
+            moves = []
+            try:
+                for source, dest in pairs:
+                    if os.path.exists(dest) and os.path.samefile(source, dest):
+                        continue  # loaded right after its save (a rename between two links would do nothing)
+                    tmp = f"{dest}.adopt-{os.getpid()}"
+                    if not _hard_link(source, tmp):
+                        raise _NoLink
+                    moves.append((tmp, dest))
+            except BaseException as error:
+                for tmp, _ in moves:
+                    os.unlink(tmp)
+                if isinstance(error, _NoLink):
                     return False
-                os.replace(tmp, target)  # (a rename between two links of one file would do nothing)
-            self.owner.swap_dir.create(os.path.basename(target))  # tracked for cleanup (the name, not the checkpoint's)
+                raise
+            for tmp, dest in moves:
+                os.replace(tmp, dest)
+            self.owner.swap_dir.create(_file_name(target))  # tracked for cleanup (the name, not the checkpoint's)
             self._assign_digests(target, layout, checksums)
             return True
 
@@ -184,7 +210,7 @@ class SubGroupFiles:
         if set(sources) != {"master", *layout.state_names}:
             return False
         try:
-            return all(offset % HEADER_BYTES == 0 and os.path.getsize(path) >= offset + layout.region_bytes
+            return all(offset % HEADER_BYTES == 0 and file_size(path) >= offset + layout.region_bytes
                        for path, offset in sources.values())
         except OSError:
             return False
@@ -194,7 +220,8 @@ class SubGroupFiles:
         """Reads the sub-group's state from ``sources`` (see :meth:`can_stage`) into a pool
         buffer once, computing the ``algorithm`` digest of each tensor on the way (the
         returned ``digests``), into a staging file: a hard link of the single source file
-        where ``link`` and the file system allow, else a copy written while it is read.
+        (part by part where it and the swap files are striped alike) where ``link`` and the
+        file system allow, else a copy written while it is read.
         The sub-group itself is not changed: :meth:`publish_staged` makes the staging file
         its swap file, :meth:`discard_staged` forgets it. Files held in host memory are
         written out first (made current, as for a checkpoint's save), reads ahead dropped, to
@@ -220,7 +247,7 @@ class SubGroupFiles:
         offsets = layout.offsets()
         try:
             staged.buffer = self._staging_buffer(sub_group_id, layout)
-            if link and not swap_dir.striped and len(files) == 1 and _link_quietly(next(iter(files)), path):
+            if link and len(files) == 1 and _link_parts(next(iter(files)), path):
                 staged.linked = True
                 swap_dir.track(staged.file_name)  # removed at cleanup like a swap file
                 dest = None
@@ -334,8 +361,36 @@ def _replace(source: str, target: str) -> None:
         _close_later(old)
 
 
-def _link_quietly(source: str, path: str) -> bool:
-    try:
-        return _hard_link(source, path)
-    except OSError:
+class _NoLink(Exception):
+    """A part that the file system cannot link (raised and caught inside this module)."""
+
+
+def _part_pairs(source, dest) -> Optional[List[Tuple[str, str]]]:
+    """(source part, dest part) of two files cut alike: both plain, or striped over as many
+    parts in units of the same size; None where they are cut differently."""
+    if isinstance(source, StripedFile) != isinstance(dest, StripedFile):
+        return None
+    if not isinstance(source, StripedFile):
+        return [(source, dest)]
+    if len(source.parts) != len(dest.parts) or source.unit != dest.unit:
+        return None
+    return list(zip(source.parts, dest.parts))
+
+
+def _link_parts(source, dest) -> bool:
+    """``dest`` becomes ``source`` by hard links, part by part (both cut alike), or nothing
+    is linked and False is returned (another file system or cut, any error)."""
+    pairs = _part_pairs(source, dest)
+    if pairs is None:
         return False
+    made = []
+    try:
+        for a, b in pairs:
+            if not _hard_link(a, b):
+                raise _NoLink
+            made.append(b)
+    except (OSError, _NoLink):
+        for b in made:
+            os.unlink(b)
+        return False
+    return True

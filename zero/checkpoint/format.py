@@ -15,6 +15,10 @@
                                        states ("exp_avg", "exp_avg_sq"), each the sub-group's range
                                        of the rank's flat space (stores/layouts.py); safetensors, data
                                        on a 4096-byte boundary (shard_io.py)
+<save_dir>/<tag>/rank00001/subgroup00003.safetensors.stripe1, .stripe2, ...
+                                       the rest of a striped shard: one whose header says it is
+                                       one logical file cut over several, as the swap file it was
+                                       linked from was cut over drives ([Note: striped shards])
 ```
 
 Rank layouts are a pure function of the units, the world size and
@@ -23,6 +27,20 @@ Rank layouts are a pure function of the units, the world size and
 ``zero_to_fp32`` rebuild full parameters one at a time, and a checkpoint
 saved on N ranks be loaded on M. Only the bytes asked for are ever read
 (through the page cache: scattered ranges of many files).
+
+[Note: striped shards]
+With ``nvme_path`` a list of drives, a sub-group's swap file is striped over them (one file
+per drive, nvmeio/striping.py). Where the checkpoint directory shares a file system with
+some of those drives, its shard is the swap file taken part by part: each part hard-linked
+into the rank directory where it can be, copied where not (shard_io.py). Such a shard is
+its parts, named ``<shard>`` and ``<shard>.stripe<k>``; the safetensors header at the start of
+the first part describes the logical file and its metadata says how it is cut (``stripes``:
+the number of parts, ``stripe_unit``: bytes per unit, unit ``i`` in part ``i % stripes``).
+:func:`shard_source` turns a shard's name into what a reader opens (the path, or an
+:class:`nvmeio.StripedFile` of its parts), so every reader (a load, a resharded load,
+``zero_to_fp32``) reads either kind. A tool that reads the first part as a plain
+safetensors file finds its data cut short and refuses it rather than read wrong values.
+A shard whose parts share no file system with the checkpoint is copied as one plain file.
 
 Nothing read from a checkpoint runs code: the sub-group shards are
 safetensors, every ``.pt`` file is loaded with ``torch.load(weights_only=True)``
@@ -36,11 +54,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from typing import Dict, List, Optional, Tuple
+import struct
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from nvmeio import SafetensorsReader
+from nvmeio import SafetensorsReader, StripedFile
 
 from ..stores.layouts import RankLayout, UnitLayout, build_rank_layout, build_unit_layout
 
@@ -116,6 +135,52 @@ def rank_dir(checkpoint: str, rank: int) -> str:
 
 def sub_group_file(checkpoint: str, rank: int, index: int) -> str:
     return os.path.join(rank_dir(checkpoint, rank), f"subgroup{index:05d}.safetensors")
+
+
+STRIPES = "stripes"          # shard metadata: the number of files a striped shard is cut into
+STRIPE_UNIT = "stripe_unit"  # and the bytes of one stripe unit ([Note: striped shards])
+MAX_STRIPES = 256
+_HEADER_PAGE = 4096  # a striped shard's header is its swap file's header page (shard_io.py)
+
+
+def shard_part(path: str, k: int) -> str:
+    """The name of part ``k`` of the (striped) shard ``path``: part 0 is ``path`` itself."""
+    return path if k == 0 else f"{path}.stripe{k}"
+
+
+def shard_source(path: str) -> Union[str, StripedFile]:
+    """What a reader opens for the shard ``path``: the path, or where its header says it is
+    striped, a :class:`~nvmeio.StripedFile` of its parts ([Note: striped shards]). A header
+    that cannot be read is left to the reader to report; stripes out of range or a part
+    missing are refused here, naming the shard."""
+    with open(path, "rb") as f:
+        head = f.read(_HEADER_PAGE)
+    meta = None
+    if len(head) >= 8:
+        (n,) = struct.unpack("<Q", head[:8])
+        if n <= len(head) - 8:
+            try:
+                meta = json.loads(head[8:8 + n]).get("__metadata__")
+            except (ValueError, AttributeError):
+                meta = None
+    if not isinstance(meta, dict) or STRIPES not in meta:
+        return path
+    count, unit = meta.get(STRIPES), meta.get(STRIPE_UNIT)
+    if not (isinstance(count, str) and count.isdigit() and 2 <= int(count) <= MAX_STRIPES
+            and isinstance(unit, str) and unit.isdigit() and int(unit) > 0 and int(unit) % _HEADER_PAGE == 0):
+        raise CheckpointCorruptionError(
+            f"checkpoint shard {path} is damaged: its header says it is striped over {count!r} files in units "
+            f"of {unit!r} bytes (2 to {MAX_STRIPES} files, units a multiple of {_HEADER_PAGE} bytes)")
+    parts = tuple(shard_part(path, k) for k in range(int(count)))
+    for part in parts[1:]:
+        if not os.path.isfile(part):
+            raise FileNotFoundError(f"checkpoint shard {path} is striped over {count} files and {part} is missing")
+    return StripedFile(parts, int(unit))
+
+
+def open_shard(path: str, **how) -> SafetensorsReader:
+    """A reader of the shard ``path``, plain or striped (``how``: SafetensorsReader's options)."""
+    return SafetensorsReader(shard_source(path), **how)
 
 
 def engine_file(checkpoint: str, rank: int) -> str:
@@ -255,7 +320,7 @@ class ShardReader:
             path = sub_group_file(self.checkpoint, rank, index)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint {self.checkpoint} is incomplete: {path} is missing")
-            self._files[key] = SafetensorsReader(path, direct=False)
+            self._files[key] = open_shard(path, direct=False)
         return self._files[key]
 
     def _pieces(self, unit_index: int, start: int, stop: int):

@@ -30,14 +30,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from nvmeio import SafetensorsReader
 from swapper.checksum import ChecksumAlgorithm
 
 from ..runtime.timers import log_rank0
 from .deepspeed_files import is_deepspeed_checkpoint
 from .deepspeed_load import load_deepspeed_checkpoint
-from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, read_meta, resolve_tag,
-                     sub_group_file, unsafe_error)
+from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, open_shard, read_meta,
+                     resolve_tag, sub_group_file, unsafe_error)
 from .shard_io import CheckpointIO, check_digests, shard_checksums
 from .storage import agreed_local_tag, check_local_files, check_same_copies
 
@@ -87,7 +86,7 @@ def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states:
     store, rest = engine.checkpointed_state, []
     for sg in engine.rank_layout.sub_groups:
         path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
-        with SafetensorsReader(path, direct=False) as shard:  # its header; the data is read staged
+        with open_shard(path, direct=False) as shard:  # its header; the data is read staged
             carried = shard_checksums(shard)
             if carried is None:
                 continue  # nothing to verify: loaded as before
@@ -154,7 +153,7 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
             path = sub_group_file(checkpoint, comm.rank, sg.index)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint {checkpoint} is incomplete: {path} is missing")
-            with SafetensorsReader(path, direct=False) as shard:
+            with open_shard(path, direct=False) as shard:
                 for k in keys:
                     info = shard.info(k)
                     if info.dtype != torch.float32 or list(info.shape) != [sg.numel]:

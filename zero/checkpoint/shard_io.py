@@ -47,11 +47,11 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from nvmeio import FastFileReader, FastIO, FastIOStats, PlainFileWriter, SafetensorsReader, SafetensorsWriter
+from nvmeio import FastFileReader, FastIO, FastIOStats, PlainFileWriter, SafetensorsReader, SafetensorsWriter, StripedFile
 from nvmeio.safetensors_file import encode_header
 from swapper.checksum import ChecksumAlgorithm, digest_chunks
 
-from .format import CheckpointCorruptionError
+from .format import STRIPE_UNIT, STRIPES, CheckpointCorruptionError, open_shard, shard_part
 
 SHARD_METADATA = {"format": "nvmeio-zero3-subgroup"}
 CHECKSUM = "checksum"  # metadata: the algorithm; "checksum.<name>": each tensor's digest (hex)
@@ -98,6 +98,19 @@ def check_digests(path: str, carried: Tuple[str, Mapping[str, int]], keys: Seque
                 f"saved as {digests[key]:016x}; nothing was loaded")
 
 
+def _may_link(source, path: str) -> bool:
+    """Whether to offer ``source`` (a swap file) to be linked as the shard ``path``: a plain
+    file always (the link itself says whether it can be made); a striped one where one of its
+    parts is on the checkpoint's file system (else one plain file is copied: format.py [Note:
+    striped shards])."""
+    if not isinstance(source, StripedFile):
+        return True
+    if len(source.parts) < 2:
+        return False
+    device = os.stat(os.path.dirname(path)).st_dev
+    return any(os.stat(p).st_dev == device for p in source.parts)
+
+
 def shard_spec(numel: int, names: Sequence[str]) -> Dict[str, Tuple[torch.dtype, Tuple[int]]]:
     """A shard's tensors: each name's fp32 values, then filler to a 4096-byte boundary."""
     tensor_bytes = numel * 4
@@ -137,20 +150,30 @@ class CheckpointIO:
 
     def save_shard(self, path: str, numel: int, names: Sequence[str],
                    tensors: Optional[Mapping[str, torch.Tensor]] = None,
-                   stored: Optional[Tuple[str, Dict[str, int]]] = None,
-                   link: Optional[Callable[[str, bytes], bool]] = None,
+                   stored: Optional[Tuple[object, Dict[str, int]]] = None,
+                   link: Optional[Callable[..., bool]] = None,
                    checksums: Optional[Tuple[str, Mapping[str, int]]] = None) -> None:
         """One sub-group's shard: ``tensors`` from memory, or ``stored`` = (swap file, byte
-        offset of each name), taken by ``link(path, header)`` where it can, else copied;
-        ``checksums`` (algorithm, digest of each name) go into its metadata."""
+        offset of each name), taken by ``link(dest, header, copy)`` where it can (``dest``: the
+        shard's path, or for a swap file striped over drives one path per part, a part that
+        cannot be linked copied by ``copy(part, dest part)``: format.py [Note: striped
+        shards]), else copied as one file; ``checksums`` (algorithm, digest of each name) go
+        into its metadata."""
         spec = shard_spec(numel, names)
         metadata = checksum_metadata(checksums)
-        header, infos = encode_header(spec, metadata, HEADER_BYTES)
-        if stored is not None and link is not None and len(header) == HEADER_BYTES and all(
-                stored[1][n] == HEADER_BYTES + i.begin for n, i in zip(spec, infos) if not n.startswith(PAD)):
-            if link(path, header):
-                self.stats.bytes_linked += infos[-1].end
-                return
+        if stored is not None and link is not None:
+            source, dest, meta = stored[0], path, metadata
+            if isinstance(source, StripedFile):
+                dest = tuple(shard_part(path, k) for k in range(len(source.parts)))
+                meta = {**metadata, STRIPES: str(len(source.parts)), STRIPE_UNIT: str(source.unit)}
+            header, infos = encode_header(spec, meta, HEADER_BYTES)
+            if (len(header) == HEADER_BYTES and _may_link(source, path)
+                    and all(stored[1][n] == HEADER_BYTES + i.begin for n, i in zip(spec, infos)
+                            if not n.startswith(PAD))):
+                if link(dest, header, self.copy_file):
+                    self.stats.bytes_linked += infos[-1].end
+                    return
+        _, infos = encode_header(spec, metadata, HEADER_BYTES)
         tensor_bytes = numel * 4
         with SafetensorsWriter(path, spec, metadata, file=self.writer(path),
                                data_alignment=HEADER_BYTES) as w:
@@ -164,8 +187,17 @@ class CheckpointIO:
                 else:
                     w.write(info.name, tensors[info.name])
 
+    def copy_file(self, source: str, dest: str) -> None:
+        """``dest`` becomes a copy of the file ``source``, file to file through the writer."""
+        size = os.path.getsize(source)
+        with self.writer(dest) as w:
+            reserve = getattr(w, "reserve", None)
+            if reserve is not None:
+                reserve(size)
+            w.copy_from(source, size, 0)
+
     def shard_reader(self, path: str) -> SafetensorsReader:
-        return SafetensorsReader(path, io=self._read_io())
+        return open_shard(path, io=self._read_io())
 
     def verify_shard(self, path: str, keys: Sequence[str]) -> bool:
         """Reads the tensors ``keys`` of a shard front to back (O_DIRECT, never whole in

@@ -491,7 +491,7 @@ class NvmeOptimizerStore(OptimizerStore):
             super().save_shard(sub_group, shards, path)
             return
         shards.save_shard(path, sub_group.numel, ["master", *self.state_names], stored=stored,
-                          link=lambda dest, header: self._link_state(sub_group, dest, header),
+                          link=lambda dest, header, copy: self._link_state(sub_group, dest, header, copy),
                           checksums=self._stored_checksums(sub_group))
 
     def load_shard(self, sub_group: SubGroup, shard, path: str, keys: Sequence[str], load_states: bool,
@@ -501,9 +501,10 @@ class NvmeOptimizerStore(OptimizerStore):
         if not load_states:
             return super().load_shard(sub_group, shard, path, keys, load_states)
         offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
-        if self._adopt_file(sub_group, path, offsets, carried):  # the swapper keeps the digests
+        source = shard.source  # the path, or the parts of a striped shard
+        if self._adopt_file(sub_group, source, offsets, carried):  # the swapper keeps the digests
             return shard.get_tensor("master")
-        master = self._import_state(sub_group, {k: (path, offset) for k, offset in offsets.items()})
+        master = self._import_state(sub_group, {k: (source, offset) for k, offset in offsets.items()})
         if master is not None:
             return master
         return super().load_shard(sub_group, shard, path, keys, load_states)
@@ -514,15 +515,13 @@ class NvmeOptimizerStore(OptimizerStore):
                     algorithm) -> Optional[object]:
         if not load_states or not sub_group.numel:
             return None
-        offsets = {k: shard.data_start + shard.info(k).begin for k in keys}
+        sources = {k: (shard.source, shard.data_start + shard.info(k).begin) for k in keys}
         own = self.swapper.checksum
-        if (own is not None and own is not algorithm) or not self.swapper.can_stage(
-                sub_group.index, {k: (path, o) for k, o in offsets.items()}):
+        if (own is not None and own is not algorithm) or not self.swapper.can_stage(sub_group.index, sources):
             return None
         t0 = time.perf_counter()
         try:
-            return self.swapper.stage_state(sub_group.index, {k: (path, o) for k, o in offsets.items()},
-                                            algorithm, link=self.link_on_load)
+            return self.swapper.stage_state(sub_group.index, sources, algorithm, link=self.link_on_load)
         finally:
             self.read_wait_seconds += time.perf_counter() - t0
 
@@ -556,12 +555,12 @@ class NvmeOptimizerStore(OptimizerStore):
         self.swapper.swap_out(sub_group.index, async_op=True)
         return master
 
-    def _link_state(self, sub_group: SubGroup, dest: str, header: bytes) -> bool:
+    def _link_state(self, sub_group: SubGroup, dest, header: bytes, copy) -> bool:
         if not sub_group.numel:
             return False
         t0 = time.perf_counter()
         try:
-            return self.swapper.link_state(sub_group.index, dest, header)
+            return self.swapper.link_state(sub_group.index, dest, header, copy)
         finally:
             self.write_wait_seconds += time.perf_counter() - t0
 
