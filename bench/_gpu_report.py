@@ -78,7 +78,18 @@ def _aio(st: dict) -> str:
         return text + f"; gds_handle not run: {st['gds_skipped'][:120]}"
     return (text + f"; gds_handle / host: write {_f(r['write']['gds/host'])}, read {_f(r['read']['gds/host'])}, "
             f"/ aio_handle: write {_f(r['write']['gds/device'])}, read {_f(r['read']['gds/device'])} ({DEEPNVME['gds']}; "
-            f"compat mode {st.get('gds_compat_mode')})")
+            f"compat mode {st.get('gds_compat_mode')}, device path {st.get('gds_device_path', 'cufile')}"
+            + _forced_cufile(st) + ")")
+
+
+def _forced_cufile(st: dict) -> str:
+    """cuFile's own figures where the handle staged CUDA tensors (no GPUDirect path)."""
+    g = st.get("gibps", {})
+    forced, host = g.get("CUDA tensor, gds_handle, cuFile forced"), g.get("host (locked)", {})
+    if not forced:
+        return ""
+    return (f"; cuFile forced / host: write {_f(_ratio(forced.get('write'), host.get('write')))}, "
+            f"read {_f(_ratio(forced.get('read'), host.get('read')))}")
 
 
 def _train_rows(st: dict) -> list:

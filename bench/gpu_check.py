@@ -380,9 +380,18 @@ def child_aio(spec: dict) -> dict:
     out = {"bytes": n, "settings": block, "device": str(device)}
     why_not = "needs CUDA" if device.type != "cuda" else nvmeio.gds_unavailable_reason()
     if why_not is None:
-        gds = nvmeio.new_handle({**{k: v for k, v in block.items() if k != "backend"}, "use_gds": True})
+        gds_block = {**{k: v for k, v in block.items() if k != "backend"}, "use_gds": True}
+        gds = nvmeio.new_handle(gds_block)
         buffers["CUDA tensor, gds_handle"] = (gds, on_device, torch.empty_like(on_device))
         out["gds_compat_mode"], out["gds_io_mode"] = gds.get_compat_mode(), gds.get_io_mode()
+        out["gds_device_path"] = gds.get_device_path()
+        if out["gds_device_path"] != "cufile":  # staged (no GPUDirect path): cuFile's own figure beside it
+            os.environ["NVMEIO_GDS_STAGING"] = "0"
+            try:
+                forced = nvmeio.new_handle(gds_block)
+            finally:
+                del os.environ["NVMEIO_GDS_STAGING"]
+            buffers["CUDA tensor, gds_handle, cuFile forced"] = (forced, on_device, torch.empty_like(on_device))
     else:
         out["gds_skipped"] = why_not
 

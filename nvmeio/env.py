@@ -70,6 +70,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "kvikio's own: O_DIRECT for its POSIX reads (compatibility mode). Unset, a `gds_handle` turns it on "
              "process-wide (kvikio's default is off; nvmeio's own reads use O_DIRECT), unless `NVMEIO_DIRECT_IO` "
              "is off; set, kvikio's reading of it stands"),
+    Variable("NVMEIO_GDS_STAGING", bool, None,
+             "on: a `gds_handle` moves CUDA tensors through `aio_handle`'s staging pipeline; off: through cuFile; "
+             "unset: staging where cuFile has no GPUDirect path (kvikio's compatibility mode, or cuFile without "
+             "the GDS driver), else cuFile"),
     Variable("NVMEIO_FAULTS", str, None,
              "a fault injection plan for tests (`nvmeio/faults.py`), armed at the first native handle"),
     Variable("NVMEIO_JOB_ID", str, "zero_stage_3",

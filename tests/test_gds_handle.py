@@ -20,7 +20,7 @@ import torch
 import nvmeio
 from nvmeio._cufile_cache import CuFileCache
 from helpers import file_bytes, random_bytes, run_child
-from test_cuda_paths import on_fake_cuda, plain
+from test_cuda_paths import fake_cuda, on_fake_cuda, plain  # noqa: F401 - fake_cuda: a fixture
 
 gds_module = importlib.import_module("nvmeio._gds")
 
@@ -174,7 +174,8 @@ def install(monkeypatch, kv):
 
 @pytest.fixture
 def kv(monkeypatch):
-    return install(monkeypatch, FakeKvikio())
+    """kvikio on a machine with the GDS driver: CUDA tensors go to cuFile."""
+    return install(monkeypatch, FakeKvikio(compat=False, gds_available=True))
 
 
 def fake_cuda_bytes(n, seed=0):
@@ -224,6 +225,33 @@ def test_round_trip_of_cuda_tensors_matches_the_cpu_path(kv, nvme_dir, n, offset
     assert torch.equal(plain(dst), plain(src))
     assert h.pwrite(src, nvme_dir / "v.bin", True) == 1  # validate=True compares the bytes
     assert len(kv.calls) == (3 if n else 0)               # empty ops never reach cuFile
+
+
+@pytest.mark.parametrize("compat,gds,forced,path", [
+    (True, None, None, "staging"),     # kvikio's compatibility mode: POSIX through its bounce buffers
+    (False, False, None, "staging"),   # cuFile without the GDS driver: cuFile's own fallback
+    (False, True, None, "cufile"),     # the driver: GPUDirect
+    (False, None, None, "cufile"),     # kvikio cannot tell: cuFile decides
+    (True, None, "0", "cufile"),       # NVMEIO_GDS_STAGING forces either way
+    (False, True, "1", "staging")])
+def test_cuda_tensors_take_the_staging_pipeline_where_cufile_has_no_gpudirect_path(
+        monkeypatch, fake_cuda, nvme_dir, compat, gds, forced, path):  # noqa: F811 - the fixture
+    """See [Note: without GPUDirect, CUDA tensors take nvmeio's staging] in nvmeio/_gds.py."""
+    kv = install(monkeypatch, FakeKvikio(compat=compat, gds_available=gds))
+    if forced is not None:
+        monkeypatch.setenv("NVMEIO_GDS_STAGING", forced)
+    h = nvmeio.gds_handle()
+    assert h.get_device_path() == path and f"device_path={path!r}" in repr(h)
+    src = fake_cuda_bytes(100_000, 7)
+    assert h.sync_pwrite(src, nvme_dir / "s.bin", file_offset=4096) == 1
+    dst = on_fake_cuda(torch.zeros(100_000, dtype=torch.uint8))
+    assert h.sync_pread(dst, nvme_dir / "s.bin", file_offset=4096) == 1
+    assert torch.equal(plain(dst), plain(src))
+    assert file_bytes(nvme_dir / "s.bin")[4096:] == plain(src).numpy().tobytes()
+    cufile_ops = [c[0] for c in kv.calls]
+    assert cufile_ops == (["pwrite", "pread"] if path == "cufile" else [])
+    assert (fake_cuda.copies > 0) == (path == "staging")  # the staging chunks' copies to and from the device
+    h.close()
 
 
 def test_host_buffers_go_through_the_native_core(kv, nvme_dir):
