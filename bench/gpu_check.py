@@ -386,11 +386,15 @@ def child_aio(spec: dict) -> dict:
         out["gds_compat_mode"], out["gds_io_mode"] = gds.get_compat_mode(), gds.get_io_mode()
         out["gds_device_path"] = gds.get_device_path()
         if out["gds_device_path"] != "cufile":  # staged (no GPUDirect path): cuFile's own figure beside it
+            before = os.environ.get("NVMEIO_GDS_STAGING")
             os.environ["NVMEIO_GDS_STAGING"] = "0"
             try:
                 forced = nvmeio.new_handle(gds_block)
             finally:
-                del os.environ["NVMEIO_GDS_STAGING"]
+                if before is None:
+                    del os.environ["NVMEIO_GDS_STAGING"]
+                else:
+                    os.environ["NVMEIO_GDS_STAGING"] = before
             buffers["CUDA tensor, gds_handle, cuFile forced"] = (forced, on_device, torch.empty_like(on_device))
     else:
         out["gds_skipped"] = why_not

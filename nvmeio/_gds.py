@@ -33,7 +33,9 @@ both bounce through host memory. aio_handle's staging pipeline does the same
 bouncing through locked chunks, copies and file ops overlapped (cuda_staging),
 and measured faster on an H200 VM in compatibility mode: 1 GiB read at 0.96x
 host buffers' speed against kvikio's 0.82x, written at 0.90x by both
-(bench/gpu_runs/2026-11-27_0017_h200). So in those two modes a gds_handle
+(bench/gpu_runs/2026-11-27_0017_h200; the three runs there: 0.80-0.89x of the
+staging's reads). cuFile's own fallback was not on those machines; it bounces
+through host memory too, so it is taken to be no faster. So in those two modes a gds_handle
 gives CUDA tensors to that pipeline (``get_device_path()`` says "staging");
 with the driver (io mode "gds") or where kvikio cannot tell ("cufile"), to
 cuFile. ``NVMEIO_GDS_STAGING`` forces one or the other.

@@ -49,6 +49,14 @@ def _hard_link(src: str, dst: str) -> bool:
     return True
 
 
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _open_if_last_link(path: str) -> int:
     """A descriptor of ``path`` where its name is the file's last link (so that the rename
     over it frees its blocks at that descriptor's close instead), else -1."""
@@ -135,7 +143,8 @@ class SubGroupFiles:
             striped = isinstance(path, StripedFile)
             if striped != (not isinstance(dest, str)) or (striped and (copy is None or len(dest) != len(path.parts))):
                 return False  # a shard of another kind than the file: the caller copies it whole
-            fd = os.open(path.parts[0] if striped else path, os.O_RDWR | os.O_CLOEXEC)
+            parts = path.parts if striped else (path,)
+            fd = os.open(parts[0], os.O_RDWR | os.O_CLOEXEC)
             try:
                 if shared:  # a checkpoint's file already: never written again, only linked once more
                     if os.pread(fd, HEADER_BYTES, 0) != header:
@@ -145,10 +154,15 @@ class SubGroupFiles:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            for part in parts[1:]:  # durable before a checkpoint names them, as the first part just was
+                _fsync_path(part)
             if not striped:
                 return _hard_link(path, dest)
-            for part, target in zip(path.parts, dest):
-                if not _hard_link(part, target):
+            linked = [_hard_link(part, target) for part, target in zip(parts, dest)]
+            if not any(linked):
+                return False  # no part shares the checkpoint's file system after all: one plain copy
+            for part, target, done in zip(parts, dest, linked):
+                if not done:
                     copy(part, target)
             return True
 
@@ -193,8 +207,22 @@ class SubGroupFiles:
                 if isinstance(error, _NoLink):
                     return False
                 raise
-            for tmp, dest in moves:
-                os.replace(tmp, dest)
+            done = []
+            try:
+                for tmp, dest in moves:
+                    os.replace(tmp, dest)
+                    done.append(dest)
+            except BaseException:
+                # Half the parts are the checkpoint's now: remove them and the rest, so that no
+                # swap-out ever writes into a checkpoint's file (the sub-group's file is missing:
+                # the load fails and the engine asks for another).
+                for tmp, dest in moves[len(done):]:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                for dest in done:
+                    with contextlib.suppress(OSError):
+                        os.unlink(dest)
+                raise
             self.owner.swap_dir.create(_file_name(target))  # tracked for cleanup (the name, not the checkpoint's)
             self._assign_digests(target, layout, checksums)
             return True

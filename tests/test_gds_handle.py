@@ -450,10 +450,13 @@ def test_kvikio_posix_reads_use_o_direct_unless_told_otherwise(monkeypatch):
 # -- on a GPU with kvikio --------------------------------------------------------------------------
 
 @needs_gds
+@pytest.mark.parametrize("route", ["cufile", "staging"])  # each path, whichever this machine would take
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("numel,offset", [(1, 0), (1023, 4096 + 7), ((5 << 20) + 3, 123_457)])
-def test_gpu_round_trip_matches_the_cpu_path(nvme_dir, dtype, numel, offset):
+def test_gpu_round_trip_matches_the_cpu_path(nvme_dir, monkeypatch, route, dtype, numel, offset):
+    monkeypatch.setenv("NVMEIO_GDS_STAGING", "1" if route == "staging" else "0")
     h = nvmeio.gds_handle(intra_op_parallelism=4)
+    assert h.get_device_path() == route
     src = torch.randint(0, 255, (numel,), dtype=torch.uint8, device="cuda").to(dtype)
     assert h.sync_pwrite(src, nvme_dir / "g.bin", file_offset=offset) == 1
     nvmeio.aio_handle().sync_pwrite(src.cpu(), nvme_dir / "c.bin", file_offset=offset)

@@ -70,12 +70,11 @@ def _save_striped(dirs, checkpoint, reference, **engine_args):
     return engine
 
 
-def _resume(target, checkpoint, reference, **engine_args):
+def _resume(target, checkpoint, reference, tag=None):
     """A fresh engine over ``target`` loads ``checkpoint`` and continues exactly as the reference."""
     batches, losses, _ = reference
-    engine = make_engine(target if isinstance(target, str) else target[0], seed=1,
-                         overrides=_striped_settings(target), **engine_args)
-    engine.load_checkpoint(checkpoint)
+    engine = make_engine(target if isinstance(target, str) else target[0], seed=1, overrides=_striped_settings(target))
+    assert engine.load_checkpoint(checkpoint, tag=tag)[0] is not None
     return engine, train_engine(engine, batches[STEPS:], STEPS) == losses[STEPS:]
 
 
@@ -94,7 +93,7 @@ def test_parts_on_the_checkpoints_file_system_are_linked_the_others_copied(tmp_p
         dirs = [*drive_dirs(tmp_path, 2), fast]
         checkpoint = tmp_path / "ckpt" / "global_step3"
         engine = _save_striped(dirs, tmp_path / "ckpt", reference)
-        disk, other = inodes(dirs[:2]), inodes([fast])
+        disk = inodes(dirs[:2])
         first_parts, files = shards(checkpoint)
         assert first_parts
         for path in first_parts:
@@ -103,7 +102,7 @@ def test_parts_on_the_checkpoints_file_system_are_linked_the_others_copied(tmp_p
             assert [os.path.basename(p) for p in source.parts] == [
                 os.path.basename(path), os.path.basename(path) + ".stripe1", os.path.basename(path) + ".stripe2"]
             assert ident(source.parts[0]) in disk and ident(source.parts[1]) in disk  # linked: no byte moved
-            assert ident(source.parts[2]) not in other and os.stat(source.parts[2]).st_nlink == 1  # copied
+            assert os.stat(source.parts[2]).st_nlink == 1  # copied (the tmpfs's part cannot be linked here)
             with pytest.raises(SafetensorsError):  # its first part alone is no safetensors file
                 SafetensorsReader(path, direct=False)
         assert len(files) == 3 * len(first_parts) + 1  # the parts and engine.pt, nothing else
@@ -145,7 +144,7 @@ def test_drives_on_the_checkpoints_file_system_are_linked_both_ways(tmp_path, re
 def test_drives_off_the_checkpoints_file_system_give_one_plain_shard(tmp_path, reference):
     """No drive shares the checkpoint's file system: each shard is one plain safetensors file (no
     parts), which loads back into a striped engine."""
-    with tmpfs(tmp_path / "tmpfs", size="256m") as fast:
+    with tmpfs(tmp_path / "tmpfs", size="256m"):
         dirs = drive_dirs(tmp_path / "tmpfs", 2)
         engine = _save_striped(dirs, tmp_path / "ckpt", reference)
         engine.destroy()
@@ -158,7 +157,60 @@ def test_drives_off_the_checkpoints_file_system_give_one_plain_shard(tmp_path, r
         resumed, same = _resume(dirs, tmp_path / "ckpt", reference)
         resumed.destroy()
         assert same
-        assert fast
+
+
+def test_parts_that_no_link_can_take_give_one_plain_shard(tmp_path, reference, monkeypatch):
+    """The drives share the checkpoint's device but every link is refused (a bind mount of it: EXDEV):
+    each shard is still one plain file, not a striped shard of copies, and nothing else is left."""
+    import swapper._sub_group_files as files
+
+    dirs = drive_dirs(tmp_path, 2)
+    monkeypatch.setattr(files, "_hard_link", lambda src, dst: False)
+    engine = _save_striped(dirs, tmp_path / "ckpt", reference)
+    monkeypatch.undo()
+    first_parts, rank_files = shards(tmp_path / "ckpt" / "global_step3")
+    assert first_parts and not [f for f in rank_files if ".stripe" in f]
+    assert all(shard_source(p) == p and os.stat(p).st_nlink == 1 for p in first_parts)
+    batches, losses, _ = reference
+    assert train_engine(engine, batches[STEPS:], STEPS) == losses[STEPS:]
+    engine.destroy()
+    _same_state(get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt"), reference[2])
+
+
+def test_the_same_state_saved_twice_is_linked_twice(tmp_path, reference):
+    """Two saves with no step between them: the second links the very parts the first did (the
+    swap files are a checkpoint's already, never rewritten), and each loads."""
+    dirs = drive_dirs(tmp_path, 2)
+    engine = _save_striped(dirs, tmp_path / "ckpt", reference)
+    engine.save_checkpoint(tmp_path / "ckpt", tag="again")
+    engine.destroy()
+    first, _ = shards(tmp_path / "ckpt" / "global_step3")
+    again, _ = shards(tmp_path / "ckpt" / "again")
+    assert [[ident(p) for p in shard_source(f).parts] for f in first] == \
+        [[ident(p) for p in shard_source(f).parts] for f in again]
+    for tag in ("global_step3", "again"):
+        engine, same = _resume(dirs, tmp_path / "ckpt", reference, tag=tag)
+        engine.destroy()
+        assert same
+
+
+@pytest.mark.parametrize("drives,block", [(3, 4096), (2, 131072)])
+def test_a_striped_shard_loads_into_drives_cut_otherwise(tmp_path, reference, drives, block):
+    """Saved over two drives in 64 KiB units; loaded over three drives, or two in 128 KiB units: the
+    parts cannot become the swap files, so their bytes are read and copied, and training goes on exactly."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _save_striped(drive_dirs(tmp_path / "a", 2), tmp_path / "ckpt", reference).destroy()
+    dirs = drive_dirs(tmp_path / "b", drives)
+    settings = _striped_settings(dirs)
+    settings["aio"]["block_size"] = block
+    engine = make_engine(dirs[0], seed=1, overrides=settings)
+    engine.load_checkpoint(tmp_path / "ckpt")
+    parts = [p for f in shards(tmp_path / "ckpt" / "global_step3")[0] for p in shard_source(f).parts]
+    assert not set(map(ident, parts)) & inodes(dirs)  # copied, not linked
+    batches, losses, _ = reference
+    assert train_engine(engine, batches[STEPS:], STEPS) == losses[STEPS:]
+    engine.destroy()
 
 
 def _damage_setup(tmp_path, reference):
@@ -194,7 +246,8 @@ def test_changed_bytes_in_a_part_are_caught_by_the_checksums(tmp_path, reference
     _load_fails(dirs, tmp_path, CheckpointCorruptionError, "is damaged")
 
 
-@pytest.mark.parametrize("stripes,unit", [("1", None), ("x", None), ("999", None), ("2", "100")])
+@pytest.mark.parametrize("stripes,unit", [("1", None), ("x", None), ("999", None), ("2", "100"), ("\u00b2", None),
+                                          ("2", "9" * 40)])
 def test_stripes_out_of_range_are_refused(tmp_path, reference, stripes, unit):
     dirs, path = _damage_setup(tmp_path, reference)
     with open(path, "r+b") as f:  # rewrite the header in its page, same length (padded with spaces)

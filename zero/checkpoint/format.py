@@ -165,17 +165,24 @@ def shard_source(path: str) -> Union[str, StripedFile]:
                 meta = None
     if not isinstance(meta, dict) or STRIPES not in meta:
         return path
-    count, unit = meta.get(STRIPES), meta.get(STRIPE_UNIT)
-    if not (isinstance(count, str) and count.isdigit() and 2 <= int(count) <= MAX_STRIPES
-            and isinstance(unit, str) and unit.isdigit() and int(unit) > 0 and int(unit) % _HEADER_PAGE == 0):
+    count, unit = _small_int(meta.get(STRIPES)), _small_int(meta.get(STRIPE_UNIT))
+    if count is None or unit is None or not 2 <= count <= MAX_STRIPES or unit <= 0 or unit % _HEADER_PAGE:
         raise CheckpointCorruptionError(
-            f"checkpoint shard {path} is damaged: its header says it is striped over {count!r} files in units "
-            f"of {unit!r} bytes (2 to {MAX_STRIPES} files, units a multiple of {_HEADER_PAGE} bytes)")
-    parts = tuple(shard_part(path, k) for k in range(int(count)))
+            f"checkpoint shard {path} is damaged: its header says it is striped over {meta.get(STRIPES)!r} files "
+            f"in units of {meta.get(STRIPE_UNIT)!r} bytes (2 to {MAX_STRIPES} files, units a multiple of "
+            f"{_HEADER_PAGE} bytes)")
+    parts = tuple(shard_part(path, k) for k in range(count))
     for part in parts[1:]:
         if not os.path.isfile(part):
             raise FileNotFoundError(f"checkpoint shard {path} is striped over {count} files and {part} is missing")
-    return StripedFile(parts, int(unit))
+    return StripedFile(parts, unit)
+
+
+def _small_int(text) -> Optional[int]:
+    """A metadata value of at most 18 ASCII digits as an int, else None."""
+    if isinstance(text, str) and 0 < len(text) <= 18 and text.isascii() and text.isdigit():
+        return int(text)
+    return None
 
 
 def open_shard(path: str, **how) -> SafetensorsReader:

@@ -51,7 +51,7 @@ from nvmeio import FastFileReader, FastIO, FastIOStats, PlainFileWriter, Safeten
 from nvmeio.safetensors_file import encode_header
 from swapper.checksum import ChecksumAlgorithm, digest_chunks
 
-from .format import STRIPE_UNIT, STRIPES, CheckpointCorruptionError, open_shard, shard_part
+from .format import MAX_STRIPES, STRIPE_UNIT, STRIPES, CheckpointCorruptionError, open_shard, shard_part
 
 SHARD_METADATA = {"format": "nvmeio-zero3-subgroup"}
 CHECKSUM = "checksum"  # metadata: the algorithm; "checksum.<name>": each tensor's digest (hex)
@@ -105,7 +105,7 @@ def _may_link(source, path: str) -> bool:
     striped shards])."""
     if not isinstance(source, StripedFile):
         return True
-    if len(source.parts) < 2:
+    if not 2 <= len(source.parts) <= MAX_STRIPES:
         return False
     device = os.stat(os.path.dirname(path)).st_dev
     return any(os.stat(p).st_dev == device for p in source.parts)
@@ -170,8 +170,9 @@ class CheckpointIO:
             if (len(header) == HEADER_BYTES and _may_link(source, path)
                     and all(stored[1][n] == HEADER_BYTES + i.begin for n, i in zip(spec, infos)
                             if not n.startswith(PAD))):
-                if link(dest, header, self.copy_file):
-                    self.stats.bytes_linked += infos[-1].end
+                copied = self.stats.bytes_copied
+                if link(dest, header, self.copy_file):  # parts it could not link it copied
+                    self.stats.bytes_linked += max(0, infos[-1].end - (self.stats.bytes_copied - copied))
                     return
         _, infos = encode_header(spec, metadata, HEADER_BYTES)
         tensor_bytes = numel * 4
