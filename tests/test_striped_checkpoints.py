@@ -317,3 +317,39 @@ def test_striped_page_reader_stops_at_a_part_cut_short(tmp_path):
     os.truncate(f.parts[1], 1000)  # unit 1 now holds 1000 bytes
     with StripedPageReader(f) as r:
         assert r.read(200_000) == data[:65536 + 1000]
+
+
+def test_the_shard_reader_keeps_few_shards_open_and_reads_the_same(tmp_path, reference, monkeypatch):
+    """zero_to_fp32 through a ShardReader that may hold one shard open (each striped one holds a
+    descriptor per part): the same tensors, never more than one shard open at once."""
+    import zero.checkpoint.format as fmt
+
+    dirs = drive_dirs(tmp_path, 2)
+    settings = _striped_settings(dirs)
+    settings["zero_optimization"]["sub_group_size"] = 20_000  # several shards (the values are the same)
+    batches, losses, _ = reference
+    engine = make_engine(dirs[0], overrides=settings)
+    assert train_engine(engine, batches[:STEPS], STEPS) == losses[:STEPS]
+    engine.save_checkpoint(tmp_path / "ckpt")
+    engine.destroy()
+    assert len(shards(tmp_path / "ckpt" / "global_step3")[0]) > 1
+    opened = []
+    real = fmt.open_shard
+
+    def counted(path, **how):
+        reader = real(path, **how)
+        opened.append(reader)
+        return reader
+
+    monkeypatch.setattr(fmt.ShardReader, "OPEN_SHARDS", 1)
+    monkeypatch.setattr(fmt, "open_shard", counted)
+    peak = []
+    read = fmt.ShardReader.read
+
+    def watched(self, *args, **kwargs):
+        peak.append(sum(not r._file.closed for r in opened))
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(fmt.ShardReader, "read", watched)
+    _same_state(get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt"), reference[2])
+    assert len(opened) > 1 and max(peak) <= 1

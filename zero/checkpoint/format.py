@@ -55,6 +55,7 @@ import json
 import os
 import pickle
 import struct
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -308,13 +309,17 @@ def read_meta(checkpoint: str) -> dict:
 class ShardReader:
     """Reads ranges of a unit's flat fp32 values (or optimizer states) from a checkpoint."""
 
+    OPEN_SHARDS = 64
+
     def __init__(self, checkpoint: str, meta: Optional[dict] = None):
         self.checkpoint = checkpoint
         self.meta = meta or read_meta(checkpoint)
         self.units = units_from_meta(self.meta)
         self.world_size = self.meta["world_size"]
         self._layouts: Dict[int, RankLayout] = {}
-        self._files: Dict[Tuple[int, int], SafetensorsReader] = {}
+        # Open shards, least recently used first; at most OPEN_SHARDS (a striped one holds a
+        # descriptor per part, and a resharded load may touch every rank's shards).
+        self._files: "OrderedDict[Tuple[int, int], SafetensorsReader]" = OrderedDict()
 
     def rank_layout(self, rank: int) -> RankLayout:
         if rank not in self._layouts:
@@ -323,7 +328,11 @@ class ShardReader:
 
     def _file(self, rank: int, index: int) -> SafetensorsReader:
         key = (rank, index)
-        if key not in self._files:
+        if key in self._files:
+            self._files.move_to_end(key)
+        else:
+            if len(self._files) >= self.OPEN_SHARDS:
+                self._files.popitem(last=False)[1].close()
             path = sub_group_file(self.checkpoint, rank, index)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint {self.checkpoint} is incomplete: {path} is missing")
