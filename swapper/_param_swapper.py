@@ -111,6 +111,10 @@ class PartitionedParamSwapper(SwapperBase):
         if isinstance(min_swap_bytes, bool) or not isinstance(min_swap_bytes, int) or min_swap_bytes < 0:
             raise ValueError(f"min_swap_bytes must be a non-negative int, got {min_swap_bytes!r}")
         self.min_swap_bytes = min_swap_bytes
+        if getattr(pool, "device", None) is not None and checksum is not None:
+            raise ValueError("swap checksums are of host bytes, and a pool on the GPU never holds the bytes in host "
+                             "memory: pass checksum=None with a device pool (_pool_kind.py [Note: a parameter pool "
+                             "on the GPU])")
         if pool.spare_buffers > self.buffer_count:
             raise ValueError(f"spare_buffers must be an integer from 0 to buffer_count ({self.buffer_count}), "
                              f"got {pool.spare_buffers!r}")

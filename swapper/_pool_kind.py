@@ -15,6 +15,18 @@ request will take from the pool before the pool exists.
   number of requests; the last ``spare_buffers`` buffers' worth is kept for
   requests that cannot wait (_span_pool.py, [Note: read-ahead bounded by bytes,
   not by buffers]).
+
+[Note: a parameter pool on the GPU]
+With ``aio.use_gds`` DeepSpeed's parameter swapper keeps its swap buffers in GPU memory,
+registered with cuFile, so that a partition goes from the drive to the GPU by DMA, never
+through host memory. ``PackedSpans(device=...)`` makes that pool: the spans are GPU memory,
+the swapper's handles (gds_handle) read and write them as CUDA tensors, a fetched shard is
+already on the compute device (the unit gathers it without a host-to-device copy, or views
+it), and host values written to a partition (the optimizer's update) are copied in first.
+Swap checksums are of host bytes (checksum.py), so a swapper on such a pool has none: the
+engine turns ``checksum: auto`` off there and refuses a named algorithm. Without the GDS
+driver the gds_handle stages those spans through host memory (nvmeio/_gds.py [Note: without
+GPUDirect, CUDA tensors take nvmeio's staging]): correct, and no faster than a host pool.
 """
 from __future__ import annotations
 
@@ -64,9 +76,11 @@ class WholeBuffers(PoolKind):
 @dataclass(frozen=True)
 class PackedSpans(PoolKind):
     """A :class:`~swapper.SpanPool` of the same bytes: a span of its own size per
-    request; the last ``spare_buffers`` buffers' worth is its spare region."""
+    request; the last ``spare_buffers`` buffers' worth is its spare region; on ``device``
+    where given (see the note)."""
 
     spare_buffers: int = 0
+    device: Optional[torch.device] = None  # a CUDA device: the pool is its memory (see the note)
 
     def __post_init__(self):
         if isinstance(self.spare_buffers, bool) or not isinstance(self.spare_buffers, int) or self.spare_buffers < 0:
@@ -74,7 +88,8 @@ class PackedSpans(PoolKind):
 
     def make(self, buffer_count, buffer_size, dtype, *, pin_memory, handle) -> SpanPool:
         stride = align_up(buffer_size * dtype.itemsize)
-        return SpanPool(buffer_count * stride, self.spare_buffers * stride, pin_memory=pin_memory, handle=handle)
+        return SpanPool(buffer_count * stride, self.spare_buffers * stride, pin_memory=pin_memory, handle=handle,
+                        device=self.device)
 
     def footprint(self, request_bytes: int, buffer_bytes: Optional[int]) -> int:
         return request_bytes

@@ -28,8 +28,11 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
 
 from ._buffer_pool import PoolBuffer, StagingPool, allocate_staging
 from ._errors import PoolExhaustedError, SwapStateError
@@ -99,13 +102,30 @@ class _Region:
         self.runs.insert(i, (s, e))
 
 
+def device_storage(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of memory on ``device`` (uint8) starting on a 4096-byte boundary, as host spans do."""
+    raw = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, device=device)
+    start = -raw.data_ptr() % PAGE_BYTES
+    return raw[start:start + nbytes]
+
+
+def _unpin_device(handle, storage: torch.Tensor) -> None:
+    handle.unpin_device_tensor(storage)
+
+
 class SpanPool(StagingPool):
     """``nbytes`` of page-aligned host memory (locked when ``pin_memory``, else on transparent
     huge pages) handed out as spans of the sizes asked for; the last ``spare_bytes`` for
     ``spare=True`` requests only (see the note). Memory: ``nbytes`` rounded up to 4096, from
-    construction until :meth:`close`; nothing is allocated afterwards."""
+    construction until :meth:`close`; nothing is allocated afterwards.
 
-    def __init__(self, nbytes: int, spare_bytes: int = 0, *, pin_memory: bool = True, handle=None):
+    With ``device`` (a CUDA device) the memory is that device's instead, registered with cuFile
+    through ``handle`` where it is a ``gds_handle``: NVMe reads and writes of the spans go
+    between the drive and the GPU (a swapper with ``aio.use_gds``: swapper/_pool_kind.py
+    [Note: a parameter pool on the GPU])."""
+
+    def __init__(self, nbytes: int, spare_bytes: int = 0, *, pin_memory: bool = True, handle=None,
+                 device: Optional[torch.device] = None):
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
             raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
         if isinstance(spare_bytes, bool) or not isinstance(spare_bytes, int) or not 0 <= spare_bytes <= nbytes:
@@ -114,12 +134,25 @@ class SpanPool(StagingPool):
         self.spare_bytes = align_up(spare_bytes)
         self.pin_memory = pin_memory
         what = f"SpanPool(nbytes={nbytes}, spare_bytes={spare_bytes})"
-        self._storage, self._finalizer, self._handle = allocate_staging(self, self.nbytes, what, pin_memory, handle)
+        self.device = device
+        if device is None:
+            self._storage, self._finalizer, self._handle = allocate_staging(self, self.nbytes, what, pin_memory,
+                                                                            handle)
+        else:
+            self._storage, self._finalizer, self._handle = device_storage(self.nbytes, device), None, handle
+            if hasattr(handle, "pin_device_tensor"):
+                handle.pin_device_tensor(self._storage)
+                self._finalizer = weakref.finalize(self, _unpin_device, handle, self._storage)
         self._main = _Region(0, self.nbytes - self.spare_bytes)
         self._spare = _Region(self.nbytes - self.spare_bytes, self.nbytes)
         self._held: Dict[int, PoolSpan] = {}  # by offset
         self._cond = threading.Condition()
         self._closed = False
+
+    def register_with_cuda(self, backend=None) -> Optional[str]:
+        if self.device is not None:
+            return None  # device memory: nothing to register for copies
+        return super().register_with_cuda(backend)
 
     def __repr__(self) -> str:
         return (f"SpanPool({format_bytes(self.nbytes)}, spare {format_bytes(self.spare_bytes)}, "

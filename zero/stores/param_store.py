@@ -87,6 +87,22 @@ def swap_checksum(setting: str):
 _WARNED_NO_FAST_CHECKSUM = False
 
 
+def gds_pool(aio, compute_device: torch.device) -> bool:
+    """Whether the parameter swap pool is GPU memory: ``aio.use_gds`` with a CUDA compute device."""
+    return AioSettings.coerce(aio).use_gds and str(getattr(compute_device, "type", compute_device)).startswith("cuda")
+
+
+def gds_checksum(setting: str):
+    """The parameter swapper's checksum with its pool on the GPU: none ("auto" turns it off there,
+    as DeepSpeed has none); a named algorithm is refused, naming both settings."""
+    if setting in ("auto", "none"):
+        return None
+    raise ConfigError([Problem("zero_optimization.offload_param.checksum", (
+        f"{setting!r} hashes the host bytes of each swap, and with aio.use_gds the parameter swap buffers are "
+        f"GPU memory read from and written to the drive directly; set checksum to 'auto' or 'none' here "
+        f"(offload_optimizer keeps its own), or use_gds to false"))])
+
+
 def unit_id(layout: UnitLayout) -> str:
     """The stable swap id of a unit's shard (never ``id()``): its index and module name."""
     return f"unit{layout.index}.{layout.module_name or 'root'}"
@@ -326,16 +342,21 @@ class NvmeParamStore(ParamStore):
                 f"({largest} elements, module '{unit.module_name or '<root>'}' on this rank); each "
                 f"partition must fit one buffer: set buffer_size >= {largest}"))])
         count = swap_buffer_count(offload, largest, rank_layout.numel)
+        # With use_gds on a GPU the pool is GPU memory: drive <-> GPU (swapper/_pool_kind.py
+        # [Note: a parameter pool on the GPU]); its bytes are never on the host to hash.
+        on_device = gds_pool(aio, compute_device)
+        checksum = gds_checksum(offload.checksum) if on_device else swap_checksum(offload.checksum)
         self.swapper = PartitionedParamSwapper(
             offload.nvme_path, aio, buffer_count=count,
             buffer_size=max(1, largest) + (HOME_SLACK_BYTES // 4 if master is not None else 0),
             max_in_cpu=offload.max_in_cpu, dtype=dtype, job_id=job_id, rank=rank, name="params",
             min_swap_bytes=min_swap_bytes(offload, AioSettings.coerce(aio).block_size),
-            pin_memory=offload.pin_memory, remove_stale=True, checksum=swap_checksum(offload.checksum),
+            pin_memory=offload.pin_memory, remove_stale=True, checksum=checksum,
             read_queues=self.READ_QUEUES, write_queues=self.WRITE_QUEUES,
-            pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count)))
+            pool=PackedSpans(spare_buffers=min(self.SPARE_BUFFERS, count),
+                             device=compute_device if on_device else None))
         self._ids = {u.index: unit_id(u) for u in rank_layout.units}
-        if compute_device.type == "cuda":
+        if compute_device.type == "cuda" and not on_device:
             why = self.swapper.pool.register_with_cuda()
             if why is not None:
                 warnings.warn(f"nvmeio: the parameter swap pool could not be registered with CUDA ({why}); "
