@@ -35,7 +35,7 @@ from ._fast_buffers import FastIOStats
 from ._fast_io import FastIO
 from ._fast_reader import FastFileReader
 from ._fast_writer import FastFileWriter
-from ._gds import gds_handle, gds_unavailable_reason
+from ._gds import gds_device_path, gds_handle, gds_unavailable_reason
 from ._handle import aio_handle
 from ._handle_choice import new_handle, require_gds
 from ._locked import huge_page_tensor
@@ -45,7 +45,7 @@ from .settings import AioSettings
 from .striping import StripedFile
 
 __version__ = "0.1.0"
-__all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "available_backends", "AioError",
+__all__ = ["aio_handle", "gds_handle", "gds_unavailable_reason", "gds_device_path", "available_backends", "AioError",
            "AioSettings", "new_handle", "require_gds", "ShortReadError", "ValidationError", "FastIO",
            "FastIOStats", "FastFileWriter", "FastFileReader", "PlainFileWriter", "SafetensorsWriter",
            "SafetensorsReader", "SafetensorsError", "StripedFile", "huge_page_tensor", "CudaBackend",

@@ -64,7 +64,7 @@ from ._file_checks import compare_with_file, prepare_target
 from ._locked import check_new_tensor_args
 from .settings import AioSettings
 
-__all__ = ["gds_handle", "gds_unavailable_reason"]
+__all__ = ["gds_handle", "gds_unavailable_reason", "gds_device_path"]
 
 _DEFAULTS = AioSettings()
 _VALIDATE_PIECE = 64 << 20  # bytes compared per step by validate=True
@@ -98,6 +98,19 @@ def _load_kvikio() -> Any:
             f"gds_handle needs kvikio (NVIDIA's Python binding of cuFile), which could not be "
             f"imported ({type(e).__name__}: {e}). Install it with {_install_hint(torch)}") from e
     return kvikio
+
+
+def gds_device_path() -> Optional[str]:
+    """How a gds_handle made now would move CUDA tensors (``get_device_path()``: "cufile" or
+    "staging"), without making one; None where no gds_handle can be made here."""
+    try:
+        kvikio = _load_kvikio()
+    except RuntimeError:
+        return None
+    forced = env.get("NVMEIO_GDS_STAGING")
+    if forced is not None:
+        return "staging" if forced else "cufile"
+    return "cufile" if _io_mode(kvikio) not in _NO_GPUDIRECT else "staging"
 
 
 def gds_unavailable_reason() -> Optional[str]:
@@ -157,6 +170,16 @@ def _kvikio_compat_mode(kvikio: Any) -> bool:
     if name.endswith("AUTO"):  # unresolved: AUTO falls back to POSIX without GDS
         return _gds_available(kvikio) is not True
     return name.endswith("ON")
+
+
+_NO_GPUDIRECT = ("posix", "cufile-compat")  # io modes that bounce through host memory
+
+
+def _io_mode(kvikio: Any) -> str:
+    if _kvikio_compat_mode(kvikio):
+        return "posix"
+    gds = _gds_available(kvikio)
+    return "cufile" if gds is None else ("gds" if gds else "cufile-compat")
 
 
 def _gds_available(kvikio: Any) -> Optional[bool]:
@@ -432,10 +455,7 @@ class gds_handle(aio_handle):  # the name users know from DeepSpeed
         GPUDirect Storage driver), ``"cufile-compat"`` (cuFile without the
         driver: cuFile's own fallback) or ``"cufile"`` (cuFile; this kvikio
         cannot say whether the driver is there)."""
-        if self.get_compat_mode():
-            return "posix"
-        gds = _gds_available(self._kvikio)
-        return "cufile" if gds is None else ("gds" if gds else "cufile-compat")
+        return _io_mode(self._kvikio)
 
     def get_device_path(self) -> str:
         """How this handle moves CUDA tensors: ``"cufile"`` (kvikio's CuFile ops) or
@@ -448,7 +468,7 @@ class gds_handle(aio_handle):  # the name users know from DeepSpeed
         forced = env.get("NVMEIO_GDS_STAGING")
         if forced is not None:
             return not forced
-        return self.get_io_mode() not in ("posix", "cufile-compat")
+        return self.get_io_mode() not in _NO_GPUDIRECT
 
     def get_kvikio_num_threads(self) -> int:
         """Threads of kvikio's (process-wide) pool."""

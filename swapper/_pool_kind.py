@@ -24,9 +24,17 @@ the swapper's handles (gds_handle) read and write them as CUDA tensors, a fetche
 already on the compute device (the unit gathers it without a host-to-device copy, or views
 it), and host values written to a partition (the optimizer's update) are copied in first.
 Swap checksums are of host bytes (checksum.py), so a swapper on such a pool has none: the
-engine turns ``checksum: auto`` off there and refuses a named algorithm. Without the GDS
-driver the gds_handle stages those spans through host memory (nvmeio/_gds.py [Note: without
-GPUDirect, CUDA tensors take nvmeio's staging]): correct, and no faster than a host pool.
+engine turns ``checksum: auto`` off there and refuses a named algorithm. The engine makes
+this pool only where cuFile moves CUDA tensors itself (``nvmeio.gds_device_path()``
+"cufile") and the swap files are on one drive: without the GDS driver a gds_handle stages
+CUDA tensors through host memory (nvmeio/_gds.py [Note: without GPUDirect, CUDA tensors take
+nvmeio's staging]), with staging buffers per handle, no faster than a host pool and more
+memory; a striped file takes host buffers (nvmeio/striping.py). A span goes back to the pool
+while the compute stream may still be reading it (a unit's copy out of it, a lent unit's
+kernels): the next I/O into it is ordered after that work by the handle, which fences on the
+current stream at submission, so the engine's work must be on the stream that is current when
+it swaps (it is: one compute stream). Host values copied in (the optimizer's update, a fill
+from the master in memory) are blocking copies, which wait for the compute stream's queue.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -141,8 +142,14 @@ class SpanPool(StagingPool):
         else:
             self._storage, self._finalizer, self._handle = device_storage(self.nbytes, device), None, handle
             if hasattr(handle, "pin_device_tensor"):
-                handle.pin_device_tensor(self._storage)
-                self._finalizer = weakref.finalize(self, _unpin_device, handle, self._storage)
+                try:
+                    handle.pin_device_tensor(self._storage)
+                except RuntimeError as error:  # cuFile's BAR1 or pinned-memory limit: it bounces instead
+                    warnings.warn(f"nvmeio: the GPU swap pool ({format_bytes(self.nbytes)}) could not be registered "
+                                  f"with cuFile ({error}); its I/O goes on through cuFile's own buffers",
+                                  RuntimeWarning, stacklevel=3)
+                else:
+                    self._finalizer = weakref.finalize(self, _unpin_device, handle, self._storage)
         self._main = _Region(0, self.nbytes - self.spare_bytes)
         self._spare = _Region(self.nbytes - self.spare_bytes, self.nbytes)
         self._held: Dict[int, PoolSpan] = {}  # by offset

@@ -241,7 +241,7 @@ def test_cuda_tensors_take_the_staging_pipeline_where_cufile_has_no_gpudirect_pa
     if forced is not None:
         monkeypatch.setenv("NVMEIO_GDS_STAGING", forced)
     h = nvmeio.gds_handle()
-    assert h.get_device_path() == path and f"device_path={path!r}" in repr(h)
+    assert h.get_device_path() == path == nvmeio.gds_device_path() and f"device_path={path!r}" in repr(h)
     src = fake_cuda_bytes(100_000, 7)
     assert h.sync_pwrite(src, nvme_dir / "s.bin", file_offset=4096) == 1
     dst = on_fake_cuda(torch.zeros(100_000, dtype=torch.uint8))

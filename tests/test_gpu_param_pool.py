@@ -21,6 +21,7 @@ from helpers import base_config, make_engine, train_engine
 from swapper import PackedSpans, PartitionedParamSwapper
 from swapper._param_swapper import swap_file_name
 from test_cuda_paths import fake_cuda, on_fake_cuda, plain  # noqa: F401 - fake_cuda: a fixture
+from test_gds_handle import FakeKvikio, install
 from zero.config import ConfigError
 from zero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 from zero.stores.param_store import gds_checksum, gds_pool
@@ -110,10 +111,39 @@ def test_a_pool_on_the_gpu_takes_no_checksum(tmp_path, device_pool):
     assert not os.path.exists(tmp_path / "default")  # refused before any directory was made
 
 
-def test_the_engine_puts_the_pool_on_the_gpu_only_with_use_gds_on_cuda():
-    gds, plain_aio = nvmeio.AioSettings(use_gds=True), nvmeio.AioSettings()
-    assert gds_pool(gds, CUDA) and gds_pool({"use_gds": True}, CUDA)
-    assert not gds_pool(gds, torch.device("cpu")) and not gds_pool(plain_aio, CUDA)
+@pytest.mark.parametrize("compat,gds,on_gpu", [(False, True, True), (False, None, True),
+                                               (True, None, False), (False, False, False)])
+def test_the_engine_puts_the_pool_on_the_gpu_only_where_cufile_moves_it(monkeypatch, compat, gds, on_gpu):
+    """use_gds, a CUDA device, swap files on one drive and a GPUDirect path (cuFile with the GDS
+    driver, or cuFile deciding): the pool is GPU memory; without GPUDirect (kvikio's compatibility
+    mode, cuFile without the driver) it stays in host memory, as it would bounce there anyway."""
+    install(monkeypatch, FakeKvikio(compat=compat, gds_available=gds))
+    gds_settings, plain_aio = nvmeio.AioSettings(use_gds=True), nvmeio.AioSettings()
+    assert gds_pool(gds_settings, CUDA) is on_gpu and gds_pool({"use_gds": True}, "cuda") is on_gpu
+    assert not gds_pool(gds_settings, torch.device("cpu")) and not gds_pool(plain_aio, CUDA)
+    assert not gds_pool(gds_settings, CUDA, striped=True)  # a striped file takes host buffers
+
+
+@pytest.mark.skipif(nvmeio.gds_unavailable_reason() is None, reason="a gds_handle can be made here: the "
+                    "case without one cannot be shown")
+def test_the_engine_puts_the_pool_on_the_gpu_only_with_kvikio():
+    assert not gds_pool(nvmeio.AioSettings(use_gds=True), CUDA)  # no kvikio here: no gds_handle
+
+
+def test_a_pool_on_the_gpu_that_cufile_cannot_register_warns_and_works(tmp_path, device_pool):
+    class Refusing:
+        def pin_device_tensor(self, t):
+            raise RuntimeError("cuFile could not register 1 MiB of device memory: BAR1 exhausted")
+
+    with pytest.warns(RuntimeWarning, match="could not be registered with cuFile.*BAR1"):
+        pool = span_pool.SpanPool(1 << 20, handle=Refusing(), device=CUDA)
+    span = pool.take([5000])[0]
+    assert span.tensor.device == CUDA and span.nbytes >= 5000
+    pool.release([span])
+    pool.close()
+
+
+def test_the_checksum_of_a_pool_on_the_gpu():
     assert gds_checksum("auto") is None and gds_checksum("none") is None  # DeepSpeed's GDS path has none either
     with pytest.raises(ConfigError, match="offload_param.checksum.*'xxhash' hashes the host bytes"):
         gds_checksum("xxhash")
@@ -139,8 +169,12 @@ def test_the_memory_model_counts_the_pool_on_the_device():
 @pytest.mark.cuda
 @pytest.mark.skipif(nvmeio.gds_unavailable_reason() is not None, reason="needs a CUDA GPU and kvikio "
                     "(pip install nvmeio[gds])")
-def test_gpu_training_with_use_gds_equals_training_without(tmp_path):
+def test_gpu_training_with_use_gds_equals_training_without(tmp_path, monkeypatch):
+    """With cuFile forced (a machine without the GDS driver would keep the pool in host memory), the
+    pool is GPU memory and training equals the host pool's exactly."""
     from zero.examples import GPTConfig, make_batches
+
+    monkeypatch.setenv("NVMEIO_GDS_STAGING", "0")
 
     batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 4, 4)]
     losses = {}

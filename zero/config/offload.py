@@ -21,9 +21,9 @@ checksums"): xxhash and crc32c cost a few percent of a step, the standard
 library's crc32 several times more. So "auto" never picks crc32: without a fast package it turns checksums off
 and says so once (set "crc32" to pay for it anyway); "none" gives the few
 percent back to users who trust their storage. With checksums on, a checkpoint reads optimizer state through the
-verifying swapper instead of copying swap files in the kernel. With ``aio.use_gds`` on a GPU the parameter
-swapper's buffers are GPU memory, whose bytes never reach the host to be hashed: "auto" is off there and a named
-algorithm is refused (zero/stores/param_store.py ``gds_checksum``).
+verifying swapper instead of copying swap files in the kernel. Where ``aio.use_gds`` puts the parameter
+swapper's buffers in GPU memory (zero/stores/param_store.py ``gds_pool``), their bytes never reach the host to be
+hashed: "auto" is off there and a named algorithm is refused (``gds_checksum``).
 """
 
 from __future__ import annotations

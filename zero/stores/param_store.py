@@ -87,9 +87,23 @@ def swap_checksum(setting: str):
 _WARNED_NO_FAST_CHECKSUM = False
 
 
-def gds_pool(aio, compute_device: torch.device) -> bool:
-    """Whether the parameter swap pool is GPU memory: ``aio.use_gds`` with a CUDA compute device."""
-    return AioSettings.coerce(aio).use_gds and str(getattr(compute_device, "type", compute_device)).startswith("cuda")
+def several_drives(section) -> bool:
+    """Whether an offload section's swap files are striped: ``nvme_path`` a list of several drives."""
+    path = section.nvme_path
+    return section.device == "nvme" and isinstance(path, (list, tuple)) and len(path) > 1
+
+
+def gds_pool(aio, compute_device, striped: bool = False) -> bool:
+    """Whether the parameter swap pool is GPU memory (swapper/_pool_kind.py [Note: a parameter
+    pool on the GPU]): ``aio.use_gds`` with a CUDA compute device, where cuFile moves CUDA tensors
+    by DMA (``nvmeio.gds_device_path()`` "cufile") and the swap files are not ``striped`` over
+    drives (a striped file takes host buffers). Without a GPUDirect path the gds_handle would
+    bounce a GPU pool through host memory anyway, through staging buffers of each of the
+    swapper's handles: the pool stays in host memory there."""
+    from nvmeio import gds_device_path
+
+    return (AioSettings.coerce(aio).use_gds and str(getattr(compute_device, "type", compute_device)).startswith("cuda")
+            and not striped and gds_device_path() == "cufile")
 
 
 def gds_checksum(setting: str):
@@ -344,7 +358,8 @@ class NvmeParamStore(ParamStore):
         count = swap_buffer_count(offload, largest, rank_layout.numel)
         # With use_gds on a GPU the pool is GPU memory: drive <-> GPU (swapper/_pool_kind.py
         # [Note: a parameter pool on the GPU]); its bytes are never on the host to hash.
-        on_device = gds_pool(aio, compute_device)
+        striped = several_drives(offload) or (master is not None and master.swapper.swap_dir.striped)
+        on_device = gds_pool(aio, compute_device, striped)
         checksum = gds_checksum(offload.checksum) if on_device else swap_checksum(offload.checksum)
         self.swapper = PartitionedParamSwapper(
             offload.nvme_path, aio, buffer_count=count,
