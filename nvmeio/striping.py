@@ -38,7 +38,7 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Collection, Dict, List, NamedTuple, Sequence, Tuple
 
 from .errors import make_error
 from .file_ops import preallocate
@@ -186,13 +186,14 @@ def check_parts_readable(f: StripedFile, offset: int, nbytes: int) -> None:
                              path, offset, nbytes)
 
 
-def preallocate_parts(f: StripedFile, offset: int, nbytes: int) -> None:
+def preallocate_parts(f: StripedFile, offset: int, nbytes: int, skip: Collection[int] = ()) -> None:
     """Allocates the range each part needs for a write of ``[offset, offset + nbytes)``
     (creating a missing part, 0600; every part holds its share of the bytes before the op),
     so that the pieces overwrite allocated blocks in
     parallel ([Note: preallocating extending writes], native/file.h) and a full or missing
     drive is an error naming it before any piece is submitted. On an error the parts
-    extended here get their old sizes back, the parts created here are removed."""
+    extended here get their old sizes back, the parts created here are removed. The parts
+    in ``skip`` are left alone (a caller writing none of their pieces)."""
     done: List[Tuple[str, int, int, bool]] = []  # (path, fd, old size, created)
     if nbytes == 0:
         return  # an empty write never extends a file
@@ -200,6 +201,8 @@ def preallocate_parts(f: StripedFile, offset: int, nbytes: int) -> None:
         # Every part takes its share of [0, offset + nbytes): a gap before the op reads as zeros,
         # as in a plain file, even in a part the op does not touch.
         for k, end in enumerate(f.part_bytes(offset + nbytes)):
+            if k in skip:
+                continue
             path = f.parts[k]
             where = f"part {k + 1} of {len(f.parts)} of a striped file, on drive {os.path.dirname(path)}"
             created = False

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -70,12 +70,15 @@ def _chunks(regions: Sequence[StagedRegion]) -> List[Tuple[int, int, int]]:
 
 
 def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence[StagedRegion],
-                   algorithm: Optional[ChecksumAlgorithm], dest: Union[str, StripedFile, None]) -> Tuple[Dict[str, int], int]:
+                   algorithm: Optional[ChecksumAlgorithm], dest: Union[str, StripedFile, None],
+                   skip: Collection[int] = ()) -> Tuple[Dict[str, int], int]:
     """Reads ``regions`` into the byte tensor ``raw``, chunk k on handle ``reads[k % len(reads)]``
     (one chunk in flight per handle: with two, the disk never waits for the digest), hashing
     each with ``algorithm`` (None: no digest) and writing each chunk to file ``dest`` (None:
-    none) on handle ``writes``, as the [Note] above describes. Returns (digest of each region,
-    bytes written). Every handle is idle on return, also after an error."""
+    none) on handle ``writes``, as the [Note] above describes; a striped ``dest`` is written
+    but for its parts in ``skip`` (hard links of the source's: they hold the bytes already).
+    Returns (digest of each region, bytes written). Every handle is idle on return, also
+    after an error."""
     fds: Dict[object, object] = {}  # source file -> what its reads are submitted on
     out_fd = -1
     hashers = {r.name: StreamingDigest(algorithm) for r in regions} if algorithm is not None else {}
@@ -92,7 +95,7 @@ def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence
             # in parallel, and measured ~1.5x faster here than the handle allocating op by op.
             end = max(r.buffer_offset + r.span for r in regions)
             if isinstance(dest, StripedFile):
-                preallocate_parts(dest, 0, end)
+                preallocate_parts(dest, 0, end, skip=skip)
                 out = dest
             else:
                 out = out_fd = open_direct(dest, os.O_WRONLY)[0]
@@ -117,7 +120,14 @@ def stream_regions(reads: Sequence, writes, raw: torch.Tensor, regions: Sequence
                 submit(k + len(reads))
             r = regions[i]
             lo = r.buffer_offset + start
-            if out is not None:
+            if out is not None and skip:  # piece by piece, past the linked parts
+                for piece in out.pieces(lo, n):
+                    if piece.part not in skip:
+                        pending.add(writes)
+                        writes.async_pwrite(raw[lo + piece.start:lo + piece.start + piece.length],
+                                            out.parts[piece.part], piece.file_offset)
+                        written += piece.length
+            elif out is not None:
                 pending.add(writes)
                 writes.async_pwrite(raw[lo:lo + n], out, lo)
                 written += n

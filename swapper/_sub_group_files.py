@@ -16,11 +16,12 @@ import contextlib
 import errno
 import os
 import threading
-from typing import Callable, Dict, List, Mapping, Optional, Protocol, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
 import torch
 
 from nvmeio import AioSettings, StripedFile, new_handle
+from nvmeio.atomic_file import create_exclusive
 from nvmeio.striping import file_size, fspath
 
 from ._buffer_pool import PoolBuffer
@@ -248,8 +249,9 @@ class SubGroupFiles:
         """Reads the sub-group's state from ``sources`` (see :meth:`can_stage`) into a pool
         buffer once, computing the ``algorithm`` digest of each tensor on the way (the
         returned ``digests``), into a staging file: a hard link of the single source file
-        (part by part where it and the swap files are striped alike) where ``link`` and the
-        file system allow, else a copy written while it is read.
+        where ``link`` and the file system allow, else a copy written while it is read; where
+        it and the swap files are striped alike, each part linked where its drive allows and
+        the other parts written.
         The sub-group itself is not changed: :meth:`publish_staged` makes the staging file
         its swap file, :meth:`discard_staged` forgets it. Files held in host memory are
         written out first (made current, as for a checkpoint's save), reads ahead dropped, to
@@ -275,10 +277,20 @@ class SubGroupFiles:
         offsets = layout.offsets()
         try:
             staged.buffer = self._staging_buffer(sub_group_id, layout)
-            if link and len(files) == 1 and _link_parts(next(iter(files)), path):
+            linked = _link_each_part(next(iter(files)), path) if link and len(files) == 1 else set()
+            parts = path.parts if isinstance(path, StripedFile) else (path,)
+            skip = frozenset()
+            if len(linked) == len(parts):
                 staged.linked = True
                 swap_dir.track(staged.file_name)  # removed at cleanup like a swap file
                 dest = None
+            elif linked:  # some parts are the shard's (the drives on its file system): the others are written
+                staged.linked = True  # shared: never written in place once published
+                swap_dir.check_free_space(layout.written_bytes, f"staging sub-group {sub_group_id}")
+                for k, part in enumerate(parts):
+                    if k not in linked:
+                        os.close(create_exclusive(part))
+                dest, skip = swap_dir.track(staged.file_name), frozenset(linked)
             else:
                 swap_dir.check_free_space(layout.written_bytes, f"staging sub-group {sub_group_id}")
                 dest = swap_dir.create(staged.file_name)
@@ -295,7 +307,7 @@ class SubGroupFiles:
                     stack.callback(extra.close)
                     reads = [self.read_handle, extra]
                 staged.digests, staged.bytes_written = stream_regions(
-                    reads, self.write_handle, staged.buffer.bytes(), regions, algorithm, dest)
+                    reads, self.write_handle, staged.buffer.bytes(), regions, algorithm, dest, skip)
             staged.bytes_read = layout.region_bytes * len(regions)
             owner.io_bytes.read += staged.bytes_read
             owner.io_bytes.written += staged.bytes_written
@@ -405,20 +417,15 @@ def _part_pairs(source, dest) -> Optional[List[Tuple[str, str]]]:
     return list(zip(source.parts, dest.parts))
 
 
-def _link_parts(source, dest) -> bool:
-    """``dest`` becomes ``source`` by hard links, part by part (both cut alike), or nothing
-    is linked and False is returned (another file system or cut, any error)."""
-    pairs = _part_pairs(source, dest)
-    if pairs is None:
-        return False
-    made = []
-    try:
-        for a, b in pairs:
-            if not _hard_link(a, b):
-                raise _NoLink
-            made.append(b)
-    except (OSError, _NoLink):
-        for b in made:
-            os.unlink(b)
-        return False
-    return True
+def _link_each_part(source, dest) -> Set[int]:
+    """The parts of ``dest`` made hard links of ``source``'s (both cut alike; a plain file is
+    one part): those whose file system allows it; none where they are cut differently."""
+    pairs = _part_pairs(source, dest) or []
+    linked = set()
+    for k, (a, b) in enumerate(pairs):
+        try:
+            if _hard_link(a, b):
+                linked.add(k)
+        except OSError:
+            pass
+    return linked

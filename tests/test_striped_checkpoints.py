@@ -353,3 +353,23 @@ def test_the_shard_reader_keeps_few_shards_open_and_reads_the_same(tmp_path, ref
     monkeypatch.setattr(fmt.ShardReader, "read", watched)
     _same_state(get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt"), reference[2])
     assert len(opened) > 1 and max(peak) <= 1
+
+
+def test_a_load_links_the_parts_it_can_and_writes_the_others(tmp_path, reference):
+    """A disk drive and a tmpfs one, the checkpoint on the disk (checksums on: a staged load): the
+    loaded swap file's disk part is the checkpoint's own (linked both ways), its tmpfs part written
+    from the copy the save made; training resumes exactly, and the checkpoint is never written."""
+    with tmpfs(tmp_path / "tmpfs", size="256m") as fast:
+        dirs = [*drive_dirs(tmp_path, 1), fast]
+        _save_striped(dirs, tmp_path / "ckpt", reference).destroy()
+        sources = [shard_source(f) for f in shards(tmp_path / "ckpt" / "global_step3")[0]]
+        before = {p: open(p, "rb").read() for s in sources for p in s.parts}
+        engine = make_engine(dirs[0], seed=1, overrides=_striped_settings(dirs))
+        engine.load_checkpoint(tmp_path / "ckpt")
+        disk, other = inodes(dirs[:1]), inodes([fast])
+        assert all(ident(s.parts[0]) in disk for s in sources)  # linked back
+        assert not {ident(s.parts[1]) for s in sources} & other  # written: another file system
+        batches, losses, _ = reference
+        assert train_engine(engine, batches[STEPS:], STEPS) == losses[STEPS:]
+        engine.destroy()
+        assert {p: open(p, "rb").read() for p in before} == before

@@ -38,7 +38,9 @@ the first part describes the logical file and its metadata says how it is cut (`
 the number of parts, ``stripe_unit``: bytes per unit, unit ``i`` in part ``i % stripes``).
 :func:`shard_source` turns a shard's name into what a reader opens (the path, or an
 :class:`nvmeio.StripedFile` of its parts), so every reader (a load, a resharded load,
-``zero_to_fp32``) reads either kind. A tool that reads the first part as a plain
+``zero_to_fp32``) reads either kind; a load into swap files cut alike links back each part
+its drive's file system allows and writes the others (swapper/_sub_group_files.py
+``stage_state``). A tool that reads the first part as a plain
 safetensors file finds its data cut short and refuses it rather than read wrong values.
 A shard whose parts share no file system with the checkpoint is copied as one plain file.
 
