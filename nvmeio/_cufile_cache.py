@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 __all__ = ["CuFileCache", "DEFAULT_LIMIT"]
 
-DEFAULT_LIMIT = 64  # open files kept (each holds two descriptors and a cuFile registration)
+DEFAULT_LIMIT = 64  # open files kept (each holds two descriptors and a cuFile registration); NVMEIO_CUFILE_HANDLES
 
 
 class CuFileCache:

@@ -204,7 +204,7 @@ class _CuFileOps:
     def __init__(self, kvikio: Any, task_size: int) -> None:
         self._kvikio = kvikio
         self._task_size = task_size
-        self._files = CuFileCache(kvikio.CuFile)
+        self._files = CuFileCache(kvikio.CuFile, limit=env.get("NVMEIO_CUFILE_HANDLES"))
         self._ops = DeviceOpQueue("nvmeio-gds-ops")
         weakref.finalize(self, _close_ops, self._ops, self._files)
 

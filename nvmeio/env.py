@@ -74,6 +74,10 @@ VARIABLES: Dict[str, Variable] = {v.name: v for v in (
              "on: a `gds_handle` moves CUDA tensors through `aio_handle`'s staging pipeline; off: through cuFile; "
              "unset: staging where cuFile has no GPUDirect path (kvikio's compatibility mode, or cuFile without "
              "the GDS driver), else cuFile"),
+    Variable("NVMEIO_CUFILE_HANDLES", int, 64,
+             "files a `gds_handle` keeps open with their cuFile registration (least recently used closed first); "
+             "a swapper reading more units' files than this in turn reopens one per op: raise it for large models "
+             "(each holds two descriptors)", minimum=1),
     Variable("NVMEIO_FAULTS", str, None,
              "a fault injection plan for tests (`nvmeio/faults.py`), armed at the first native handle"),
     Variable("NVMEIO_JOB_ID", str, "zero_stage_3",

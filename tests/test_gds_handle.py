@@ -335,6 +335,25 @@ def test_a_file_is_opened_once_for_all_its_ops(kv, nvme_dir):
     assert kv.open_files() == []
 
 
+def test_the_open_file_limit_is_nvmeio_cufile_handles(kv, nvme_dir, monkeypatch):
+    """A swapper reads many units' files in turn: past the limit each op reopens its file."""
+    paths = [nvme_dir / f"f{i}.bin" for i in range(3)]
+    monkeypatch.setenv("NVMEIO_CUFILE_HANDLES", "2")
+    h = nvmeio.gds_handle()
+    for p in paths:
+        h.sync_pwrite(fake_cuda_bytes(4096, 1), p)
+    assert len(kv.open_files()) == 2 and len(kv.opened) == 3
+    monkeypatch.setenv("NVMEIO_CUFILE_HANDLES", "3")
+    h3 = nvmeio.gds_handle()
+    back = on_fake_cuda(torch.zeros(4096, dtype=torch.uint8))
+    for _ in range(2):
+        for p in paths:
+            h3.sync_pread(back, p)
+    assert len(kv.opened) == 6  # three more opens, then every read from the kept handles
+    h.close()
+    h3.close()
+
+
 def test_a_write_after_reads_reopens_the_file_for_writing(kv, nvme_dir):
     h = nvmeio.gds_handle()
     path = nvme_dir / "ro.bin"
