@@ -104,13 +104,9 @@ def gds_device_path() -> Optional[str]:
     """How a gds_handle made now would move CUDA tensors (``get_device_path()``: "cufile" or
     "staging"), without making one; None where no gds_handle can be made here."""
     try:
-        kvikio = _load_kvikio()
+        return _device_path(_load_kvikio())
     except RuntimeError:
         return None
-    forced = env.get("NVMEIO_GDS_STAGING")
-    if forced is not None:
-        return "staging" if forced else "cufile"
-    return "cufile" if _io_mode(kvikio) not in _NO_GPUDIRECT else "staging"
 
 
 def gds_unavailable_reason() -> Optional[str]:
@@ -180,6 +176,14 @@ def _io_mode(kvikio: Any) -> str:
         return "posix"
     gds = _gds_available(kvikio)
     return "cufile" if gds is None else ("gds" if gds else "cufile-compat")
+
+
+def _device_path(kvikio: Any) -> str:
+    """"staging" or "cufile": see [Note: without GPUDirect, CUDA tensors take nvmeio's staging]."""
+    forced = env.get("NVMEIO_GDS_STAGING")
+    if forced is not None:
+        return "staging" if forced else "cufile"
+    return "staging" if _io_mode(kvikio) in _NO_GPUDIRECT else "cufile"
 
 
 def _gds_available(kvikio: Any) -> Optional[bool]:
@@ -383,7 +387,7 @@ class gds_handle(aio_handle):  # the name users know from DeepSpeed
         if self._direct_io:  # NVMEIO_DIRECT_IO=0 leaves kvikio's reads buffered too
             _kvikio_prefer_direct_reads(kvikio.defaults)
         self._pins = _DevicePins(kvikio)
-        if self._cufile_moves_device_tensors():
+        if _device_path(kvikio) == "cufile":
             self._device_ops = _CuFileOps(kvikio, task_size=self._block_size)
         # else left to aio_handle: its staging engine, made at the first device op
 
@@ -463,12 +467,6 @@ class gds_handle(aio_handle):  # the name users know from DeepSpeed
         has no GPUDirect path: see [Note: without GPUDirect, CUDA tensors take nvmeio's
         staging])."""
         return "cufile" if isinstance(self._device_ops, _CuFileOps) else "staging"
-
-    def _cufile_moves_device_tensors(self) -> bool:
-        forced = env.get("NVMEIO_GDS_STAGING")
-        if forced is not None:
-            return not forced
-        return self.get_io_mode() not in _NO_GPUDIRECT
 
     def get_kvikio_num_threads(self) -> int:
         """Threads of kvikio's (process-wide) pool."""

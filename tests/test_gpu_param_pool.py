@@ -156,14 +156,16 @@ def test_the_memory_model_counts_the_pool_on_the_device():
     section = OffloadParamConfig(**{**zc["offload_param"], "buffer_count": 5, "pin_memory": True})
     optimizer = OffloadOptimizerConfig(**zc["offload_optimizer"])
 
-    def pool(on_device, compute):
-        parts = rank_memory_parts(sizes, stage=3, offload_param=section, offload_optimizer=optimizer, itemsize=2,
-                                  compute_device=compute, param_pool_on_device=on_device)
+    def pool(gds, compute, param=section):
+        parts = rank_memory_parts(sizes, stage=3, offload_param=param, offload_optimizer=optimizer, itemsize=2,
+                                  compute_device=compute, gds_param_pool=gds)
         return next(p for p in parts if p.what.startswith("parameter swap buffers"))
 
     assert pool(False, "cuda").where == HOST and pool(False, "cuda").locked
     on_gpu = pool(True, "cuda")
     assert on_gpu.where == DEVICE and not on_gpu.locked and on_gpu.nbytes == 5 * 1_000_000 * 2
+    striped = section.model_copy(update={"nvme_path": ["/tmp", "/var/tmp"]})
+    assert pool(True, "cuda", striped).where == HOST  # striped files take host buffers
 
 
 @pytest.mark.cuda

@@ -21,7 +21,7 @@ from ..config import ConfigError, DeepSpeedConfig, Problem
 from ..config.activation_checkpointing import spill_offload
 from ..config.offload import min_swap_bytes
 from .layouts import RankLayout
-from .param_store import gds_pool, several_drives
+from .param_store import gds_pool
 from .rank_memory import HOST, MemoryPart, RankSizes, location, rank_memory_parts
 
 
@@ -39,15 +39,8 @@ def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize
                               compute_device=location(compute_device), state_count=state_count,
                               has_optimizer=has_optimizer, steps_in_backward=steps_in_backward,
                               max_live_parameters=zc.stage3_max_live_parameters, activation_spill=spill,
-                              param_pool_on_device=gds_pool(config.aio.settings(), compute_device,
-                                                            _striped(zc, itemsize)))
+                              gds_param_pool=gds_pool(config.aio.settings(), compute_device))
     return [p for p in parts if p.where == HOST]
-
-
-def _striped(zc, itemsize: int) -> bool:
-    """Whether the parameter swapper's files are striped over drives: its own, or the optimizer's
-    master files its fp32 shards are homed in (as NvmeParamStore decides)."""
-    return several_drives(zc.offload_param) or (itemsize == 4 and several_drives(zc.offload_optimizer))
 
 
 def check_host_memory(parts: List[MemoryPart], memory: HostMemory) -> None:

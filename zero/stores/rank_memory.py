@@ -41,7 +41,7 @@ from swapper.host_memory import format_bytes
 
 from .layouts import RankLayout
 from .optimizer_store import nvme_buffer_count
-from .param_store import swap_buffer_count
+from .param_store import several_drives, swap_buffer_count
 
 HOST, DEVICE, NVME = "host", "device", "nvme"  # where a part lives; DEVICE: the compute device
 
@@ -112,12 +112,13 @@ class RankBytes:
 def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_optimizer, itemsize: int,
                       compute_device: str, state_count: int = 2, has_optimizer: bool = True,
                       steps_in_backward: bool = False, max_live_parameters: int = 1_000_000_000,
-                      activation_spill=None, param_pool_on_device: bool = False) -> List[MemoryPart]:
+                      activation_spill=None, gds_param_pool: bool = False) -> List[MemoryPart]:
     """Every part of one rank's memory (see the module's note); ``offload_*`` are the config's
     sections, ``compute_device`` ``"cpu"`` or an accelerator's type, ``activation_spill`` the
     offload section activations spill under (``cpu_checkpointing``), or None;
-    ``param_pool_on_device``: the parameter swap buffers are the compute device's memory
-    (``aio.use_gds`` on a GPU, param_store.py ``gds_pool``)."""
+    ``gds_param_pool``: ``aio.use_gds`` would put the parameter swap buffers in the compute
+    device's memory (param_store.py ``gds_pool``), as it does unless their files are striped
+    (their own, or the master's they are homed in)."""
     on_cpu = compute_device == "cpu"
     compute = HOST if on_cpu else DEVICE
     home = {"none": compute, "cpu": HOST, "nvme": NVME}
@@ -143,9 +144,10 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
                 "zero_optimization.offload_param.max_in_cpu", HOST)
         in_cpu += sizes.small_shards
         count = swap_buffer_count(par, sizes.largest_shard, sizes.shard)
+        on_device = gds_param_pool and not (several_drives(par) or (is_master and several_drives(opt)))
         add(f"parameter swap buffers ({count} x {format_bytes(sizes.largest_shard * itemsize)})",
             count * sizes.largest_shard * itemsize, "zero_optimization.offload_param.buffer_count",
-            compute if param_pool_on_device else HOST, locked=par.pin_memory and not param_pool_on_device)
+            compute if on_device else HOST, locked=par.pin_memory and not on_device)
         if not is_master:
             add("parameter swap files", (sizes.shard - in_cpu) * itemsize, "zero_optimization.offload_param.nvme_path",
                 NVME)
