@@ -221,7 +221,8 @@ def engine_and_torch(directory: str, repeats: int, layers: int, checksum: str, w
         load_io.append([read, written])
     ck_bytes = statistics.median(sizes)
     store = engine.parts.optimizer_store
-    copied = sum(sg.numel * 4 * (1 + len(store.state_names)) for sg in engine.parts.rank_layout.sub_groups)
+    copied = sum(sg.numel * 4 * (1 + (0 if sg.frozen else len(store.state_names)))
+                 for sg in engine.parts.rank_layout.sub_groups)  # a frozen sub-group: its master alone
     shards = [os.path.join(ckpt, "t", "rank00000", f) for f in sorted(os.listdir(os.path.join(ckpt, "t", "rank00000")))
               if f.endswith(".safetensors")]
     engine.destroy()

@@ -3,6 +3,8 @@
     flock /tmp/bench.lock python -m bench.lora --out bench/out/lora.json --results-md bench/RESULTS.md
     python -m bench.lora --quick                     # smoke test, a small model, ~1 min
     python -m bench.lora --render bench/out/lora.json --results-md bench/RESULTS.md
+    flock /tmp/bench.lock python -m bench.lora --optimizer nvme --out bench/out/lora_nvme_optimizer.json \
+        --results-md bench/RESULTS.md               # AdamW's state on NVMe too (ZeRO-Infinity)
 
 [Note: what is measured]
 The LoRA stand-in: the 311M GPT of ``zero.examples`` (bench/io_bound.py's: vocab 8192, 24 layers x
@@ -26,6 +28,11 @@ its bytes (one read and one write job at once, bench/harness.py ``fio_reference`
 floor where it is I/O-bound. The loss check trains a smaller LoRA model (4 layers x d_model 256, vocab 512, batch 4 x 64
 tokens, rank 8, lr 1e-3) for ``--loss-steps`` steps on NVMe with and without the flag, from the
 same weights and batches, and compares the losses step by step.
+
+With ``--optimizer nvme`` the fp32 master and AdamW's states go to NVMe as well (``offload_optimizer``
+nvme, ZeRO-Infinity's whole recipe): they cover the adapters only (zero/stores/layouts.py [Note: the
+optimizer covers the trainable units only]), so each step reads and writes the adapters' 16 bytes a
+parameter besides the base's reads; read / written count both swappers, the optimizer's also apart.
 """
 from __future__ import annotations
 
@@ -38,11 +45,13 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 
 from bench import harness, training
 from bench.io_bound import AIO, MODEL, SEQ, scaled
 
 SECTION = "## LoRA on a quantized frozen base (bench/lora.py)"
+SECTIONS = {"cpu": SECTION, "nvme": "## LoRA with the optimizer on NVMe too (bench/lora.py --optimizer nvme)"}
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)
 LOSS_MODEL = dict(vocab=512, d_model=256, heads=4, layers=4, seq=64, tie=True)
 LOSS_BATCH = 4
@@ -52,7 +61,8 @@ LOSS_GOAL = 0.01
 GiB = harness.GiB
 
 
-def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int = 1, d_model: int = 1024) -> dict:
+def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int = 1, d_model: int = 1024,
+           optimizer: str = "cpu") -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
             "bf16": {"enabled": dtype == "bf16"}, "aio": AIO, "steps_per_print": 10 ** 6,
@@ -61,7 +71,7 @@ def config(dtype: str, flag: bool, nvme_path: str, lr: float = 1e-4, micro: int 
                 "stage3_param_persistence_threshold": scaled(100_000, d_model),
                 "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_size": int(2e7),
                                   "max_in_cpu": 0, "min_swap_bytes": scaled(1 << 20, d_model)},
-                "offload_optimizer": {"device": "cpu"}}}
+                "offload_optimizer": {"device": optimizer, **({"nvme_path": nvme_path} if optimizer == "nvme" else {})}}}
 
 
 def _engine(spec: dict, lr: float = 1e-4, micro: int = 1):
@@ -70,7 +80,8 @@ def _engine(spec: dict, lr: float = 1e-4, micro: int = 1):
     import zero
 
     ex = training.examples()
-    conf = config(spec["dtype"], spec["flag"], spec["nvme_path"], lr, micro, spec["model"]["d_model"])
+    conf = config(spec["dtype"], spec["flag"], spec["nvme_path"], lr, micro, spec["model"]["d_model"],
+                  spec.get("optimizer", "cpu"))
     torch.manual_seed(0)
     with zero.Init(config_dict_or_path=conf):
         model = ex.GPT(ex.GPTConfig(**spec["model"]))
@@ -89,26 +100,35 @@ def child_iterations(spec: dict) -> dict:
     cfg = ex.GPTConfig(**spec["model"])
     x, y = ex.make_batches(dataclasses.replace(cfg, seq=SEQ), 1, 1)[0]
     counts = engine.parts.param_store.swapper.io_bytes
-    times, swap_r, swap_w, reads, writes, losses = [], [], [], [], [], []
+    opt_swapper = getattr(engine.parts.optimizer_store, "swapper", None)  # offload_optimizer nvme
+    opt_counts = opt_swapper.io_bytes if opt_swapper is not None else types.SimpleNamespace(read=0, written=0)
+    times, swap_r, swap_w, opt_r, opt_w, reads, writes, losses = [], [], [], [], [], [], [], []
     w = spec["warmup"]
     for i in range(w + spec["iters"]):
         io0 = harness.settled_io() if i == w else harness.proc_io()
-        c0 = (counts.read, counts.written)
+        c0 = (counts.read, counts.written, opt_counts.read, opt_counts.written)
         start = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         engine.parts.param_store.flush()  # this iteration's writes count in it
+        if opt_swapper is not None:
+            opt_swapper.synchronize()
         times.append(time.perf_counter() - start)
         io1 = harness.settled_io() if i == w + spec["iters"] - 1 else harness.proc_io()
-        swap_r.append(counts.read - c0[0])
-        swap_w.append(counts.written - c0[1])
+        opt_r.append(opt_counts.read - c0[2])
+        opt_w.append(opt_counts.written - c0[3])
+        swap_r.append(counts.read - c0[0] + opt_r[-1])
+        swap_w.append(counts.written - c0[1] + opt_w[-1])
         reads.append(io1["read_bytes"] - io0["read_bytes"])
         writes.append((io1["write_bytes"] - io1["cancelled_write_bytes"]) - (io0["write_bytes"] - io0["cancelled_write_bytes"]))
         losses.append(float(loss.detach()))
     return {"params": params, "phases": profiled_iteration(engine, x, y), "trainable": trainable, "init_s": round(init_s, 1),
             "quantized_units": len(engine.frozen_shards.units), "units": len(engine.parts.units),
             "nvme_bytes": engine.parts.param_store.swapper.nvme_bytes,
+            "optimizer_nvme_bytes": opt_swapper.nvme_bytes if opt_swapper is not None else 0,
+            "optimizer_read_bytes": int(statistics.mean(opt_r[w:])),
+            "optimizer_write_bytes": int(statistics.mean(opt_w[w:])),
             "median_s": statistics.median(times[w:]), "times_s": [round(t, 3) for t in times],
             "swap_read_bytes": int(statistics.mean(swap_r[w:])), "swap_write_bytes": int(statistics.mean(swap_w[w:])),
             "read_bytes": int(statistics.mean(reads[w:])), "write_bytes": int(statistics.mean(writes[w:])),
@@ -165,14 +185,15 @@ def run(args) -> dict:
     record = {"meta": {**harness.provenance(args.nvme_dir), "command": "python -m bench.lora " + " ".join(args.argv),
                        "quick": args.quick, "model": model, "seq": SEQ, "batch": 1, "rank": RANK,
                        "warmup": args.warmup, "iters": args.iters, "loss_model": LOSS_MODEL,
-                       "loss_batch": LOSS_BATCH, "loss_steps": args.loss_steps, "nvme_dir": args.nvme_dir},
+                       "loss_batch": LOSS_BATCH, "loss_steps": args.loss_steps, "nvme_dir": args.nvme_dir,
+                       "optimizer": args.optimizer},
               "runs": [], "losses": []}
     try:
         for dtype in args.dtypes:
             for flag in (False, True):
                 swap = tempfile.mkdtemp(dir=root)
                 spec = {"dtype": dtype, "flag": flag, "model": model, "nvme_path": swap, "warmup": args.warmup,
-                        "iters": args.iters}
+                        "iters": args.iters, "optimizer": args.optimizer}
                 row = {"dtype": dtype, "flag": flag, **run_child("iterations", spec, args.timeout)}
                 shutil.rmtree(swap, ignore_errors=True)
                 if "error" not in row:  # the disk's best time for the iteration's bytes, in this run
@@ -182,7 +203,8 @@ def run(args) -> dict:
                 print(f"{dtype} flag={flag}: {describe(row)}", flush=True)
             for flag in (False, True):
                 swap = tempfile.mkdtemp(dir=root)
-                spec = {"dtype": dtype, "flag": flag, "model": LOSS_MODEL, "nvme_path": swap, "steps": args.loss_steps}
+                spec = {"dtype": dtype, "flag": flag, "model": LOSS_MODEL, "nvme_path": swap, "steps": args.loss_steps,
+                        "optimizer": args.optimizer}
                 row = {"dtype": dtype, "flag": flag, **run_child("losses", spec, args.timeout)}
                 shutil.rmtree(swap, ignore_errors=True)
                 record["losses"].append(row)
@@ -199,8 +221,17 @@ def describe(row: dict) -> str:
         return f"failed: {row['error']}"
     return (f"{row['median_s']:.3f} s/iteration; swapper read {row['swap_read_bytes'] / GiB:.3f} GiB, wrote "
             f"{row['swap_write_bytes'] / GiB:.4f} GiB; /proc read {row['read_bytes'] / GiB:.3f} GiB, written "
-            f"{row['write_bytes'] / GiB:.4f} GiB; on NVMe {row['nvme_bytes'] / GiB:.3f} GiB; "
+            f"{row['write_bytes'] / GiB:.4f} GiB; on NVMe {row['nvme_bytes'] / GiB:.3f} GiB"
+            f"{optimizer_text(row)}; "
             f"peak RSS {row['peak_rss_bytes'] / GiB:.2f} GiB")
+
+
+def optimizer_text(row: dict) -> str:
+    """The optimizer swapper's part of a row (``--optimizer nvme``), or nothing."""
+    if not row.get("optimizer_nvme_bytes"):
+        return ""
+    return (f" (optimizer: read {row['optimizer_read_bytes'] / GiB:.4f}, wrote {row['optimizer_write_bytes'] / GiB:.4f} "
+            f"GiB an iteration, {row['optimizer_nvme_bytes'] / GiB:.3f} GiB on NVMe)")
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -253,21 +284,29 @@ def loss_text(record: dict, dtype: str) -> str:
 def table(record: dict) -> list:
     lines = ["| compute dtype | frozen base | s / iteration | disk's time for its bytes s (fio) | read GiB | "
              "written GiB | bytes / unquantized | /proc read GiB | /proc written GiB | base on NVMe GiB | "
-             "peak RSS GiB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "peak RSS GiB | optimizer read / written / on NVMe GiB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in record["runs"]:
         base = "int8 + scales" if row["flag"] else row["dtype"]
         head = f"| {row['dtype']} | {base} |"
         if "error" in row:
-            lines.append(head + f" failed: {row['error'].replace('|', '/')} | | | | | | | | |")
+            lines.append(head + f" failed: {row['error'].replace('|', '/')} | | | | | | | | | |")
             continue
         off = _find(record["runs"], row["dtype"], False)
         ratio = f"**{_bytes(row) / _bytes(off):.3f}**" if row["flag"] and off else "1"
         floor = f"{floor_s(row):.3f}" if floor_s(row) else "—"
         lines.append(head + f" {row['median_s']:.3f} | {floor} | {row['swap_read_bytes'] / GiB:.3f} | "
                      f"{row['swap_write_bytes'] / GiB:.4f} | {ratio} | {row['read_bytes'] / GiB:.3f} | "
-                     f"{row['write_bytes'] / GiB:.4f} | {row['nvme_bytes'] / GiB:.3f} | {row['peak_rss_bytes'] / GiB:.2f} |")
+                     f"{row['write_bytes'] / GiB:.4f} | {row['nvme_bytes'] / GiB:.3f} | {row['peak_rss_bytes'] / GiB:.2f} | "
+                     f"{_optimizer_cells(row)} |")
     return lines
+
+
+def _optimizer_cells(row: dict) -> str:
+    if not row.get("optimizer_nvme_bytes"):
+        return "— (host memory)"
+    return (f"{row['optimizer_read_bytes'] / GiB:.4f} / {row['optimizer_write_bytes'] / GiB:.4f} / "
+            f"{row['optimizer_nvme_bytes'] / GiB:.3f}")
 
 
 def figures(record: dict) -> list:
@@ -356,9 +395,11 @@ def markdown(record: dict, png, notes=()) -> str:
 
 def write_outputs(record: dict, args) -> None:
     print("\n".join(table(record)))
-    png = args.png or (os.path.join(os.path.dirname(os.path.abspath(args.results_md)), "lora.png")
+    optimizer = record["meta"].get("optimizer", "cpu")
+    name = "lora.png" if optimizer == "cpu" else f"lora_{optimizer}_optimizer.png"
+    png = args.png or (os.path.join(os.path.dirname(os.path.abspath(args.results_md)), name)
            if args.results_md else None)
-    harness.publish(record, args.results_md, SECTION, png, chart, figures,
+    harness.publish(record, args.results_md, SECTIONS[optimizer], png, chart, figures,
                     lambda r, p: markdown(r, p, args.note))
 
 
@@ -367,6 +408,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small model (4 layers x d 256), 20 loss steps")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(GOALS))
+    p.add_argument("--optimizer", default="cpu", choices=list(SECTIONS),
+                   help="where AdamW's master and states live (offload_optimizer device)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--loss-steps", type=int, default=None, help="steps of the loss check (default 200; --quick 20)")

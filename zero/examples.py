@@ -227,8 +227,10 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
     Clipping and a static loss scale take one coefficient,
     ``min(clip / (norm / scale + 1e-6), 1) / scale``, as the engine's fp16/bf16 step does.
     ``optimizer_device``: where the master lives and steps (the model's device by default; the
-    host for an offloaded optimizer, see :class:`OffloadedAdamW`)."""
-    master = [p.detach().clone().float().to(optimizer_device or p.device) for p in model.parameters()]
+    host for an offloaded optimizer, see :class:`OffloadedAdamW`). Frozen parameters
+    (``requires_grad=False``) have no master: they stay as rounded to ``dtype``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    master = [p.detach().clone().float().to(optimizer_device or p.device) for p in params]
     for p in master:
         p.requires_grad_(True)
     model.to(dtype)
@@ -244,9 +246,9 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
             if accumulation > 1:
                 loss = loss / accumulation
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-            widened = [p.grad.float() for p in model.parameters()]
+            widened = [p.grad.float() for p in params]
             grads = widened if grads is None else [a.add_(g) for a, g in zip(grads, widened)]
-            for p in model.parameters():
+            for p in params:
                 p.grad = None
         grads = [g.to(m.device) for g, m in zip(grads, master)]
         coef = None
@@ -264,6 +266,6 @@ def train_reference_mixed(model: nn.Module, batches: Sequence, steps: int, dtype
         opt.step()
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for p, m in zip(model.parameters(), master):
+            for p, m in zip(params, master):
                 p.copy_(m)
     return losses

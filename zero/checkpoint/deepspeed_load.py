@@ -175,16 +175,17 @@ def _apply(engine, ds: DeepSpeedCheckpoint, plan: Dict[Tuple[int, int], str], ke
     store = engine.checkpointed_state
     with torch.no_grad():
         for sg in layout.sub_groups:
-            values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
+            sg_keys = keys[:1] if sg.frozen else keys  # a frozen sub-group has no states here
+            values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in sg_keys}
             for index in sg.units:
                 base = layout.offsets[index] - sg.start
                 for piece in layout.units[index].pieces(rank):
                     name = plan[(index, piece.slot)]
                     at = base + piece.shard_offset
-                    for k in keys:
+                    for k in sg_keys:
                         ds.read(name, piece.param_start, piece.param_stop, k, values[k][at:at + piece.numel])
             master = values.pop("master")
-            store.load(sg, master, values if len(keys) > 1 else None)
+            store.load(sg, master, values if len(sg_keys) > 1 else None)
             engine.load_parameters(sg, master)
         engine.finish_load()
     engine.global_steps = ds.global_steps

@@ -201,6 +201,9 @@ QUANTIZED = "quantized_nontrainable_weights"
 """The meta key naming the units stored int8 (stores/quantized.py): their "master" in the shards
 is the dequantized values, from which the int8 codes and scales come back exactly at the same world
 size ([Note: frozen weights stored quantized])."""
+FROZEN_UNITS = "frozen_units"
+"""The meta key naming the units without optimizer state (stores/layouts.py [Note: the optimizer
+covers the trainable units only]): their shards come last in each rank's sub-groups, "master" alone."""
 
 
 def quantized_meta(frozen) -> dict:
@@ -216,8 +219,9 @@ def quantized_param_names(meta: dict) -> List[str]:
     return [s.name for i in quantized["units"] for s in units[i].slots]
 
 
-def meta_dict(units: List[UnitLayout], world_size: int, sub_group_size: int, precision: str) -> dict:
-    return {
+def meta_dict(units: List[UnitLayout], world_size: int, sub_group_size: int, precision: str,
+              frozen_units=()) -> dict:
+    meta = {
         "format": FORMAT,
         "world_size": world_size,
         "sub_group_size": sub_group_size,
@@ -226,6 +230,20 @@ def meta_dict(units: List[UnitLayout], world_size: int, sub_group_size: int, pre
                    "params": [{"names": list(s.names), "shape": list(s.shape)} for s in u.slots]}
                   for u in units],
     }
+    if frozen_units:  # their shards hold a master and no states, after the others' (stores/layouts.py)
+        meta[FROZEN_UNITS] = sorted(frozen_units)
+    return meta
+
+
+def frozen_units_from_meta(meta: dict) -> frozenset:
+    """The units a checkpoint's optimizer did not cover (none in checkpoints without the key)."""
+    frozen = meta.get(FROZEN_UNITS, [])
+    count = len(meta["units"])
+    if (not isinstance(frozen, list) or len(set(frozen)) != len(frozen)
+            or not all(type(i) is int and 0 <= i < count for i in frozen)):
+        raise CheckpointCorruptionError(f"checkpoint meta {FROZEN_UNITS!r} is not a list of distinct unit "
+                                        f"indices below {count}: {str(frozen)[:80]}")
+    return frozenset(frozen)
 
 
 def units_from_meta(meta: dict) -> List[UnitLayout]:
@@ -317,6 +335,7 @@ class ShardReader:
         self.checkpoint = checkpoint
         self.meta = meta or read_meta(checkpoint)
         self.units = units_from_meta(self.meta)
+        self.frozen = frozen_units_from_meta(self.meta)  # their shards hold no optimizer states
         self.world_size = self.meta["world_size"]
         self._layouts: Dict[int, RankLayout] = {}
         # Open shards, least recently used first; at most OPEN_SHARDS (a striped one holds a
@@ -325,7 +344,7 @@ class ShardReader:
 
     def rank_layout(self, rank: int) -> RankLayout:
         if rank not in self._layouts:
-            self._layouts[rank] = build_rank_layout(self.units, rank, self.meta["sub_group_size"])
+            self._layouts[rank] = build_rank_layout(self.units, rank, self.meta["sub_group_size"], self.frozen)
         return self._layouts[rank]
 
     def _file(self, rank: int, index: int) -> SafetensorsReader:

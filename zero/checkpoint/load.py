@@ -35,8 +35,8 @@ from swapper.checksum import ChecksumAlgorithm
 from ..runtime.timers import log_rank0
 from .deepspeed_files import is_deepspeed_checkpoint
 from .deepspeed_load import load_deepspeed_checkpoint
-from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, open_shard, read_meta,
-                     resolve_tag, sub_group_file, unsafe_error)
+from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, frozen_units_from_meta,
+                     open_shard, read_meta, resolve_tag, sub_group_file, unsafe_error)
 from .shard_io import CheckpointIO, check_digests, shard_checksums
 from .storage import agreed_local_tag, check_local_files, check_same_copies
 
@@ -56,6 +56,7 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
     """A sub-group from this rank's own shard file (same layout), taken by the store that holds
     it (file to file where it can, published where _stage_shards staged it); returns the master."""
     path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
+    keys, load_states = _sub_group_keys(sg, keys), load_states and not sg.frozen
     if staged is not None:  # verified: the bytes staged are the ones the shard carries digests of
         item, carried = staged
         master = engine.checkpointed_state.publish_shard(sg, item, carried)
@@ -73,18 +74,27 @@ def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_s
         return engine.checkpointed_state.load_shard(sg, shard, path, keys, load_states, shard_checksums(shard))
 
 
-def _check_carried(cio: CheckpointIO, paths, keys) -> None:
-    """Every shard that carries checksums matches them (each file read once, streaming)."""
-    for path in dict.fromkeys(paths):
+def _sub_group_keys(sg, keys):
+    """The tensors a sub-group's shard holds of ``keys``: a frozen one its master alone."""
+    return list(keys[:1]) if sg.frozen else list(keys)
+
+
+def _check_carried(cio: CheckpointIO, paths: dict) -> None:
+    """Every shard that carries checksums matches them (each file read once, streaming);
+    ``paths``: path -> the keys read from it."""
+    for path, keys in paths.items():
         cio.verify_shard(path, keys)
 
 
-def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states: bool, staged: dict) -> list:
+def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, all_keys, all_load_states: bool,
+                  staged: dict) -> dict:
     """Stage (read once, hashing) each own shard that carries checksums where the store can,
     checking the digests ([Note: verified while loading]); ``staged`` gets sub-group index ->
-    (staged state, the checksums the shard carries). Returns the paths left to verify by a read of their own."""
-    store, rest = engine.checkpointed_state, []
+    (staged state, the checksums the shard carries). Returns the paths left to verify by a read
+    of their own, with their keys."""
+    store, rest = engine.checkpointed_state, {}
     for sg in engine.rank_layout.sub_groups:
+        keys, load_states = _sub_group_keys(sg, all_keys), all_load_states and not sg.frozen
         path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
         with open_shard(path, direct=False) as shard:  # its header; the data is read staged
             carried = shard_checksums(shard)
@@ -94,7 +104,7 @@ def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states:
             missing = [k for k in keys if k not in carried[1]]
             item = None if missing else store.stage_shard(sg, shard, path, keys, load_states, algorithm)
         if item is None:
-            rest.append(path)
+            rest[path] = keys
             continue
         staged[sg.index] = item, carried
         cio.stats.files_read += 1
@@ -103,19 +113,26 @@ def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, keys, load_states:
     return rest
 
 
+def _unit_keys(reader: ShardReader, sg, index: int, keys):
+    """What a resharded load reads of a unit: its master alone where this engine's sub-group or
+    the checkpoint has no states for it (a unit frozen when saved starts with zero states)."""
+    return list(keys[:1]) if sg.frozen or index in reader.frozen else list(keys)
+
+
 def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
     """A sub-group gathered element range by element range from any rank's shards."""
     comm, layout = engine.comm, engine.rank_layout
+    keys = _sub_group_keys(sg, keys)
     values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
     for index in sg.units:
         unit = layout.units[index]
         start, stop = layout.unit_range(index)
         first = unit.shard_start(comm.rank)
-        for k in keys:
+        for k in _unit_keys(reader, sg, index, keys):
             values[k][start - sg.start:stop - sg.start].copy_(
                 reader.read(index, first, first + unit.shard_numel, k))
     master = values.pop("master")
-    engine.checkpointed_state.load(sg, master, values if load_states else None)
+    engine.checkpointed_state.load(sg, master, values if load_states and not sg.frozen else None)
     return master
 
 
@@ -147,29 +164,30 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
     match the checksums it carries (see shard_io.py [Note: checksums travel with the
     state])."""
     comm, layout = engine.comm, engine.rank_layout
-    paths = []
+    paths = {}  # path -> the keys read from it
     for sg in layout.sub_groups:
         if own_shards:
             path = sub_group_file(checkpoint, comm.rank, sg.index)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint {checkpoint} is incomplete: {path} is missing")
             with open_shard(path, direct=False) as shard:
-                for k in keys:
+                for k in _sub_group_keys(sg, keys):
                     info = shard.info(k)
                     if info.dtype != torch.float32 or list(info.shape) != [sg.numel]:
                         raise ValueError(f"checkpoint shard {path}: {k!r} is {info.dtype} {list(info.shape)}, "
                                          f"sub-group {sg.index} has {sg.numel} fp32 elements")
-            paths.append(path)
             continue
         for index in sg.units:
             unit = layout.units[index]
             first = unit.shard_start(comm.rank)
-            for k in keys:
+            unit_keys = _unit_keys(reader, sg, index, keys)
+            for k in unit_keys:
                 reader.check(index, first, first + unit.shard_numel, k)
-            paths.extend(reader.files(index, first, first + unit.shard_numel))
+            for path in reader.files(index, first, first + unit.shard_numel):
+                paths[path] = list(dict.fromkeys(paths.get(path, []) + unit_keys))
     if own_shards:
         paths = _stage_shards(engine, cio, checkpoint, keys, load_states, staged)
-    _check_carried(cio, paths, keys)
+    _check_carried(cio, paths)
 
 
 def _files_read(engine, checkpoint: str, reader: ShardReader, own_shards: bool, same_layout: bool) -> list:
@@ -209,7 +227,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         _check_same_model(meta, engine)
         same_layout = meta["world_size"] == comm.world_size
         # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
-        own_shards = same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
+        own_shards = (same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
+                      and frozen_units_from_meta(meta) == engine.rank_layout.frozen)
         names = engine.checkpointed_state.state_names
         load_states = load_optimizer_states and set(names) <= set(meta.get("state_names", []))
         keys = ["master"] + (list(names) if load_states else [])

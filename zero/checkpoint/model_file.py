@@ -94,9 +94,9 @@ def fp32_state_dict(engine) -> "OrderedDict[str, torch.Tensor]":
     each gets the whole dict in host memory. Without an optimizer (no master weights) the gathered
     parameters are upcast instead.
     """
-    store = engine.parts.optimizer_store
-    if store is None:
+    if engine.parts.optimizer_store is None:
         return OrderedDict((name, _fp32(t)) for name, t in full_state_dict(engine.module).items())
+    store = engine.checkpointed_state  # frozen sub-groups: their parameters' values
     comm, layout = engine.comm, engine.rank_layout
     device = comm.collective_device  # NCCL gathers device tensors, gloo host tensors
     values = {}

@@ -90,7 +90,8 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict, role
     fsync_directory(mine)
     if roles.leads:
         zc = engine.config.zero_optimization
-        meta = meta_dict(list(engine.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision)
+        meta = meta_dict(list(engine.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision,
+                         engine.rank_layout.frozen)
         meta["state_names"] = list(engine.checkpointed_state.state_names)
         if engine.frozen_shards:
             meta[QUANTIZED] = quantized_meta(engine.frozen_shards)

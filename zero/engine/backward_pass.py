@@ -165,7 +165,7 @@ class BackwardPass:
         if stepped:
             self._optimizer.abandon_step()
             parts.param_store.discard_unsaved()  # new values a failed write kept: a load replaces all
-            total = len(parts.rank_layout.sub_groups)
+            total = len(parts.rank_layout.trainable_sub_groups)
             state = (f"it had stepped {stepped} of {total} optimizer sub-groups, so the model and optimizer "
                      f"are partly updated")
         else:

@@ -223,12 +223,12 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     if device.type == "cpu" and spec is not None and malloc_settings.hold():
         release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
-    opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release)
+    opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release)
     frozen = _frozen_shards(config, units, spec, comm, device)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
                                     frozen)
-    _link_units(units, param_store, opt_store, release)
-    _fill_stores(units, param_store, opt_store, comm, release)
+    _link_units(units, rank_layout, param_store, opt_store, release)
+    _fill_stores(units, param_store, comm, release)
     _cast_buffers(module, device, dtype)  # here, so that a failure before the fill leaves the model as given
     _choose_persistent(units, zc)
     reducer, optimizer = _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, comm, device,
@@ -245,7 +245,11 @@ def _plan(module, config, comm, device, dtype, spec):
     """Units (one per module owning parameters), this rank's layout, and the host-memory check
     (with the headroom it leaves for the gradient stash and the default activation budget, in bytes)."""
     layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
-    rank_layout = build_rank_layout(layouts, comm.rank, config.zero_optimization.sub_group_size)
+    # Units with no parameter to train: no master, states or gradient (stores/layouts.py [Note: the
+    # optimizer covers the trainable units only]); without an optimizer there are none of those.
+    frozen = {l.index for l, ps in zip(layouts, params_per_unit)
+              if spec is not None and not any(p.requires_grad for p in ps)}
+    rank_layout = build_rank_layout(layouts, comm.rank, config.zero_optimization.sub_group_size, frozen)
     units = [ParamUnit(l, ps, comm, device, dtype) for l, ps in zip(layouts, params_per_unit)]
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
     parts = memory_check.host_memory_parts(config, rank_layout, dtype.itemsize,
@@ -266,8 +270,15 @@ def _steps_in_backward(config, spec) -> bool:
                                          spec.torch_type is not None) is None)
 
 
-def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, release):
-    """The fp32 master and optimizer states: on NVMe, or flat on the device or the host."""
+def _param_home(config, device: torch.device) -> torch.device:
+    """Where flat parameter shards live (offload_param device none: the compute device)."""
+    return device if config.zero_optimization.offload_param.device == "none" else torch.device("cpu")
+
+
+def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release):
+    """The fp32 master and optimizer states of the trainable units: on NVMe, or flat on the device
+    or the host (where fp32 parameter shards share its home, its master holds every unit's: the
+    parameter store's flat tensor)."""
     if spec is None:
         return None
     offload = config.zero_optimization.offload_optimizer
@@ -278,8 +289,11 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
                                                        steps_in_backward=steps))
     else:
         home = device if offload.device == "none" else torch.device("cpu")
+        holds_params = (dtype == torch.float32 and config.zero_optimization.offload_param.device != "nvme"
+                        and _param_home(config, device) == home)
         # pinned host memory speeds copies to and from a GPU only: computing on the CPU, it is not taken
-        store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory and device.type == "cuda")
+        store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory and device.type == "cuda",
+                                   holds_params=holds_params)
     release.callback(store.close)
     return store
 
@@ -322,11 +336,8 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
             rank_layout, dtype, offload, aio, job_id, comm.rank, master=shared, frozen=frozen,
             compute_device=device))
     else:
-        home = device if offload.device == "none" else torch.device("cpu")
-        alias = None
-        if (dtype == torch.float32 and isinstance(opt_store, FlatOptimizerStore)
-                and opt_store.master.device == home):
-            alias = opt_store.master
+        home = _param_home(config, device)
+        alias = opt_store.master if isinstance(opt_store, FlatOptimizerStore) and opt_store.holds_params else None
         # pageable memory would make each copy a blocking one: read ahead only from pinned memory
         pinned = home.type == "cpu" and device.type == "cuda" and offload.pin_memory
         ahead = host_to_device.AheadCopy if pinned else None
@@ -340,22 +351,22 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
     return store
 
 
-def _link_units(units, param_store, opt_store, release) -> None:
+def _link_units(units, rank_layout, param_store, opt_store, release) -> None:
     release.callback(_unlink_units, units)
     for u in units:
-        u.attach(param_store, opt_store)
+        u.attach(param_store, None if u.index in rank_layout.frozen else opt_store)
         for p in u.params:
             p._zero_unit = u
 
 
-def _fill_stores(units, param_store, opt_store, comm, release) -> None:
+def _fill_stores(units, param_store, comm, release) -> None:
     """The stores get each unit's shard, one unit at a time; the model's full values go as
     soon as they are stored. The master of a quantized shard is its dequantized values."""
     release.push(_note_values_taken(units))
     for u in units:
         shard = param_store.as_stored(u.layout, _unit_shard(u.params, u.layout, comm))
-        if opt_store is not None:
-            opt_store.init_master(u.index, shard)
+        if u.optimizer_store is not None:
+            u.optimizer_store.init_master(u.index, shard)
         param_store.init_shard(u.layout, shard)  # cast on copy into the compute dtype
         del shard
         for slot, p in zip(u.layout.slots, u.params):

@@ -190,7 +190,7 @@ class ZeroOptimizer(Optimizer):
     def step_progress(self) -> Tuple[int, int]:
         """(sub-groups updated, sub-groups) of the step in progress."""
         stepped = len(self._pending.stepped) if self._pending is not None else 0
-        return stepped, len(self.rank_layout.sub_groups)
+        return stepped, len(self.rank_layout.trainable_sub_groups)
 
     def abandon_step(self) -> None:
         """Forget a step in progress (load_checkpoint replaces the whole state)."""
@@ -388,8 +388,8 @@ class ZeroOptimizer(Optimizer):
                     inner = next(inner_groups)
                     inner.update({k: v for k, v in group.items() if k != "params"})
             self.inner.step()
-            pending.stepped.update(sg.index for sg in self.rank_layout.sub_groups)
-        for sg in self.rank_layout.sub_groups:
+            pending.stepped.update(sg.index for sg in self.rank_layout.trainable_sub_groups)
+        for sg in self.rank_layout.trainable_sub_groups:
             self._write_back(sg, self.store.master[sg.start:sg.stop])
 
     # -- checkpoints ---------------------------------------------------------------------------------

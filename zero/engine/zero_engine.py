@@ -27,6 +27,7 @@ from ..runtime.comm import Comm
 from ..config import DeepSpeedConfig, IgnoredSettingWarning
 from ..partitioning import hf_zero3
 from ..runtime.timers import Timers, log_rank0
+from ..stores.checkpointed_state import CheckpointedState
 from ..stores.param_store import MasterFromParameters
 
 
@@ -320,9 +321,10 @@ class ZeroEngine(nn.Module):
     def checkpointed_state(self):
         """The sub-groups' master and states, saved and loaded by the store that holds them
         (stores/optimizer_store.py, [Note: each store saves and loads its own state])."""
-        if self.parts.optimizer_store is not None:
-            return self.parts.optimizer_store
-        return MasterFromParameters(self.parts.rank_layout, self.parts.param_store)
+        params = MasterFromParameters(self.parts.rank_layout, self.parts.param_store)
+        if self.parts.optimizer_store is None:
+            return params
+        return CheckpointedState(self.parts.optimizer_store, params)
 
     def load_parameters(self, sub_group, master: torch.Tensor) -> None:
         """The parameters of ``sub_group``'s units from its loaded fp32 master."""

@@ -273,7 +273,7 @@ class GradReducer:
         a stash zeroes them as each sub-group is written."""
         if self.stash.on_nvme:
             return
-        for u in self.rank_layout.units:
+        for u in self.rank_layout.trainable_units():  # the partition covers these only
             base = self.rank_layout.offsets[u.index]
             fresh, zero = self._fresh[u.index], self._zero[u.index]
             for i in range(len(fresh)):

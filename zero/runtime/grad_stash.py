@@ -97,11 +97,12 @@ class GradStash:
                  defer_errors: bool = False):
         self.rank_layout = rank_layout
         self.swapper = swapper
-        self._sub_group = {u: sg for sg in rank_layout.sub_groups for u in sg.units}
-        self._needed = {sg.index: sum(1 for u in sg.units if u in grad_units) for sg in rank_layout.sub_groups}
+        groups = rank_layout.trainable_sub_groups  # frozen units take no gradient
+        self._sub_group = {u: sg for sg in groups for u in sg.units}
+        self._needed = {sg.index: sum(1 for u in sg.units if u in grad_units) for sg in groups}
         self._open: Dict[int, torch.Tensor] = {}
         self._spare: List[torch.Tensor] = []  # closed buffers of the largest sub-group's size
-        self._buffer_numel = max((sg.numel for sg in rank_layout.sub_groups), default=0)
+        self._buffer_numel = max((sg.numel for sg in groups), default=0)
         self._done: Dict[int, int] = {}
         self._written: Set[int] = set()  # gradient on NVMe since the last step
         self._held: Dict[int, torch.Tensor] = {}  # completed gradients kept in memory (see the [Note])

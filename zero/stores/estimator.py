@@ -66,6 +66,18 @@ def model_sizes(model: nn.Module) -> Tuple[int, int]:
     return total, largest
 
 
+def optimized_params(model: nn.Module) -> int:
+    """The parameters the engine keeps optimizer state for: those of every module owning one that
+    requires grad (layouts.py [Note: the optimizer covers the trainable units only])."""
+    seen, total = set(), 0
+    for m in model.modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if any(p.requires_grad for p in own):
+            total += sum(int(getattr(p, "ds_numel", p.numel())) for p in own)
+    return total
+
+
 def estimate_zero3(total_params: int, largest_layer_params: int, offload_param: str, offload_optimizer: str,
                    zero_init: bool = True, num_gpus_per_node: int = 1, num_nodes: int = 1,
                    additional_buffer_factor: float = 1.5, bytes_per_param: int = 2, param_buffer_count: int = 5,
@@ -218,7 +230,8 @@ def estimate_rank_bytes(model: Union[nn.Module, int], stage: int = 3, offload_pa
                         world_size: int = 1, largest_layer_params: Optional[int] = None,
                         compute_device: str = "cuda",
                         sub_group_size: int = 1_000_000_000, state_count: int = 2,
-                        max_live_parameters: int = 1_000_000_000, has_optimizer: bool = True) -> RankBytes:
+                        max_live_parameters: int = 1_000_000_000, has_optimizer: bool = True,
+                        trainable_params: Optional[int] = None) -> RankBytes:
     """This engine's memory on each rank, by formula: host, device and NVMe bytes with their parts.
 
     The parts are rank_memory.py's (see its [Note: what a rank holds at each
@@ -231,6 +244,9 @@ def estimate_rank_bytes(model: Union[nn.Module, int], stage: int = 3, offload_pa
     read as by the stage-3 table) or a parameter count; with a count,
     ``largest_layer_params`` (stage 3's smallest gathered set and its NVMe swap
     buffers) is 0 unless given, which leaves those buffers out.
+    ``trainable_params``: the parameters with a master and optimizer states (a LoRA
+    model's adapters); by default, of a module those of its modules owning a
+    parameter that requires grad (as the engine counts them), of a count all.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stages are 0, 1, 2 and 3 (got {stage})")
@@ -248,11 +264,15 @@ def estimate_rank_bytes(model: Union[nn.Module, int], stage: int = 3, offload_pa
         raise ValueError(f"world_size must be at least 1 (got {world_size})")
     if isinstance(model, nn.Module):
         total_params, largest = model_sizes(model)
+        trained = optimized_params(model) if trainable_params is None else int(trainable_params)
     else:
         total_params, largest = int(model), 0
+        trained = total_params if trainable_params is None else int(trainable_params)
     if largest_layer_params is not None:
         largest = int(largest_layer_params)
-    sizes = RankSizes.of_counts(total_params, largest, world_size, int(sub_group_size))
+    if not 0 <= trained <= total_params:
+        raise ValueError(f"trainable_params must be between 0 and the model's {total_params} (got {trained})")
+    sizes = RankSizes.of_counts(total_params, largest, world_size, int(sub_group_size), trained)
     # The sections' defaults, without the nvme_path check (nothing is written).
     param_section = OffloadParamConfig.model_construct(device=offload_param)
     optimizer_section = OffloadOptimizerConfig.model_construct(device=offload_optimizer)

@@ -168,14 +168,17 @@ class OptimizerStore(abc.ABC):
 
 
 class FlatOptimizerStore(OptimizerStore):
-    """Master, states and gradients as flat fp32 tensors on ``device`` (``none``) or the host (``cpu``)."""
+    """Master, states and gradients as flat fp32 tensors on ``device`` (``none``) or the host
+    (``cpu``), over the trainable prefix of the rank space; with ``holds_params`` the master
+    spans every unit, the fp32 parameter shards' home (param_store.py ``FlatParamStore(flat=)``)."""
 
     def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], device: torch.device,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, holds_params: bool = False):
         super().__init__(rank_layout, state_names)
-        n = rank_layout.numel
+        n = rank_layout.trainable_numel
+        self.holds_params = holds_params
         self._pinned = for_gpu_copies(pin_memory)
-        self.master = _host_or_device(n, device, self._pinned)
+        self.master = _host_or_device(rank_layout.numel if holds_params else n, device, self._pinned)
         self.states = {name: _host_or_device(n, device, self._pinned, zero=True) for name in self.state_names}
         self.grads = _host_or_device(n, device, self._pinned)
 
@@ -195,7 +198,7 @@ class FlatOptimizerStore(OptimizerStore):
         return self.master[s], {k: v[s] for k, v in self.states.items()}, self.grads[s]
 
     def step(self, fn: StepFn, skip: Set[int] = frozenset()) -> None:
-        for sg in self.rank_layout.sub_groups:
+        for sg in self.rank_layout.trainable_sub_groups:
             if sg.index not in skip:
                 fn(sg, *self._views(sg))
 
@@ -273,7 +276,7 @@ class NvmeOptimizerStore(OptimizerStore):
             checksum=swap_checksum(offload.checksum), pipeline_read=offload.pipeline_read,
             pipeline_write=offload.pipeline_write)
         self._read_ahead = nvme_read_ahead(offload, steps_in_backward)
-        self._groups = [sg for sg in rank_layout.sub_groups if sg.numel > 0]
+        self._groups = [sg for sg in rank_layout.trainable_sub_groups if sg.numel > 0]
         try:
             for sg in self._groups:
                 self.swapper.register_sub_group(sg.index, sg.numel)

@@ -44,11 +44,12 @@ load every one (the fp32 master the store may be is stepped in place, unseen by 
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 
 import time
 import warnings
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -251,8 +252,13 @@ class FlatParamStore(ParamStore):
         self._ahead.pop(layout.index, None)
         if self.frozen.packs(layout):
             self.write(layout, values)
-        elif not self.aliased:
+        elif self._writes_own(layout):
             self.shard(layout).copy_(values)
+
+    def _writes_own(self, layout: UnitLayout) -> bool:
+        """Whether the store writes the shard's values: in a flat tensor that is the master, the
+        optimizer writes the trainable units' (layouts.py: the frozen ones have no master of theirs)."""
+        return not self.aliased or layout.index in self.rank_layout.frozen
 
     def _stored(self, layout: UnitLayout) -> torch.Tensor:
         """What the store holds for the shard: its packed bytes or its slice of the flat tensor."""
@@ -297,7 +303,7 @@ class FlatParamStore(ParamStore):
         self._ahead.pop(layout.index, None)  # a copy started before this write holds the old values
         if self.frozen.packs(layout):
             self._packed[layout.index] = self.frozen.encode(layout, values).to(self.flat.device)
-        elif not self.aliased:
+        elif self._writes_own(layout):
             shard = self.shard(layout)
             if values.device != shard.device and values.dtype != shard.dtype:
                 values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
@@ -393,7 +399,9 @@ class NvmeParamStore(ParamStore):
             master.swapper.on_rewrite = self._settle_sub_group
 
     def _homed(self, layout: UnitLayout) -> bool:
-        return self.master is not None and layout.shard_numel > 0 and not self.frozen.packs(layout)
+        """Whether the shard is the optimizer's master (a frozen unit has none: layouts.py)."""
+        return (self.master is not None and layout.shard_numel > 0 and not self.frozen.packs(layout)
+                and layout.index not in self.rank_layout.frozen)
 
     def _settle_sub_group(self, sub_group_index: int) -> None:
         self.swapper.settle([self._ids[i] for i in self.rank_layout.sub_groups[sub_group_index].units])
@@ -539,8 +547,13 @@ class NvmeParamStore(ParamStore):
         self.swapper.discard_unsaved()
 
     def check_free_space(self) -> None:
-        if self.master is None:  # homed shards take no space of their own (the master's file holds them)
+        if self.master is None:
             self.swapper.check_free_space()
+            return
+        # homed shards take no space of their own (the master's file holds them): only the others
+        own = sum(self.frozen.nbytes(u) if self.frozen.packs(u) else u.shard_numel * self.dtype.itemsize
+                  for u in self.rank_layout.units if not self._homed(u))
+        self.swapper.swap_dir.check_free_space(own, "parameter swap files")
 
     @property
     def swap_dir(self) -> str:
@@ -554,9 +567,11 @@ class NvmeParamStore(ParamStore):
 
 
 class MasterFromParameters:
-    """The checkpointed state of an engine without an optimizer (inference): each sub-group's
-    master is its parameters' shards, in fp32, and there are no other states. Implements the
-    checkpoint protocol of optimizer_store.py ([Note: each store saves and loads its own state])."""
+    """The checkpointed state of sub-groups no optimizer holds (an engine without one, for
+    inference; the frozen sub-groups of one that has: layouts.py [Note: the optimizer covers the
+    trainable units only]): each sub-group's master is its parameters' shards, in fp32, and there
+    are no other states. Implements the checkpoint protocol of optimizer_store.py ([Note: each
+    store saves and loads its own state])."""
 
     state_names: tuple = ()
 
@@ -564,13 +579,21 @@ class MasterFromParameters:
         self.rank_layout = rank_layout
         self.params = params
 
-    def save_shard(self, sub_group: SubGroup, shards, path: str) -> None:
+    def read(self, sub_group: SubGroup) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         master = torch.empty(sub_group.numel, dtype=torch.float32)
         for index in sub_group.units:
             unit = self.rank_layout.units[index]
             start, stop = self.rank_layout.unit_range(index)
             master[start - sub_group.start:stop - sub_group.start].copy_(self.params.fetch(unit, widen=True))
             self.params.fetched(unit)
+        return master, {}
+
+    @contextlib.contextmanager
+    def viewed(self, sub_group: SubGroup) -> Iterator[Tuple[torch.Tensor, Dict[str, torch.Tensor]]]:
+        yield self.read(sub_group)
+
+    def save_shard(self, sub_group: SubGroup, shards, path: str) -> None:
+        master, _ = self.read(sub_group)
         shards.save_shard(path, sub_group.numel, ["master"], tensors={"master": master})
 
     def load_shard(self, sub_group: SubGroup, shard, path: str, keys, load_states: bool, carried=None) -> torch.Tensor:

@@ -18,11 +18,11 @@ or 4 (fp32), plus 4 bytes of scale per :data:`GROUP_SIZE` elements.
 - The codec is idempotent: quantizing the dequantized values gives the same
   codes and scales bit for bit. The scale is taken to a fixed point of
   ``s -> (127 s) / 127`` (in fp32), so the group's largest dequantized value,
-  ``127 s``, gives ``s`` back. The engine therefore keeps the dequantized
-  values as the frozen units' fp32 master (what checkpoints, ``zero_to_fp32``
-  and ``GatheredParameters`` see, the values the model computes with), and
-  every write of that master into the store (a checkpoint load, a gather's
-  write-back) stores the same int8 bytes again: a checkpoint loads back
+  ``127 s``, gives ``s`` back. The dequantized values are therefore what a
+  frozen unit holds (what checkpoints save as its master, ``zero_to_fp32`` and
+  ``GatheredParameters`` see, the values the model computes with; it has no
+  optimizer master: layouts.py), and every write of them into the store (a
+  checkpoint load, a gather's write-back) stores the same int8 bytes again: a checkpoint loads back
   exactly at the same world size; at another the groups fall elsewhere and the
   dequantized values are quantized once more.
 - Trainable units are stored as without the flag, bit for bit.

@@ -33,7 +33,7 @@ check's headroom leaves (memory_check.py :func:`headroom_bytes`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from swapper import ActivationSwapper
 from swapper.host_memory import align_up
@@ -69,8 +69,14 @@ class RankSizes:
     total: int  # every unit whole (padded to the world size)
     largest_unit: int
     largest_shard: int
-    largest_sub_group: int
+    largest_sub_group: int  # of the optimizer's sub-groups
     small_shards: int = 0  # elements of this rank's shards under min_swap_bytes (kept in host memory)
+    trainable: Optional[int] = None  # the optimizer's partition (layouts.py): None, all of ``shard``
+
+    @property
+    def optimized(self) -> int:
+        """Elements with a master, optimizer states and a gradient."""
+        return self.shard if self.trainable is None else self.trainable
 
     @classmethod
     def of_layout(cls, rank_layout: RankLayout, small_below: int = 0) -> "RankSizes":
@@ -79,16 +85,18 @@ class RankSizes:
         return cls(units[0].world_size if units else 1, rank_layout.numel,
                    sum(u.padded_numel for u in units), max((u.padded_numel for u in units), default=0),
                    max((u.shard_numel for u in units), default=0),
-                   max((g.numel for g in rank_layout.sub_groups), default=0),
-                   sum(u.shard_numel for u in units if u.shard_numel < small_below))
+                   max((g.numel for g in rank_layout.trainable_sub_groups), default=0),
+                   sum(u.shard_numel for u in units if u.shard_numel < small_below), rank_layout.trainable_numel)
 
     @classmethod
     def of_counts(cls, total_params: int, largest_layer_params: int, world_size: int,
-                  sub_group_size: int) -> "RankSizes":
-        """Sizes by formula, without a layout: the partition is ``⌈P/W⌉`` (a layout pads each unit)."""
+                  sub_group_size: int, trainable_params: Optional[int] = None) -> "RankSizes":
+        """Sizes by formula, without a layout: the partition is ``⌈P/W⌉`` (a layout pads each unit),
+        the optimizer's ``⌈T/W⌉`` of the ``trainable_params`` (all by default)."""
         shard = -(-total_params // world_size)
+        trainable = shard if trainable_params is None else -(-trainable_params // world_size)
         return cls(world_size, shard, total_params, largest_layer_params, -(-largest_layer_params // world_size),
-                   min(sub_group_size, shard))
+                   min(sub_group_size, trainable), trainable=trainable)
 
 
 @dataclass(frozen=True)
@@ -148,9 +156,9 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
         add(f"parameter swap buffers ({count} x {format_bytes(sizes.largest_shard * itemsize)})",
             count * sizes.largest_shard * itemsize, "zero_optimization.offload_param.buffer_count",
             compute if on_device else HOST, locked=par.pin_memory and not on_device)
-        if not is_master:
-            add("parameter swap files", (sizes.shard - in_cpu) * itemsize, "zero_optimization.offload_param.nvme_path",
-                NVME)
+        # homed in the master: the trainable units' shards; the frozen ones have swap files of their own
+        own = sizes.shard - in_cpu if not is_master else min(sizes.shard - sizes.optimized, sizes.shard - in_cpu)
+        add("parameter swap files", own * itemsize, "zero_optimization.offload_param.nvme_path", NVME)
     elif not is_master:
         if whole:
             what = ("parameters, whole (one rank: its partition is the whole model)" if sizes.world_size == 1
@@ -165,7 +173,9 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
                 "zero_optimization.offload_param.device", compute)
 
     if has_optimizer:
-        states = (2 + state_count) * 4 * sizes.shard
+        # fp32 shards in the master's flat home are the master, frozen units' included (engine/build.py)
+        master = sizes.shard if is_master and par.device != "nvme" else sizes.optimized
+        states = (1 + state_count) * 4 * sizes.optimized + 4 * master
         if opt.device == "nvme":
             sg = sizes.largest_sub_group
             per_buffer = (1 + state_count) * align_up(sg * 4) + sg * 4

@@ -1,0 +1,320 @@
+"""The optimizer covers the trainable units only (zero/stores/layouts.py [Note: the optimizer covers
+the trainable units only]): a unit with no parameter that requires grad has no fp32 master, no
+optimizer states and no gradient; its shard comes after the trainable ones' in the rank space, in
+sub-groups of its own, saved in checkpoints as its parameters' values."""
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import zero
+from helpers import base_config, ladder_config, run_ranks, train_engine, weights
+from zero.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+from zero.checkpoint.format import META, CheckpointCorruptionError, sub_group_file, units_from_meta
+from zero.examples import GPT, GPTConfig, add_lora, make_batches, train_reference, train_reference_mixed
+from zero.stores.layouts import build_rank_layout, build_unit_layout
+from zero.stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore
+from zero.stores.rank_memory import RankSizes, rank_memory_parts
+
+CFG = GPTConfig(vocab=64, d_model=32, heads=2, layers=2, seq=16)
+STATES = 2  # AdamW's exp_avg and exp_avg_sq
+
+
+def lora_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    torch.manual_seed(seed + 1)
+    add_lora(model, rank=2)
+    with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    return model
+
+
+def batches(n: int = 4):
+    return make_batches(dataclasses.replace(CFG), n, 2)
+
+
+def trainable_numel(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def swap_dir(path) -> str:
+    os.makedirs(path, exist_ok=True)
+    return str(path)
+
+
+def engine_of(model, config):
+    engine, _, _, _ = zero.initialize(model=model, config=config)
+    return engine
+
+
+@contextlib.contextmanager
+def built(model, config):
+    """An engine destroyed when the block ends."""
+    engine = engine_of(model, config)
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
+# -- the layout ----------------------------------------------------------------------------------------
+
+def _units(sizes, world_size=1):
+    return [build_unit_layout(i, f"m{i}", [((f"p{i}",), (n,))], world_size) for i, n in enumerate(sizes)]
+
+
+def test_frozen_shards_come_after_the_trainable_ones_in_sub_groups_of_their_own():
+    units = _units([100, 50, 30, 70, 20, 40])
+    layout = build_rank_layout(units, 0, sub_group_size=120, frozen={0, 3, 4})
+    # trainable 1, 2, 5 first (their order kept), then frozen 0, 3, 4
+    assert [layout.offsets[i] for i in (1, 2, 5)] == [0, 50, 80]
+    assert [layout.offsets[i] for i in (0, 3, 4)] == [120, 220, 290]
+    assert [(sg.units, sg.start, sg.stop, sg.frozen) for sg in layout.sub_groups] == [
+        ((1, 2, 5), 0, 120, False), ((0,), 120, 220, True), ((3, 4), 220, 310, True)]
+    assert layout.trainable_numel == 120 and layout.numel == 310
+    assert [sg.index for sg in layout.trainable_sub_groups] == [0]
+    assert [u.index for u in layout.trainable_units()] == [1, 2, 5]
+
+
+def test_without_frozen_units_the_layout_is_the_one_before():
+    units = _units([100, 50, 30, 70, 20, 40], world_size=2)
+    layout = build_rank_layout(units, 1, sub_group_size=60)
+    assert layout.offsets == (0, 50, 75, 90, 125, 135)
+    assert [(sg.units, sg.start, sg.stop) for sg in layout.sub_groups] == [
+        ((0,), 0, 50), ((1, 2), 50, 90), ((3, 4), 90, 135), ((5,), 135, 155)]
+    assert not any(sg.frozen for sg in layout.sub_groups) and layout.trainable_numel == layout.numel
+
+
+# -- training ------------------------------------------------------------------------------------------
+
+OFFLOADS = [("none", "none"), ("cpu", "cpu"), ("none", "cpu"), ("nvme", "nvme"), ("cpu", "nvme"), ("nvme", "cpu")]
+
+
+@pytest.mark.parametrize("offload_param,offload_optimizer", OFFLOADS)
+def test_stage3_lora_trains_bit_equal_to_plain_pytorch_with_states_for_the_adapters_only(
+        tmp_path, offload_param, offload_optimizer):
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    with built(model, base_config(offload_param, offload_optimizer, tmp_path, lr=1e-2, sub_group_size=2000)) as engine:
+        layout = engine.rank_layout
+        assert layout.frozen == {u.index for u in engine.parts.units if not u.grad_count} != set()
+        assert layout.trainable_numel == trainable_numel(reference) < layout.numel // 4
+        store = engine.parts.optimizer_store
+        if isinstance(store, FlatOptimizerStore):
+            assert all(s.numel() == layout.trainable_numel for s in store.states.values())
+            assert store.grads.numel() == layout.trainable_numel
+            # fp32 shards beside the master (computing on the CPU: host memory) are the master itself
+            holds_params = offload_param != "nvme"
+            assert store.master.numel() == (layout.numel if holds_params else layout.trainable_numel)
+        else:
+            assert isinstance(store, NvmeOptimizerStore)
+            assert sorted(store.swapper.sub_group_ids) == [sg.index for sg in layout.trainable_sub_groups]
+        losses = train_engine(engine, batches(), 4)
+        assert losses == train_reference(reference, batches(), 4, lr=1e-2)
+        got = weights(model)
+        for name, p in reference.named_parameters():
+            assert torch.equal(got[name], p.detach()), name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_below_stage_3_lora_trains_bit_equal_to_plain_pytorch(tmp_path, stage):
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    with built(model, ladder_config(stage, "nvme", tmp_path)) as engine:
+        assert engine.rank_layout.trainable_numel == trainable_numel(reference)
+        assert train_engine(engine, batches(), 4) == train_reference(reference, batches(), 4, lr=1e-2)
+
+
+def test_a_bf16_lora_step_equals_the_mixed_precision_recipe_and_the_frozen_base_stays_bf16_rounded(tmp_path):
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    with built(model, base_config("nvme", "nvme", tmp_path, lr=1e-2, precision="bf16")) as engine:
+        losses = train_engine(engine, batches(), 3)
+        expected = train_reference_mixed(reference, batches(), 3, torch.bfloat16, lr=1e-2)
+        assert losses == expected
+
+
+def test_with_the_optimizer_on_nvme_a_lora_step_moves_the_adapters_state_only(tmp_path):
+    model = lora_model()
+    with built(model, base_config("nvme", "nvme", tmp_path, lr=1e-2)) as engine:
+        swapper = engine.parts.optimizer_store.swapper
+        train_engine(engine, batches(), 1)
+        engine.parts.param_store.flush()
+        before = (swapper.io_bytes.read, swapper.io_bytes.written)
+        train_engine(engine, batches()[1:], 2)
+        engine.parts.param_store.flush()
+        swapper.synchronize()
+        trainable = engine.rank_layout.trainable_numel
+        per_step = [(swapper.io_bytes.read - before[0]) / 2, (swapper.io_bytes.written - before[1]) / 2]
+        # master, 2 states and the gradient, each padded to a 4 KiB page per sub-group at most
+        bound = (2 + STATES) * (4 * trainable + 4096 * len(engine.rank_layout.trainable_sub_groups))
+        assert 0 < per_step[0] <= bound and 0 < per_step[1] <= bound
+        files = os.listdir(engine.parts.optimizer_store.swap_dir)
+        assert len([f for f in files if "grad" not in f]) == len(engine.rank_layout.trainable_sub_groups)
+
+
+def test_the_memory_model_counts_sixteen_bytes_per_trainable_element_only(tmp_path):
+    model = lora_model()
+    with built(model, base_config("cpu", "cpu", tmp_path, lr=1e-2)) as engine:
+        sizes = RankSizes.of_layout(engine.rank_layout)
+        assert sizes.optimized == engine.rank_layout.trainable_numel < sizes.shard
+        zc = engine.config.zero_optimization
+        parts = rank_memory_parts(sizes, stage=3, offload_param=zc.offload_param, offload_optimizer=zc.offload_optimizer,
+                                  itemsize=4, compute_device="cpu", state_count=STATES)
+        optimizer = [p for p in parts if "optimizer states" in p.what]
+        # the master holds every fp32 shard (the parameters' home), states and gradient the trainable ones
+        assert [p.nbytes for p in optimizer] == [4 * sizes.shard + (1 + STATES) * 4 * sizes.optimized]
+
+
+def test_gathered_parameters_modifying_a_frozen_weight_changes_what_training_computes_with(tmp_path):
+    for offload in ("none", "nvme"):
+        model = lora_model()
+        reference = copy.deepcopy(model)
+        with built(model, base_config(offload, offload, swap_dir(tmp_path / offload), lr=1e-2)) as engine:
+            with torch.no_grad():
+                reference.ln_f.weight.mul_(0.5)
+            with zero.GatheredParameters([model.ln_f.weight], modifier_rank=0):
+                with torch.no_grad():
+                    model.ln_f.weight.mul_(0.5)
+            assert train_engine(engine, batches(), 2) == train_reference(reference, batches(), 2, lr=1e-2)
+            assert torch.equal(weights(model)["ln_f.weight"], reference.ln_f.weight.detach())
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+
+def _trained(tmp_path, offload="nvme", steps=2, model=None, **config):
+    model = model or lora_model()
+    engine = engine_of(model, base_config(offload, offload, swap_dir(tmp_path / "swap"), lr=1e-2, **config))
+    train_engine(engine, batches(), steps)
+    return engine, model
+
+
+def test_a_lora_checkpoint_saves_frozen_sub_groups_as_their_values_and_resumes_exactly(tmp_path):
+    engine, model = _trained(tmp_path)
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        saved = weights(model)
+        after = train_engine(engine, batches()[2:], 2)
+    finally:
+        engine.destroy()
+    meta = json.load(open(tmp_path / "ckpt" / "t" / META))
+    layout = build_rank_layout(units_from_meta(meta), 0, meta["sub_group_size"], set(meta["frozen_units"]))
+    assert layout.frozen and layout.sub_groups[-1].frozen
+    for sg in layout.sub_groups:
+        with safe_open(sub_group_file(str(tmp_path / "ckpt" / "t"), 0, sg.index), "pt") as f:
+            tensors = {k for k in f.keys() if not k.startswith("__pad__")}  # (page padding of the format)
+            assert tensors == ({"master"} if sg.frozen else {"master", "exp_avg", "exp_avg_sq"})
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    for name, value in saved.items():
+        assert torch.equal(consolidated[name], value), name
+    for offload in ("nvme", "cpu"):
+        with built(lora_model(seed=5), base_config(offload, offload, swap_dir(tmp_path / f"swap-{offload}"), lr=1e-2)) as engine2:
+            engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+            assert all(torch.equal(v, saved[n]) for n, v in weights(engine2.module).items())
+            assert train_engine(engine2, batches()[2:], 2) == after
+
+
+def test_a_lora_checkpoint_loads_into_an_engine_that_trains_everything_with_fresh_states_for_the_base(tmp_path):
+    engine, model = _trained(tmp_path)
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        saved = weights(model)
+    finally:
+        engine.destroy()
+    unfrozen = lora_model(seed=5)
+    unfrozen.requires_grad_(True)
+    with built(unfrozen, base_config("nvme", "nvme", swap_dir(tmp_path / "swap2"), lr=1e-2)) as engine2:
+        assert not engine2.rank_layout.frozen
+        engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        assert all(torch.equal(v, saved[n]) for n, v in weights(engine2.module).items())
+        for sg in engine2.rank_layout.sub_groups:
+            master, states = engine2.parts.optimizer_store.read(sg)
+            for index in sg.units:
+                start, stop = engine2.rank_layout.unit_range(index)
+                if not engine.parts.units[index].grad_count:  # frozen when saved: Adam starts again
+                    assert all(not v[start - sg.start:stop - sg.start].any() for v in states.values())
+        train_engine(engine2, batches(), 1)
+
+
+def test_a_checkpoint_of_an_all_trainable_engine_loads_into_a_lora_engine(tmp_path):
+    model = lora_model()
+    model.requires_grad_(True)
+    engine, _ = _trained(tmp_path, model=model)
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        saved = weights(model)
+    finally:
+        engine.destroy()
+    with built(lora_model(seed=5), base_config("nvme", "nvme", swap_dir(tmp_path / "swap2"), lr=1e-2)) as engine2:
+        assert engine2.rank_layout.frozen
+        engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        assert all(torch.equal(v, saved[n]) for n, v in weights(engine2.module).items())
+
+
+def test_a_damaged_frozen_units_record_is_refused(tmp_path):
+    engine, _ = _trained(tmp_path, steps=1)
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        path = tmp_path / "ckpt" / "t" / META
+        meta = json.load(open(path))
+        for bad in ([0, 0], [-1], [10 ** 6], "0", [1.5]):
+            json.dump(dict(meta, frozen_units=bad), open(path, "w"))
+            with pytest.raises(CheckpointCorruptionError, match="frozen_units"):
+                get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"), tag="t")
+            with pytest.raises(CheckpointCorruptionError, match="frozen_units"):
+                engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    finally:
+        engine.destroy()
+
+
+def scenario_save_lora_on_two_ranks(rank, world_size, scratch):
+    model = lora_model()
+    config = base_config("nvme", "nvme", swap_dir(os.path.join(scratch, f"swap{rank}")), lr=1e-2, world_size=world_size,
+                         micro=2, sub_group_size=2000)
+    with built(model, config) as engine:
+        train_engine(engine, batches(), 2, rank=rank, shards=world_size)
+        engine.save_checkpoint(os.path.join(scratch, "ckpt"), tag="t")
+        losses = train_engine(engine, batches()[2:], 2, rank=rank, shards=world_size)
+        return {"losses": losses, "frozen": sorted(engine.rank_layout.frozen)}
+
+
+def test_a_lora_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
+    results = run_ranks(2, [("save", scenario_save_lora_on_two_ranks, {})], tmp_path)
+    assert results[0]["save"]["frozen"]
+    ckpt = str(tmp_path / "save" / "ckpt")
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="t")
+    with built(lora_model(seed=5), base_config("nvme", "nvme", swap_dir(tmp_path / "swap"), lr=1e-2, micro=4)) as engine:
+        engine.load_checkpoint(ckpt, tag="t")
+        got = weights(engine.module)
+        assert all(torch.equal(got[n], consolidated[n]) for n in got)
+        losses = train_engine(engine, batches()[2:], 2)
+        two_ranks = [sum(results[r]["save"]["losses"][i] for r in range(2)) / 2 for i in range(2)]
+        assert losses == pytest.approx(two_ranks, rel=1e-5)
+
+
+def test_the_estimate_gives_optimizer_state_to_the_modules_that_train_only():
+    from zero.stores.estimator import estimate_rank_bytes
+
+    model = lora_model()
+    total = sum(p.numel() for p in model.parameters())
+    trainable = trainable_numel(model)
+
+    def optimizer_bytes(**kw):
+        rank = estimate_rank_bytes(model, stage=3, offload_param="nvme", offload_optimizer="cpu", dtype="fp32",
+                                   compute_device="cpu", **kw)
+        return sum(p.nbytes for p in rank.parts if "optimizer states" in p.what)
+
+    assert optimizer_bytes() == 16 * trainable < 16 * total // 4
+    assert optimizer_bytes(trainable_params=total) == 16 * total  # a count: everything unless told
+    model.ln_f.bias.requires_grad_(True)  # its module's weight gets a master too (one unit)
+    assert optimizer_bytes() == 16 * (trainable + model.ln_f.weight.numel() + model.ln_f.bias.numel())
+    with pytest.raises(ValueError, match="trainable_params must be between 0 and the model's"):
+        optimizer_bytes(trainable_params=total + 1)
