@@ -313,14 +313,24 @@ def figures(record: dict) -> list:
     m = record["meta"]
     when = m.get("when", m["started"])
     out = []
+    on_nvme = m.get("optimizer", "cpu") == "nvme"  # issue 32's byte goals are for the optimizer in host memory
     for dtype in sorted({r["dtype"] for r in record["runs"]}, key=lambda d: d != "fp32"):
         ratio = bytes_ratio(record, dtype)
         if ratio is not None:
             off, on = _find(record["runs"], dtype, False), _find(record["runs"], dtype, True)
             out.append(harness.Figure(
                 f"{dtype} base: bytes / iteration, int8 over {dtype} (s / iteration {on['median_s']:.2f} vs "
-                f"{off['median_s']:.2f})", f"**{ratio:.3f}x**", f"≤ {GOALS[dtype]}x (issue 32)",
-                ratio <= GOALS[dtype], when))
+                f"{off['median_s']:.2f})", f"**{ratio:.3f}x**",
+                "— (issue 32's goal is with the optimizer in host memory)" if on_nvme
+                else f"≤ {GOALS[dtype]}x (issue 32)", None if on_nvme else ratio <= GOALS[dtype], when))
+            if on_nvme:
+                moved = off["optimizer_read_bytes"] + off["optimizer_write_bytes"]
+                per_param = moved / off["trainable"]
+                out.append(harness.Figure(
+                    f"{dtype}: optimizer bytes / iteration per trainable parameter (read + written; "
+                    f"{off['params'] / 1e6:.0f}M parameters, {off['trainable'] / 1e6:.2f}M trainable)",
+                    f"**{per_param:.1f} B**", "24 B: the adapters' master and 2 states, each way (not every "
+                    "parameter's: zero/stores/layouts.py)", per_param <= 24 * 1.02, when))
         t = time_ratios(record, dtype)
         if t is not None:
             off = _find(record["runs"], dtype, False)

@@ -318,3 +318,27 @@ def test_the_estimate_gives_optimizer_state_to_the_modules_that_train_only():
     assert optimizer_bytes() == 16 * (trainable + model.ln_f.weight.numel() + model.ln_f.bias.numel())
     with pytest.raises(ValueError, match="trainable_params must be between 0 and the model's"):
         optimizer_bytes(trainable_params=total + 1)
+
+
+@pytest.mark.parametrize("stage,offload_param", [(3, "nvme"), (2, "none")])
+def test_a_checkpoint_saved_while_frozen_units_stay_gathered_resumes_exactly(tmp_path, stage, offload_param):
+    # the layer norms and adapters persistent (gathered between steps): stage 3 with a threshold, or stage 2
+    config = base_config(offload_param, "nvme", swap_dir(tmp_path / "swap"), lr=1e-2, stage=stage,
+                         stage3_param_persistence_threshold=400 if stage == 3 else 0)
+    if stage < 3:
+        config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                       if not k.startswith("stage3_") and k != "offload_param"}
+    model = lora_model()
+    with built(model, config) as engine:
+        assert any(u.persistent and not u.grad_count for u in engine.parts.units)
+        train_engine(engine, batches(), 2)
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        saved = weights(model)
+        after = train_engine(engine, batches()[2:], 2)
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = swap_dir(tmp_path / "swap2")
+    if stage == 3:
+        config["zero_optimization"]["offload_param"]["nvme_path"] = swap_dir(tmp_path / "swap2")
+    with built(lora_model(seed=5), config) as engine2:
+        engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        assert all(torch.equal(v, saved[n]) for n, v in weights(engine2.module).items())
+        assert train_engine(engine2, batches()[2:], 2) == after
