@@ -1,0 +1,69 @@
+"""A peft LoRA model through zero.hf.ZeroTrainer with parameters and optimizer on NVMe: the
+plain Trainer's losses and weights, optimizer state for the adapters only (zero/stores/layouts.py
+[Note: the optimizer covers the trainable units only]), and a Trainer checkpoint that resumes
+exactly."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs the hf extra: pip install 'nvmeio[hf]'")
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install 'nvmeio[hf]'")
+peft = pytest.importorskip("peft", reason="needs peft: pip install peft")
+
+from transformers import Trainer
+
+from test_hf_trainer import dataset, losses, nvme_config, tiny_gpt2, training_args
+from zero.hf import ZeroTrainer
+from zero.partitioning.full_state_dict import full_state_dict
+
+
+def lora_gpt2():
+    model = tiny_gpt2()
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
+                                                       fan_in_fan_out=True))
+    with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def swap_dir(path) -> str:
+    os.makedirs(path, exist_ok=True)
+    return str(path)
+
+
+def test_a_peft_model_trains_as_the_plain_trainer_with_optimizer_state_for_the_adapters_only(tmp_path):
+    plain = Trainer(model=lora_gpt2(), args=training_args(tmp_path / "plain"), train_dataset=dataset())
+    plain.train()
+    ours = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "ours"), train_dataset=dataset(),
+                       zero_config=nvme_config(swap_dir(tmp_path / "nvme")))
+    ours.train()
+    torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)
+    expected = plain.model.state_dict()
+    for name, value in full_state_dict(ours.model).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    engine = ours.zero_engine
+    trainable = sum(p.ds_numel for p in ours.model.parameters() if p.requires_grad)  # (partitioned)
+    assert engine.rank_layout.frozen and engine.rank_layout.trainable_numel == trainable
+    assert engine.parts.optimizer_store.swapper.nvme_bytes < 16 * trainable + 4096 * 16 * len(
+        engine.rank_layout.trainable_sub_groups)
+
+
+def test_a_peft_trainer_checkpoint_resumes_exactly(tmp_path):
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, weight_decay=0.0)
+    whole = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "whole", **args), train_dataset=dataset(),
+                        zero_config=nvme_config(swap_dir(tmp_path / "nvme1")))
+    whole.train()
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    assert {"latest", "global_step2"} <= set(os.listdir(checkpoint))
+    resumed = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "resumed", **args),
+                          train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / "nvme2")))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert losses(resumed) == losses(whole)
+    final = full_state_dict(whole.model)
+    for name, value in full_state_dict(resumed.model).items():
+        assert torch.equal(value, final[name]), name
