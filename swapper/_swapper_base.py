@@ -142,12 +142,19 @@ class SwapperBase(abc.ABC):
         if self._pool is not None:
             self._pool.close()
 
-    def check_free_space(self) -> None:
+    def check_free_space(self, own_bytes: Optional[int] = None) -> None:
         """Raise :class:`InsufficientSwapSpaceError` now if the file system cannot hold the swap
         files of every entry registered so far (the first write checks this anyway; a caller
-        that is about to hand over data it cannot get back asks first)."""
+        that is about to hand over data it cannot get back asks first). ``own_bytes``: where
+        some entries will be stored in another owner's file (a parameter homed in the
+        optimizer's master, ``store_at``), the bytes of the files this swapper writes itself;
+        the writes then check no more than that until more is registered."""
         self._check_open()
-        self._check_space()
+        if own_bytes is None:
+            self._check_space()
+            return
+        self.swap_dir.check_free_space(own_bytes, f"{self._entry_noun} in files of their own")
+        self._space_checked = max(self._space_checked, self.nvme_bytes)
 
     close = cleanup
 

@@ -20,6 +20,7 @@ from zero.examples import GPT, GPTConfig, add_lora, make_batches, train_referenc
 from zero.stores.layouts import build_rank_layout, build_unit_layout
 from zero.stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore
 from zero.stores.rank_memory import RankSizes, rank_memory_parts
+from swapper import InsufficientSwapSpaceError
 
 CFG = GPTConfig(vocab=64, d_model=32, heads=2, layers=2, seq=16)
 STATES = 2  # AdamW's exp_avg and exp_avg_sq
@@ -342,3 +343,20 @@ def test_a_checkpoint_saved_while_frozen_units_stay_gathered_resumes_exactly(tmp
         engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
         assert all(torch.equal(v, saved[n]) for n, v in weights(engine2.module).items())
         assert train_engine(engine2, batches()[2:], 2) == after
+
+
+def test_parameter_swap_space_is_asked_for_the_frozen_units_files_only_where_the_rest_is_homed(tmp_path, monkeypatch):
+    # fp32 parameters and optimizer on NVMe: a trainable unit's shard lives in the optimizer's master
+    # (param_store.py), a frozen one's in a swap file of its own; the drive needs room for those only.
+    model = lora_model()
+    frozen_bytes = 4 * sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    params, states = swap_dir(tmp_path / "params"), swap_dir(tmp_path / "states")
+    room = {params: frozen_bytes, states: 1 << 40}  # less than every parameter's 4 bytes
+    monkeypatch.setattr("swapper._swap_dir.disk_free_bytes", lambda path: room[os.fspath(path)])
+    config = base_config("nvme", "nvme", params, lr=1e-2)
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = states
+    with built(model, config) as engine:
+        train_engine(engine, batches(), 2)
+    room[params] = frozen_bytes - 1
+    with pytest.raises(InsufficientSwapSpaceError, match="parameter partitions in files of their own need"):
+        engine_of(lora_model(), config)

@@ -553,7 +553,7 @@ class NvmeParamStore(ParamStore):
         # homed shards take no space of their own (the master's file holds them): only the others
         own = sum(self.frozen.nbytes(u) if self.frozen.packs(u) else u.shard_numel * self.dtype.itemsize
                   for u in self.rank_layout.units if not self._homed(u))
-        self.swapper.swap_dir.check_free_space(own, "parameter swap files")
+        self.swapper.check_free_space(own_bytes=own)
 
     @property
     def swap_dir(self) -> str:
