@@ -67,3 +67,15 @@ def test_a_peft_trainer_checkpoint_resumes_exactly(tmp_path):
     final = full_state_dict(whole.model)
     for name, value in full_state_dict(resumed.model).items():
         assert torch.equal(value, final[name]), name
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_peft_model_with_gradient_checkpointing_trains_as_the_plain_trainer(tmp_path, reentrant):
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    plain = Trainer(model=lora_gpt2(), args=training_args(tmp_path / "plain", **checkpointing),
+                    train_dataset=dataset())
+    plain.train()
+    ours = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "ours", **checkpointing),
+                       train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / "nvme")))
+    ours.train()
+    torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)

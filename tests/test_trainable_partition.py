@@ -347,7 +347,7 @@ def test_a_checkpoint_saved_while_frozen_units_stay_gathered_resumes_exactly(tmp
 
 def test_parameter_swap_space_is_asked_for_the_frozen_units_files_only_where_the_rest_is_homed(tmp_path, monkeypatch):
     # fp32 parameters and optimizer on NVMe: a trainable unit's shard lives in the optimizer's master
-    # (param_store.py), a frozen one's in a swap file of its own; the drive needs room for those only.
+    # (zero/stores/param_store.py), a frozen one's in a swap file of its own; the drive needs room for those only.
     model = lora_model()
     frozen_bytes = 4 * sum(p.numel() for p in model.parameters() if not p.requires_grad)
     params, states = swap_dir(tmp_path / "params"), swap_dir(tmp_path / "states")
@@ -360,3 +360,54 @@ def test_parameter_swap_space_is_asked_for_the_frozen_units_files_only_where_the
     room[params] = frozen_bytes - 1
     with pytest.raises(InsufficientSwapSpaceError, match="parameter partitions in files of their own need"):
         engine_of(lora_model(), config)
+
+
+# -- frozen units in backward (zero/runtime/hooks.py [Note: frozen units in backward]) -------------------
+
+def _lora_checkpointed(seed: int = 0):
+    from helpers import CheckpointedGPT
+
+    torch.manual_seed(seed)
+    model = CheckpointedGPT(CFG)
+    torch.manual_seed(seed + 1)
+    add_lora(model, rank=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    return model
+
+
+def test_a_frozen_unit_goes_once_its_modules_backward_is_over_not_at_the_end_of_backward(tmp_path, monkeypatch):
+    from zero.runtime.hooks import Coordinator
+    from zero.runtime.unit import ParamState
+
+    model = lora_model()
+    reference = copy.deepcopy(model)
+    with built(model, base_config("nvme", "nvme", tmp_path, lr=1e-2)) as engine:
+        frozen = [u for u in engine.parts.units if u.index in engine.rank_layout.frozen and not u.persistent]
+        assert len(frozen) > 8
+        at_end = []
+        end_backward = Coordinator.end_backward
+
+        def counting(coordinator):
+            at_end.append(sum(u.state is ParamState.AVAILABLE for u in frozen))
+            end_backward(coordinator)
+        monkeypatch.setattr(Coordinator, "end_backward", counting)
+        assert train_engine(engine, batches(), 3) == train_reference(reference, batches(), 3, lr=1e-2)
+        # the embedding alone (its input, token ids, takes no gradient): before, every frozen unit
+        # the backward had gathered (13 of 15 here) stayed until its end
+        assert at_end == [1, 1, 1]
+
+
+@pytest.mark.parametrize("offload", ["nvme", "none"])
+def test_non_reentrant_activation_checkpointing_with_a_frozen_base_trains_as_plain_pytorch(tmp_path, offload):
+    # torch.utils.checkpoint(use_reentrant=False) saves a frozen weight itself: a recomputed forward
+    # that released it emptied the tensor backward reads ("Recomputed values ... different metadata")
+    model = _lora_checkpointed()
+    reference = copy.deepcopy(model)
+    with built(model, base_config(offload, offload, tmp_path, lr=1e-2)) as engine:
+        assert train_engine(engine, batches(), 3) == train_reference(reference, batches(), 3, lr=1e-2)
+        got = weights(model)
+        for name, p in reference.named_parameters():
+            assert torch.equal(got[name], p.detach()), name

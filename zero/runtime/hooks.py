@@ -315,10 +315,15 @@ class Coordinator:
     def _post_forward(self, module: nn.Module, args, output) -> None:
         frame = self.stack.pop()
         last = self.window is None or self.window.last  # a window releases after its last micro-batch
+        # A forward run inside backward recomputes a checkpointed segment: what it saved for backward
+        # holds frozen parameters themselves, not detached views ([Note: frozen units in backward]).
+        recompute = torch._C._current_graph_task_id() != -1
         for u in frame.units:
             u.unhold()
-            if last:
+            if last and not recompute:
                 self.maybe_release(u)
+        if torch.is_grad_enabled() and self.reducer is not None and self.window is None:
+            self._release_after_backward(module, args)
         if torch.is_grad_enabled() and self.reducer is not None:
             tensors = output_tensors(output)
             if tensors:
@@ -329,6 +334,28 @@ class Coordinator:
                     register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
                 if self.window is not None:
                     self.window.finished(module)  # its backwards take turns there
+
+    # [Note: frozen units in backward]
+    # A unit with no parameter that requires grad (a LoRA base) has no gradient whose reduction
+    # says its module's backward is over, so a unit gathered for a backward stayed gathered until
+    # the backward ended: by then a LoRA model's whole frozen base, past stage3_max_live_parameters.
+    # Instead, a forward registers a hook on its module's inputs that need a gradient; it fires once
+    # the module's backward has computed theirs, and nothing in that backward reads the frozen
+    # weights after it: then they go. A module whose inputs need no gradient has no backward
+    # through its weights (nothing is fetched for it). A forward recomputed in backward
+    # (torch.utils.checkpoint) releases nothing when it ends: non-reentrant checkpointing saves a
+    # frozen parameter itself (a trainable one as a detached view), and releasing it would empty
+    # the very tensor backward reads ("Recomputed values ... have different metadata"); the hooks
+    # of the original forward, or of the reentrant recompute's own backward, release it.
+    def _release_after_backward(self, module: nn.Module, args) -> None:
+        units = [u for u in self.module_units.get(module, ()) if not u.grad_count and not u.persistent]
+        inputs = output_tensors(args) if units else []
+        if inputs:
+            register_multi_grad_hook(inputs, lambda grads, units=units: self._backward_done(units), mode="all")
+
+    def _backward_done(self, units: List[ParamUnit]) -> None:
+        for u in units:
+            self.maybe_release(u)
 
     def on_param_access(self, p: nn.Parameter) -> None:
         entry = self.slot_of.get(p)
