@@ -116,7 +116,7 @@ def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, all_keys, all_load
 def _unit_keys(reader: ShardReader, sg, index: int, keys):
     """What a resharded load reads of a unit: its master alone where this engine's sub-group or
     the checkpoint has no states for it (a unit frozen when saved starts with zero states)."""
-    return list(keys[:1]) if sg.frozen or index in reader.frozen else list(keys)
+    return list(keys[:1]) if index in reader.frozen else _sub_group_keys(sg, keys)
 
 
 def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:

@@ -224,7 +224,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
         release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release)
-    frozen = _frozen_shards(config, units, spec, comm, device)
+    frozen = _frozen_shards(config, units, rank_layout, spec, comm, device)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
                                     frozen)
     _link_units(units, rank_layout, param_store, opt_store, release)
@@ -298,15 +298,15 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
     return store
 
 
-def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec], comm: Comm,
-                   device: torch.device) -> FrozenShards:
+def _frozen_shards(config, units: List[ParamUnit], rank_layout: RankLayout, spec: Optional[OptimizerSpec],
+                   comm: Comm, device: torch.device) -> FrozenShards:
     """The units stored quantized with ``zero_quantized_nontrainable_weights`` (stage 3): those
     whose parameters are all frozen, every one in an engine without an optimizer (see
     stores/quantized.py, [Note: frozen weights stored quantized])."""
     zc = config.zero_optimization
     if not zc.zero_quantized_nontrainable_weights or zc.stage < 3:
         return NOT_QUANTIZED  # below stage 3 the config warned that it has no effect
-    frozen = {u.index for u in units if spec is None or u.grad_count == 0}
+    frozen = set(rank_layout.frozen) if spec is not None else {u.index for u in units}
     mixed = [u.layout.module_name or "<root>" for u in units
              if spec is not None and 0 < u.grad_count < len(u.params)]
     numel = sum(u.layout.numel for u in units if u.index in frozen)

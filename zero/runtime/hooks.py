@@ -159,6 +159,9 @@ class Coordinator:
 
     # -- installation -------------------------------------------------------------------------
     def install(self) -> None:
+        # Per module, the frozen units released after its backward (persistence is chosen by now).
+        self._frozen_units = {m: [u for u in us if not u.grad_count and not u.persistent]
+                              for m, us in self.module_units.items()}
         modules = list(self.module_units)
         if self.root not in self.module_units:
             modules.insert(0, self.root)
@@ -348,7 +351,7 @@ class Coordinator:
     # the very tensor backward reads ("Recomputed values ... have different metadata"); the hooks
     # of the original forward, or of the reentrant recompute's own backward, release it.
     def _release_after_backward(self, module: nn.Module, args) -> None:
-        units = [u for u in self.module_units.get(module, ()) if not u.grad_count and not u.persistent]
+        units = self._frozen_units.get(module)
         inputs = output_tensors(args) if units else []
         if inputs:
             register_multi_grad_hook(inputs, lambda grads, units=units: self._backward_done(units), mode="all")
