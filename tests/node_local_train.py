@@ -65,7 +65,9 @@ def main(scratch: str, phase: str) -> None:
     os.makedirs(os.path.join(scratch, "results"), exist_ok=True)
     with open(os.path.join(scratch, "results", f"{phase}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    print(f"DONE rank {rank} pid {os.getpid()}", flush=True)
+    # One write: the node's workers share its agent's stdout, and print's text and newline are two
+    # writes, between which another worker's line can land.
+    os.write(sys.stdout.fileno(), f"DONE rank {rank} pid {os.getpid()}\n".encode())
     if phase == "first":
         time.sleep(600)  # killed by the test: the node crashes after its checkpoint
     engine.destroy()

@@ -64,7 +64,8 @@ def _distinct_ports(count: int) -> list:
 
 
 def _wait_until_done(node, count: int, deadline: float) -> None:
-    """Lines of ``node``'s output until its ``count`` workers have printed DONE."""
+    """Lines of ``node``'s output until its ``count`` workers have printed DONE (counted anywhere in
+    a line: the workers share the pipe, and another's output may precede a DONE on its line)."""
     done, printed = 0, []
     while done < count:
         line = wait_for_line(node, max(1.0, deadline - time.monotonic()))
@@ -72,7 +73,7 @@ def _wait_until_done(node, count: int, deadline: float) -> None:
             out, _ = finish_process(node, 30)
             raise AssertionError("a node exited before its workers were done:\n" + "".join(printed) + (out or ""))
         printed.append(line)
-        done += line.startswith("DONE")
+        done += line.count("DONE rank ")
 
 
 def _stop_all(nodes: dict) -> None:
