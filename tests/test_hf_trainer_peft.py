@@ -1,7 +1,9 @@
 """A peft LoRA model through zero.hf.ZeroTrainer with parameters and optimizer on NVMe: the
 plain Trainer's losses and weights, optimizer state for the adapters only (zero/stores/layouts.py
 [Note: the optimizer covers the trainable units only]), and a Trainer checkpoint that resumes
-exactly."""
+exactly, holding the adapters without the frozen base (as the Trainer saves a peft model under
+DeepSpeed: exclude_frozen_parameters=True)."""
+import json
 import os
 
 import pytest
@@ -59,6 +61,10 @@ def test_a_peft_trainer_checkpoint_resumes_exactly(tmp_path):
     whole.train()
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     assert {"latest", "global_step2"} <= set(os.listdir(checkpoint))
+    meta = json.load(open(checkpoint / "global_step2" / "zero_meta.json"))
+    assert meta["excluded_units"] and meta["excluded_units"] == meta["frozen_units"]
+    shards = [f for f in os.listdir(checkpoint / "global_step2" / "rank00000") if f.startswith("subgroup")]
+    assert len(shards) == len(whole.zero_engine.rank_layout.trainable_sub_groups)
     resumed = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "resumed", **args),
                           train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / "nvme2")))
     resumed.train(resume_from_checkpoint=str(checkpoint))

@@ -4,10 +4,12 @@ effect warned about by name.
 cpu_checkpointing keeps a train_batch window's saved activations in host memory (results unchanged) and
 warns where no window runs; partition_activations and DeepSpeed's other activation keys reach the config,
 which says they have no effect here; save_full_weights writes one Lightning file with the gathered weights
-(exclude_frozen_parameters leaves the frozen ones out, and warns without save_full_weights); load_full_weights
+(exclude_frozen_parameters leaves the frozen ones out of it, and out of a checkpoint directory, which then
+loads only where the module's strict_loading allows); load_full_weights
 loads such a file (or any Lightning checkpoint of the module) into the partitions, on one rank and on two,
 strictly unless the module says otherwise; arguments beside config= are said to be replaced by it.
 """
+import json
 import os
 
 import pytest
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from zero.config import IgnoredSettingWarning, load_config
 from zero.examples import GPT, GPTConfig, make_batches
 from zero.lightning import ZeroStrategy
+from zero.integrations.lightning_strategy import CHECKPOINT_TAG
 from zero.partitioning.full_state_dict import full_state_dict
 from zero.runtime.activation_spill import MIN_SPILL_BYTES
 from helpers import run_ranks
@@ -118,7 +121,7 @@ class FrozenNorm(GPTModule):
         self.gpt.ln_f.requires_grad_(False)
 
 
-def test_exclude_frozen_parameters_leaves_them_out_of_the_file_and_warns_without_one(tmp_path):
+def test_exclude_frozen_parameters_leaves_them_out_of_the_file(tmp_path):
     module, t = fit_one_epoch(tmp_path, ZeroStrategy(stage=3, save_full_weights=True, exclude_frozen_parameters=True),
                               FrozenNorm())
     t.save_checkpoint(tmp_path / "trainable.ckpt")
@@ -126,17 +129,32 @@ def test_exclude_frozen_parameters_leaves_them_out_of_the_file_and_warns_without
     everything = full_state_dict(module)
     assert set(everything) - set(saved) == {"gpt.ln_f.weight", "gpt.ln_f.bias"}
     assert_same_weights({k: v for k, v in everything.items() if k in saved}, saved, exact=True)
-    with pytest.warns(IgnoredSettingWarning, match=r"ZeroStrategy\(exclude_frozen_parameters=True\) leaves frozen "
-                                                   r"parameters out of the files save_full_weights=True writes; "
-                                                   r"without it it has no effect: a checkpoint directory holds every "
-                                                   r"parameter \(its shards are the optimizer's swap-file layout\)"):
-        ZeroStrategy(stage=3, exclude_frozen_parameters=True)
     # a file without them loads where the module allows it (as with DeepSpeedStrategy)
     loader_module = FrozenNorm()
     loader_module.strict_loading = False
     t2 = trainer(ZeroStrategy(stage=3, load_full_weights=True), tmp_path, max_steps=-1, max_epochs=1)
     t2.validate(loader_module, loader(2), ckpt_path=str(tmp_path / "trainable.ckpt"), verbose=False)
     assert_same_weights(everything, full_state_dict(loader_module), exact=True)  # ln_f: the same initial values
+
+
+def test_exclude_frozen_parameters_leaves_them_out_of_a_checkpoint_directory_too(tmp_path):
+    module, t = fit_one_epoch(tmp_path, ZeroStrategy(stage=3, exclude_frozen_parameters=True), FrozenNorm())
+    t.save_checkpoint(tmp_path / "ckpt")
+    meta = json.load(open(tmp_path / "ckpt" / CHECKPOINT_TAG / "zero_meta.json"))
+    left_out = [p["names"][0] for i in meta["excluded_units"] for p in meta["units"][i]["params"]]
+    assert sorted(left_out) == ["gpt.ln_f.bias", "gpt.ln_f.weight"]
+    everything = full_state_dict(module)
+    with pytest.raises(ValueError, match=r"holds no values for 2 frozen parameter\(s\) \(gpt.ln_f.weight, "
+                                         r"gpt.ln_f.bias\); load it with load_module_strict=False"):
+        trainer(ZeroStrategy(stage=3), tmp_path, max_steps=-1, max_epochs=1).validate(
+            FrozenNorm(), loader(2), ckpt_path=str(tmp_path / "ckpt"), verbose=False)
+    lenient = FrozenNorm()
+    lenient.strict_loading = False
+    with torch.no_grad():  # the trained weights come from the checkpoint, ln_f stays the module's
+        lenient.gpt.wte.weight.add_(1.0)
+    trainer(ZeroStrategy(stage=3), tmp_path, max_steps=-1, max_epochs=1).validate(
+        lenient, loader(2), ckpt_path=str(tmp_path / "ckpt"), verbose=False)
+    assert_same_weights(everything, full_state_dict(lenient), exact=True)  # ln_f: the same initial values
 
 
 class Loaded(pl.Callback):

@@ -4,7 +4,8 @@ run continues as DeepSpeed continued it.
 The fixtures under tests/data/deepspeed_ckpt/ were made by DeepSpeed 0.19.8 itself
 (tools/make_deepspeed_checkpoints.py: the tiny GPT of zero.examples, 2 gloo ranks on the CPU,
 ZeRO stages 1, 2 and 3 in fp32 and stage 2 in bf16, AdamW with torch_adam, a WarmupDecayLR
-schedule, gradient clipping; ``pos`` frozen at stages 1 and 3), each next to a JSON file with
+schedule, gradient clipping; ``pos`` frozen at stages 1 and 3, and left out of the files by
+``exclude_frozen_parameters=True`` in the ``*_exclude_frozen`` ones), each next to a JSON file with
 the config, the data and the losses and learning rates DeepSpeed got in the steps after the
 checkpoint. Here each is loaded at its own stage and at others, on 1 and 2 ranks, and the next
 steps are compared with DeepSpeed's.
@@ -71,14 +72,15 @@ def fixture_model(rec: dict):
     return build
 
 
-def continue_run(rank: int, world_size: int, scratch, name: str, stage: int, offload: str = "none") -> dict:
-    """Load fixture ``name`` into an engine at ``stage`` and train the steps DeepSpeed took after
-    the checkpoint; what the engine said at the load and after each step."""
+def continue_run(rank: int, world_size: int, scratch, name: str, stage: int, offload: str = "none",
+                 seed: int = 7, strict: bool = True) -> dict:
+    """Load fixture ``name`` into an engine at ``stage`` (its model built after ``seed``) and train
+    the steps DeepSpeed took after the checkpoint; what the engine said at the load and after each step."""
     rec = record(name)
-    engine = make_engine(scratch, config=engine_config(rec, stage, world_size, offload, scratch), seed=7,
+    engine = make_engine(scratch, config=engine_config(rec, stage, world_size, offload, scratch), seed=seed,
                          model=fixture_model(rec))
     try:
-        path, client = engine.load_checkpoint(FIXTURES / name)
+        path, client = engine.load_checkpoint(FIXTURES / name, load_module_strict=strict)
         out = {"path": path, "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                "micro_steps": engine.micro_steps, "adam_step": engine.optimizer.adam_step,
                "lr": engine.get_lr(), "client_keys": sorted(client), "ds_version": client.get("ds_version")}
@@ -127,6 +129,31 @@ def test_a_deepspeed_checkpoint_continues_as_deepspeed_did_on_one_rank(tmp_path,
 
 def test_a_deepspeed_checkpoint_continues_with_the_optimizer_on_nvme(tmp_path):
     check_continuation(continue_run(0, 1, tmp_path, "stage3", 3, offload="nvme"), record("stage3"), 0, 1)
+
+
+# -- saved with exclude_frozen_parameters=True -----------------------------------------------------
+
+@pytest.mark.parametrize("name, stage", [("stage1_exclude_frozen", 1), ("stage1_exclude_frozen", 3),
+                                         ("stage3_exclude_frozen", 3), ("stage3_exclude_frozen", 2)])
+def test_a_deepspeed_checkpoint_without_its_frozen_parameters_continues_with_the_models_own(tmp_path, name, stage):
+    """The frozen ``pos`` is not in the files: the model built as DeepSpeed's was (its seed) keeps
+    its own, and the run goes on as DeepSpeed's did."""
+    rec = record(name)
+    assert rec["exclude_frozen_parameters"] and "pos" not in rec["zero_to_fp32_sha256"]
+    check_continuation(continue_run(0, 1, tmp_path, name, stage, seed=rec["model_seed"], strict=False), rec, 0, 1)
+
+
+def test_a_strict_load_of_it_is_refused_saying_why(tmp_path):
+    rec = record("stage3_exclude_frozen")
+    engine = make_engine(tmp_path, config=engine_config(rec, 3, 1), model=fixture_model(rec))
+    try:
+        before = weights(engine.module)
+        with pytest.raises(ValueError, match=r"parameters missing from it: pos \(saved with "
+                                             r"exclude_frozen_parameters=True\? load_module_strict=False keeps"):
+            engine.load_checkpoint(FIXTURES / "stage3_exclude_frozen")
+        assert same_weights(before, weights(engine.module)) and engine.global_steps == 0
+    finally:
+        engine.destroy()
 
 
 # -- two ranks --------------------------------------------------------------------------------------

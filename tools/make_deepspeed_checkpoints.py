@@ -8,7 +8,8 @@ file of this repository it needs. For each fixture it starts two gloo ranks on
 the CPU (``DS_ACCELERATOR=cpu``), trains the tiny GPT below for
 ``STEPS_BEFORE`` optimizer steps with ``deepspeed.initialize`` (AdamW with
 ``torch_adam``, a WarmupDecayLR schedule, gradient clipping), saves with
-``engine.save_checkpoint(<out>/<name>)`` and goes on for ``STEPS_AFTER``
+``engine.save_checkpoint(<out>/<name>)`` (``exclude_frozen_parameters=True`` for the
+``*_exclude_frozen`` fixtures) and goes on for ``STEPS_AFTER``
 more steps, recording each rank's loss and the learning rate of every step.
 ``<out>/<name>.json`` holds what a test needs to continue the same run: the
 DeepSpeed config, the model's shape, the data, the counters at the
@@ -52,7 +53,12 @@ FIXTURES = {
     "stage2": (2, "fp32", 1, [], {}),
     "stage3": (3, "fp32", 1, ["pos"], {"sub_group_size": 1000, "stage3_param_persistence_threshold": 0}),
     "stage2_bf16": (2, "bf16", 1, [], {}),
+    "stage1_exclude_frozen": (1, "fp32", 1, ["pos"], {}),
+    "stage3_exclude_frozen": (3, "fp32", 1, ["pos"], {"sub_group_size": 1000, "stage3_param_persistence_threshold": 0}),
 }
+# Saved with engine.save_checkpoint(..., exclude_frozen_parameters=True): the frozen parameters are
+# not in the files (what the HF Trainer saves for a peft model under DeepSpeed).
+EXCLUDE_FROZEN = {"stage1_exclude_frozen", "stage3_exclude_frozen"}
 
 
 def ds_config(stage: int, precision: str, accumulation: int, zero_extra: dict) -> dict:
@@ -115,7 +121,7 @@ def rank_main(rank: int, port: int, name: str, out: str, result_file: str) -> No
 
     split = STEPS_BEFORE * accumulation
     before, lrs_before = train(batches[:split])
-    engine.save_checkpoint(os.path.join(out, name))
+    engine.save_checkpoint(os.path.join(out, name), exclude_frozen_parameters=name in EXCLUDE_FROZEN)
     after, lrs_after = train(batches[split:])
     if rank == 0:
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
@@ -165,6 +171,7 @@ def make(name: str, out: str) -> None:
         "model": MODEL,
         "model_seed": MODEL_SEED,
         "frozen": frozen,
+        "exclude_frozen_parameters": name in EXCLUDE_FROZEN,
         "world_size": WORLD_SIZE,
         "data": {"micro_batches": (STEPS_BEFORE + STEPS_AFTER) * accumulation, "batch": MICRO * WORLD_SIZE,
                  "seed": DATA_SEED, "rank_takes": "x.chunk(world_size)[rank]"},

@@ -22,7 +22,8 @@ As for our own checkpoints, everything is checked on every rank before
 anything changes (load.py's protocol): each file's bytes against its CRCs,
 each pickle through the allow-list, that the checkpoint holds exactly this
 model's parameters with their shapes (tied parameters under any of their
-names), every element range the load will read, the optimizer states this
+names; with ``load_module_strict=False`` those it lacks, as DeepSpeed's
+``exclude_frozen_parameters`` leaves them out, keep their values), every element range the load will read, the optimizer states this
 engine's optimizer needs, and the schedule's state. Only then are the
 sub-groups filled, each from the ranges of DeepSpeed's flat tensors that hold
 it (deepspeed_layout.py), one sub-group at a time.
@@ -39,8 +40,10 @@ from .deepspeed_files import find_files, load_file, verify_archive
 from .deepspeed_layout import DeepSpeedCheckpoint, read_checkpoint
 
 
-def _match_parameters(engine, ds: DeepSpeedCheckpoint) -> Dict[Tuple[int, int], str]:
-    """(unit, slot) of each of this engine's parameters -> the name DeepSpeed saved it under."""
+def _match_parameters(engine, ds: DeepSpeedCheckpoint, strict: bool = True) -> Dict[Tuple[int, int], str]:
+    """(unit, slot) of each of this engine's parameters -> the name DeepSpeed saved it under; with
+    ``strict`` False a parameter the checkpoint lacks (DeepSpeed's ``exclude_frozen_parameters``)
+    is left out of the plan and keeps its value."""
     plan: Dict[Tuple[int, int], str] = {}
     missing, wrong = [], []
     used = set()
@@ -57,10 +60,12 @@ def _match_parameters(engine, ds: DeepSpeedCheckpoint) -> Dict[Tuple[int, int], 
             plan[(unit.index, index)] = name
             used.add(name)
     extra = sorted(set(ds.params) - used)
-    if missing or wrong or extra:
+    if (missing and strict) or wrong or extra:
         parts = []
         if missing:
-            parts.append(f"parameters missing from it: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+            parts.append(f"parameters missing from it: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
+                         + " (saved with exclude_frozen_parameters=True? load_module_strict=False keeps this "
+                           "model's values for them)")
         if extra:
             parts.append(f"parameters this model lacks: {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
         if wrong:
@@ -113,9 +118,10 @@ def _check_scheduler(engine, ds: DeepSpeedCheckpoint) -> Optional[dict]:
     return state
 
 
-def _read(engine, ds: DeepSpeedCheckpoint, load_optimizer_states: bool, load_lr_scheduler_states: bool):
+def _read(engine, ds: DeepSpeedCheckpoint, load_optimizer_states: bool, load_lr_scheduler_states: bool,
+          strict: bool):
     """Everything checked (see the module's docstring); returns (plan, keys, hyper state, schedule state)."""
-    plan = _match_parameters(engine, ds)
+    plan = _match_parameters(engine, ds, strict)
     names = tuple(engine.checkpointed_state.state_names)
     load_states = load_optimizer_states and engine.optimizer is not None
     if load_states:
@@ -133,7 +139,7 @@ def _read(engine, ds: DeepSpeedCheckpoint, load_optimizer_states: bool, load_lr_
 
 
 def load_deepspeed_checkpoint(engine, checkpoint: str, load_optimizer_states: bool,
-                              load_lr_scheduler_states: bool) -> Tuple[str, dict]:
+                              load_lr_scheduler_states: bool, load_module_strict: bool = True) -> Tuple[str, dict]:
     """Load the DeepSpeed checkpoint in ``checkpoint`` (a tag's directory) into ``engine``;
     returns (checkpoint, client_state) as load.py does."""
     comm = engine.comm
@@ -144,7 +150,8 @@ def load_deepspeed_checkpoint(engine, checkpoint: str, load_optimizer_states: bo
         for path in files.all[comm.rank::comm.world_size]:  # each file's CRCs checked by one rank
             verify_archive(path)
         ds = read_checkpoint(files, load_file)
-        plan, keys, hyper, schedule = _read(engine, ds, load_optimizer_states, load_lr_scheduler_states)
+        plan, keys, hyper, schedule = _read(engine, ds, load_optimizer_states, load_lr_scheduler_states,
+                                            load_module_strict)
     except Exception as exc:  # noqa: BLE001 - every rank must learn that one failed, so that none loads
         error = exc
     try:
@@ -175,12 +182,19 @@ def _apply(engine, ds: DeepSpeedCheckpoint, plan: Dict[Tuple[int, int], str], ke
     store = engine.checkpointed_state
     with torch.no_grad():
         for sg in layout.sub_groups:
+            missing = [(i, s) for i in sg.units for s in range(len(layout.units[i].slots)) if (i, s) not in plan]
+            if sg.frozen and len(missing) == sum(len(layout.units[i].slots) for i in sg.units):
+                continue  # all left out of the checkpoint: nothing changes
             sg_keys = keys[:1] if sg.frozen else keys  # a frozen sub-group has no states here
             values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in sg_keys}
+            if missing:  # what the checkpoint lacks keeps its values (and zero states)
+                values["master"] = engine.current_master(sg)
             for index in sg.units:
                 base = layout.offsets[index] - sg.start
                 for piece in layout.units[index].pieces(rank):
-                    name = plan[(index, piece.slot)]
+                    name = plan.get((index, piece.slot))
+                    if name is None:
+                        continue
                     at = base + piece.shard_offset
                     for k in sg_keys:
                         ds.read(name, piece.param_start, piece.param_stop, k, values[k][at:at + piece.numel])

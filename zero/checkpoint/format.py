@@ -6,7 +6,8 @@
                                        <tag> is published (only where the file system cannot
                                        exchange two directories; see publish.py)
 <save_dir>/<tag>/zero_meta.json        format, world size, sub_group_size, every unit's parameters;
-                                       the units stored quantized, if any (QUANTIZED)
+                                       the units stored quantized, if any (QUANTIZED); the frozen
+                                       units and parameters; the units left out (EXCLUDED_UNITS)
 <save_dir>/<tag>/buffers.pt            the module's buffers (rank 0)
 <save_dir>/<tag>/rank00001/engine.pt   step counters, optimizer settings, loss scaler, LR schedule,
                                        client state (one per rank)
@@ -206,6 +207,15 @@ FROZEN_UNITS = "frozen_units"
 covers the trainable units only]): their shards come last in each rank's sub-groups, "master" alone."""
 
 
+FROZEN_PARAMS = "frozen_parameters"
+"""The meta key naming every parameter that had ``requires_grad=False`` when saved (a trainable
+unit may hold some): what ``zero_to_fp32 --exclude_frozen_parameters`` leaves out."""
+EXCLUDED_UNITS = "excluded_units"
+"""The meta key naming the frozen units whose shards a save left out
+(``save_checkpoint(exclude_frozen_parameters=True)``, [Note: checkpoints without the frozen
+units]): every rank's frozen sub-groups are absent."""
+
+
 def quantized_meta(frozen) -> dict:
     return {"codes": "int8", "scales": "float32", "group_size": frozen.group_size, "units": sorted(frozen.units)}
 
@@ -220,7 +230,7 @@ def quantized_param_names(meta: dict) -> List[str]:
 
 
 def meta_dict(units: List[UnitLayout], world_size: int, sub_group_size: int, precision: str,
-              frozen_units=()) -> dict:
+              frozen_units=(), frozen_params=(), exclude_frozen: bool = False) -> dict:
     meta = {
         "format": FORMAT,
         "world_size": world_size,
@@ -232,18 +242,48 @@ def meta_dict(units: List[UnitLayout], world_size: int, sub_group_size: int, pre
     }
     if frozen_units:  # their shards hold a master and no states, after the others' (stores/layouts.py)
         meta[FROZEN_UNITS] = sorted(frozen_units)
+    if frozen_params:
+        meta[FROZEN_PARAMS] = list(frozen_params)
+    if exclude_frozen and frozen_units:
+        meta[EXCLUDED_UNITS] = sorted(frozen_units)
     return meta
+
+
+def _unit_indices(meta: dict, key: str) -> frozenset:
+    indices = meta.get(key, [])
+    count = len(meta["units"])
+    if (not isinstance(indices, list) or len(set(indices)) != len(indices)
+            or not all(type(i) is int and 0 <= i < count for i in indices)):
+        raise CheckpointCorruptionError(f"checkpoint meta {key!r} is not a list of distinct unit "
+                                        f"indices below {count}: {str(indices)[:80]}")
+    return frozenset(indices)
 
 
 def frozen_units_from_meta(meta: dict) -> frozenset:
     """The units a checkpoint's optimizer did not cover (none in checkpoints without the key)."""
-    frozen = meta.get(FROZEN_UNITS, [])
-    count = len(meta["units"])
-    if (not isinstance(frozen, list) or len(set(frozen)) != len(frozen)
-            or not all(type(i) is int and 0 <= i < count for i in frozen)):
-        raise CheckpointCorruptionError(f"checkpoint meta {FROZEN_UNITS!r} is not a list of distinct unit "
-                                        f"indices below {count}: {str(frozen)[:80]}")
-    return frozenset(frozen)
+    return _unit_indices(meta, FROZEN_UNITS)
+
+
+def excluded_units_from_meta(meta: dict) -> frozenset:
+    """The units whose shards the checkpoint does not hold (frozen ones, left out at the save)."""
+    excluded = _unit_indices(meta, EXCLUDED_UNITS)
+    if not excluded <= frozen_units_from_meta(meta):
+        raise CheckpointCorruptionError(f"checkpoint meta {EXCLUDED_UNITS!r} names units that are not frozen: "
+                                        f"{sorted(excluded - frozen_units_from_meta(meta))[:8]}")
+    return excluded
+
+
+def frozen_param_names(meta: dict) -> frozenset:
+    """The parameters saved with ``requires_grad=False``; a checkpoint without the key: those of
+    its frozen units."""
+    if FROZEN_PARAMS not in meta:
+        units = meta["units"]
+        return frozenset(n for i in frozen_units_from_meta(meta) for p in units[i]["params"] for n in p["names"])
+    names = meta[FROZEN_PARAMS]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointCorruptionError(f"checkpoint meta {FROZEN_PARAMS!r} is not a list of parameter names: "
+                                        f"{str(names)[:80]}")
+    return frozenset(names)
 
 
 def units_from_meta(meta: dict) -> List[UnitLayout]:
@@ -336,6 +376,7 @@ class ShardReader:
         self.meta = meta or read_meta(checkpoint)
         self.units = units_from_meta(self.meta)
         self.frozen = frozen_units_from_meta(self.meta)  # their shards hold no optimizer states
+        self.excluded = excluded_units_from_meta(self.meta)  # their shards are not there at all
         self.world_size = self.meta["world_size"]
         self._layouts: Dict[int, RankLayout] = {}
         # Open shards, least recently used first; at most OPEN_SHARDS (a striped one holds a
@@ -364,6 +405,9 @@ class ShardReader:
         """``(rank, sub_group_index, source_start, out_start, length)`` of each rank file holding
         part of elements ``[start, stop)`` of unit ``unit_index``."""
         unit = self.units[unit_index]
+        if unit_index in self.excluded:
+            raise KeyError(f"checkpoint {self.checkpoint} does not hold {', '.join(s.name for s in unit.slots)}: "
+                           f"it was saved with exclude_frozen_parameters=True, which leaves frozen parameters out")
         shard = unit.shard_numel
         stop_data = min(stop, unit.numel)
         for rank in range(start // shard if shard else 0, self.world_size):

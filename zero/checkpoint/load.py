@@ -35,8 +35,8 @@ from swapper.checksum import ChecksumAlgorithm
 from ..runtime.timers import log_rank0
 from .deepspeed_files import is_deepspeed_checkpoint
 from .deepspeed_load import load_deepspeed_checkpoint
-from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, frozen_units_from_meta,
-                     open_shard, read_meta, resolve_tag, sub_group_file, unsafe_error)
+from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, excluded_units_from_meta,
+                     frozen_units_from_meta, open_shard, read_meta, resolve_tag, sub_group_file, unsafe_error)
 from .shard_io import CheckpointIO, check_digests, shard_checksums
 from .storage import agreed_local_tag, check_local_files, check_same_copies
 
@@ -49,6 +49,23 @@ def _check_same_model(meta: dict, engine) -> None:
         mine = {n: s for u in ours for n, s in u}
         diff = sorted(set(theirs.items()) ^ set(mine.items()))[:5]
         raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
+
+
+def _check_strict(meta: dict, excluded: frozenset, checkpoint: str, strict: bool) -> None:
+    """A checkpoint without its frozen units loads only with ``load_module_strict=False``
+    (save.py [Note: checkpoints without the frozen units])."""
+    if not excluded or not strict:
+        return
+    names = [p["names"][0] for i in sorted(excluded) for p in meta["units"][i]["params"]]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise ValueError(f"checkpoint {checkpoint} was saved with exclude_frozen_parameters=True and holds no values "
+                     f"for {len(names)} frozen parameter(s) ({shown}); load it with load_module_strict=False to "
+                     f"keep this model's values for them")
+
+
+def _absent(sg, own_shards: bool, excluded: frozenset) -> bool:
+    """This rank's shard of ``sg`` is not in the checkpoint: a frozen sub-group left out at the save."""
+    return own_shards and sg.frozen and bool(excluded)
 
 
 def _load_own_shard(engine, cio: CheckpointIO, checkpoint: str, sg, keys, load_states: bool,
@@ -87,13 +104,15 @@ def _check_carried(cio: CheckpointIO, paths: dict) -> None:
 
 
 def _stage_shards(engine, cio: CheckpointIO, checkpoint: str, all_keys, all_load_states: bool,
-                  staged: dict) -> dict:
+                  staged: dict, excluded: frozenset) -> dict:
     """Stage (read once, hashing) each own shard that carries checksums where the store can,
     checking the digests ([Note: verified while loading]); ``staged`` gets sub-group index ->
     (staged state, the checksums the shard carries). Returns the paths left to verify by a read
     of their own, with their keys."""
     store, rest = engine.checkpointed_state, {}
     for sg in engine.rank_layout.sub_groups:
+        if _absent(sg, True, excluded):
+            continue
         keys, load_states = _sub_group_keys(sg, all_keys), all_load_states and not sg.frozen
         path = sub_group_file(checkpoint, engine.comm.rank, sg.index)
         with open_shard(path, direct=False) as shard:  # its header; the data is read staged
@@ -119,12 +138,21 @@ def _unit_keys(reader: ShardReader, sg, index: int, keys):
     return list(keys[:1]) if index in reader.frozen else _sub_group_keys(sg, keys)
 
 
-def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> torch.Tensor:
-    """A sub-group gathered element range by element range from any rank's shards."""
+def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> Optional[torch.Tensor]:
+    """A sub-group gathered element range by element range from any rank's shards; a unit the
+    checkpoint left out keeps its parameters' values (with zero states); None where the whole
+    sub-group is frozen and left out (nothing to load)."""
     comm, layout = engine.comm, engine.rank_layout
+    missing = [i for i in sg.units if i in reader.excluded]
+    if sg.frozen and len(missing) == len(sg.units):
+        return None
     keys = _sub_group_keys(sg, keys)
     values = {k: torch.zeros(sg.numel, dtype=torch.float32) for k in keys}
+    if missing:
+        values["master"] = engine.current_master(sg)
     for index in sg.units:
+        if index in reader.excluded:
+            continue
         unit = layout.units[index]
         start, stop = layout.unit_range(index)
         first = unit.shard_start(comm.rank)
@@ -166,6 +194,8 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
     comm, layout = engine.comm, engine.rank_layout
     paths = {}  # path -> the keys read from it
     for sg in layout.sub_groups:
+        if _absent(sg, own_shards, reader.excluded):
+            continue
         if own_shards:
             path = sub_group_file(checkpoint, comm.rank, sg.index)
             if not os.path.isfile(path):
@@ -178,6 +208,8 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
                                          f"sub-group {sg.index} has {sg.numel} fp32 elements")
             continue
         for index in sg.units:
+            if index in reader.excluded:
+                continue
             unit = layout.units[index]
             first = unit.shard_start(comm.rank)
             unit_keys = _unit_keys(reader, sg, index, keys)
@@ -186,7 +218,7 @@ def _check_shards(engine, cio: CheckpointIO, checkpoint: str, reader: ShardReade
             for path in reader.files(index, first, first + unit.shard_numel):
                 paths[path] = list(dict.fromkeys(paths.get(path, []) + unit_keys))
     if own_shards:
-        paths = _stage_shards(engine, cio, checkpoint, keys, load_states, staged)
+        paths = _stage_shards(engine, cio, checkpoint, keys, load_states, staged, reader.excluded)
     _check_carried(cio, paths)
 
 
@@ -195,17 +227,22 @@ def _files_read(engine, checkpoint: str, reader: ShardReader, own_shards: bool, 
     comm, layout = engine.comm, engine.rank_layout
     paths = [engine_file(checkpoint, comm.rank if same_layout else 0), os.path.join(checkpoint, BUFFERS)]
     for sg in layout.sub_groups:
+        if _absent(sg, own_shards, reader.excluded):
+            continue
         if own_shards:
             paths.append(sub_group_file(checkpoint, comm.rank, sg.index))
             continue
         for index in sg.units:
+            if index in reader.excluded:
+                continue
             first = layout.units[index].shard_start(comm.rank)
             paths.extend(reader.files(index, first, first + layout.units[index].shard_numel))
     return paths
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
-                    load_lr_scheduler_states: bool) -> Tuple[Optional[str], Optional[dict]]:
+                    load_lr_scheduler_states: bool, load_module_strict: bool = True
+                    ) -> Tuple[Optional[str], Optional[dict]]:
     """Checks everything, on every rank, before changing anything (see the [Note] above)."""
     comm = engine.comm
     # Each node reads its own copy ([Note: node-local storage] in storage.py); they must agree.
@@ -217,7 +254,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         return None, None
     checkpoint = checkpoint_path(load_dir, tag)
     if not os.path.exists(os.path.join(checkpoint, META)) and is_deepspeed_checkpoint(checkpoint):
-        return load_deepspeed_checkpoint(engine, checkpoint, load_optimizer_states, load_lr_scheduler_states)
+        return load_deepspeed_checkpoint(engine, checkpoint, load_optimizer_states, load_lr_scheduler_states,
+                                         load_module_strict)
     cio = CheckpointIO(engine.config.checkpoint.writer)
     reader = None
     error = None
@@ -225,10 +263,14 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     try:
         meta = read_meta(checkpoint)
         _check_same_model(meta, engine)
+        excluded = excluded_units_from_meta(meta)
+        _check_strict(meta, excluded, checkpoint, load_module_strict)
         same_layout = meta["world_size"] == comm.world_size
-        # This rank's shards hold exactly its sub-groups: read whole, or copied file to file.
+        # This rank's shards hold exactly its sub-groups (or none of the frozen ones): read whole, or
+        # copied file to file.
+        frozen = frozen_units_from_meta(meta)
         own_shards = (same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
-                      and frozen_units_from_meta(meta) == engine.rank_layout.frozen)
+                      and frozen == engine.rank_layout.frozen and excluded in (frozen, frozenset()))
         names = engine.checkpointed_state.state_names
         load_states = load_optimizer_states and set(names) <= set(meta.get("state_names", []))
         keys = ["master"] + (list(names) if load_states else [])
@@ -278,13 +320,16 @@ def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_
     store = engine.checkpointed_state
     with torch.no_grad():
         for sg in engine.rank_layout.sub_groups:
+            if _absent(sg, own_shards, reader.excluded):
+                continue  # its parameters keep their values
             entry = staged.pop(sg.index, None)
             try:
                 if own_shards:
                     master = _load_own_shard(engine, cio, checkpoint, sg, keys, load_states, entry)
                 else:
                     master = _load_resharded(engine, reader, sg, keys, load_states)
-                engine.load_parameters(sg, master)
+                if master is not None:
+                    engine.load_parameters(sg, master)
             finally:
                 if entry is not None:
                     store.discard_staged(entry[0])  # its buffer (a published file stays)

@@ -64,14 +64,35 @@ def _check_loadable(client_state: dict) -> None:
             lines[0] if lines else "not tensors and plain containers")
 
 
-def _save_shards(engine, cio: CheckpointIO, partial: str) -> None:
-    """Each sub-group of this rank, written by the store that holds it."""
+# [Note: checkpoints without the frozen units]
+# save_checkpoint(exclude_frozen_parameters=True), as DeepSpeed's (the Trainer passes it for a
+# peft model, Lightning's strategy takes it), leaves out the shards of the frozen units (those
+# with no parameter that requires grad: stores/layouts.py): a LoRA checkpoint is then the size of
+# its adapters and their optimizer states, not of the base model. The meta names them
+# (EXCLUDED_UNITS). A load needs load_module_strict=False to take such a checkpoint (the HF
+# Trainer loads a peft model's that way): those units keep the values the model has, which a
+# resumed LoRA run has anyway (the pretrained base it was built from). zero_to_fp32 writes the
+# parameters that are there and says which are not. A parameter with requires_grad=False in a
+# unit that trains (its module owns a trainable one too) shares that unit's shard and is saved.
+
+def _save_shards(engine, cio: CheckpointIO, partial: str, exclude_frozen: bool) -> None:
+    """Each sub-group of this rank, written by the store that holds it (the frozen ones left out
+    with ``exclude_frozen``: [Note: checkpoints without the frozen units])."""
     state = engine.checkpointed_state
     for sg in engine.rank_layout.sub_groups:
-        state.save_shard(sg, cio, sub_group_file(partial, engine.comm.rank, sg.index))
+        if not (exclude_frozen and sg.frozen):
+            state.save_shard(sg, cio, sub_group_file(partial, engine.comm.rank, sg.index))
 
 
-def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict, roles: SaveRoles) -> None:
+def _frozen_param_names(engine) -> list:
+    """Every name of every parameter with ``requires_grad=False``, in the layout's order."""
+    trains = {n: p.requires_grad for n, p in engine.module.named_parameters(remove_duplicate=False)}
+    return [name for u in engine.rank_layout.units for s in u.slots if not trains.get(s.name, True)
+            for name in s.names]
+
+
+def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict, roles: SaveRoles,
+               exclude_frozen: bool) -> None:
     """Counters, optimizer settings, schedule, client state (every rank); meta and buffers (the
     leader of each copy: rank 0, or each node's first rank with node-local storage)."""
     comm = engine.comm
@@ -91,9 +112,9 @@ def _save_rest(engine, cio: CheckpointIO, partial: str, client_state: dict, role
     if roles.leads:
         zc = engine.config.zero_optimization
         meta = meta_dict(list(engine.rank_layout.units), comm.world_size, zc.sub_group_size, engine.config.precision,
-                         engine.rank_layout.frozen)
+                         engine.rank_layout.frozen, _frozen_param_names(engine), exclude_frozen)
         meta["state_names"] = list(engine.checkpointed_state.state_names)
-        if engine.frozen_shards:
+        if engine.frozen_shards and not exclude_frozen:  # the quantized units are frozen ones
             meta[QUANTIZED] = quantized_meta(engine.frozen_shards)
         with create_file(os.path.join(partial, META), file_mode) as f:
             f.write(json.dumps(meta, indent=1).encode("utf-8"))
@@ -119,7 +140,8 @@ def _prepare(save_dir: str, tag: str, dir_mode: int) -> str:
     return name
 
 
-def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool) -> bool:
+def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dict, save_latest: bool,
+                    exclude_frozen_parameters: bool = False) -> bool:
     comm = engine.comm
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     tag = _agreed_tag(engine, tag)
@@ -135,8 +157,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str], client_state: dic
     make_dir(rank_dir(partial, comm.rank), dir_mode)
     cio = CheckpointIO(checkpoint.writer)
     try:
-        _save_shards(engine, cio, partial)
-        _save_rest(engine, cio, partial, client_state, roles)
+        _save_shards(engine, cio, partial, exclude_frozen_parameters)
+        _save_rest(engine, cio, partial, client_state, roles, exclude_frozen_parameters)
     except BaseException as exc:
         # Free what this save wrote (a full disk most of all); the checkpoints saved before stay.
         shutil.rmtree(partial if roles.leads else rank_dir(partial, comm.rank), ignore_errors=True)

@@ -326,6 +326,11 @@ class ZeroEngine(nn.Module):
             return params
         return CheckpointedState(self.parts.optimizer_store, params)
 
+    def current_master(self, sub_group) -> torch.Tensor:
+        """``sub_group``'s parameters as they are, in fp32 (what a load keeps of the units a
+        checkpoint left out)."""
+        return MasterFromParameters(self.parts.rank_layout, self.parts.param_store).read(sub_group)[0]
+
     def load_parameters(self, sub_group, master: torch.Tensor) -> None:
         """The parameters of ``sub_group``'s units from its loaded fp32 master."""
         layout = self.parts.rank_layout
@@ -352,19 +357,26 @@ class ZeroEngine(nn.Module):
                 self.parts.coordinator.maybe_release(unit)
 
     # -- checkpoints and model export ---------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """``exclude_frozen_parameters``: leave out the modules whose parameters all have
+        ``requires_grad=False`` (a LoRA base); loading it then takes ``load_module_strict=False``
+        (checkpoint/save.py [Note: checkpoints without the frozen units])."""
         from ..checkpoint.save import save_checkpoint
 
         self.check_usable()
-        return save_checkpoint(self, os.fspath(save_dir), tag, client_state or {}, save_latest)
+        return save_checkpoint(self, os.fspath(save_dir), tag, client_state or {}, save_latest,
+                               exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
+        """``load_module_strict=False`` takes a checkpoint saved with ``exclude_frozen_parameters``:
+        the parameters it lacks keep their values."""
         from ..checkpoint.load import load_checkpoint
 
         return load_checkpoint(self, os.fspath(load_dir), tag, load_optimizer_states and not load_module_only,
-                               load_lr_scheduler_states and not load_module_only)
+                               load_lr_scheduler_states and not load_module_only, load_module_strict)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -34,7 +34,11 @@ last of an epoch whose batches do not fill it) ends with a step, as the Trainer'
 does (``engine.set_gradient_accumulation_boundary``). Checkpoints: the Trainer's
 checkpoint folder holds the engine's checkpoint (``latest`` + tag folder,
 parameters and optimizer states included) beside the consolidated model
-weights that ``save_model`` writes for ``from_pretrained``.
+weights that ``save_model`` writes for ``from_pretrained``. For a peft model, as
+the Trainer does under DeepSpeed, the engine's checkpoint leaves the frozen base
+out (``exclude_frozen_parameters=True``: the adapters and their optimizer states
+alone) and is loaded with ``load_module_strict=False`` (the base keeps the
+pretrained weights the model was built from).
 
 [Note: the model stays where it was built]
 The Trainer moves the whole model to ``args.device`` in ``__init__`` (and again
@@ -87,6 +91,16 @@ from ..partitioning.hf_hook import check_transformers_version
 from .hf_trainer_config import read_config, resolve_for_trainer
 from ..engine.lr_schedules import build_scheduler
 from ..runtime.timers import log_rank0
+
+
+def _is_peft_model(model) -> bool:
+    """A peft model (LoRA and the like): the Trainer saves its DeepSpeed checkpoints without the frozen base."""
+    try:
+        import peft
+    except ImportError:
+        return False
+    kinds = tuple(k for k in (getattr(peft, "PeftModel", None), getattr(peft, "PeftMixedModel", None)) if k)
+    return isinstance(model, kinds)
 
 
 class EngineStepsOptimizer:
@@ -306,7 +320,10 @@ class ZeroTrainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self.zero_engine.save_checkpoint(output_dir)
+        self.zero_engine.save_checkpoint(output_dir, exclude_frozen_parameters=_is_peft_model(self.model))
+
+    def _load_engine_checkpoint(self, checkpoint: str) -> None:
+        self.zero_engine.load_checkpoint(checkpoint, load_module_strict=not _is_peft_model(self.model))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # The weights come back with the engine's checkpoint, in _load_optimizer_and_scheduler.
@@ -316,7 +333,7 @@ class ZeroTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         if checkpoint is not None:
-            self.zero_engine.load_checkpoint(checkpoint)
+            self._load_engine_checkpoint(checkpoint)
 
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint folder's engine checkpoint (weights, optimizer and
@@ -325,7 +342,7 @@ class ZeroTrainer(Trainer):
             return super()._load_best_model()
         log_rank0(self.zero_engine.comm.rank, f"[zero] loading the best model from {self.state.best_model_checkpoint} "
                   f"(score: {self.state.best_metric})", logging.INFO)
-        self.zero_engine.load_checkpoint(self.state.best_model_checkpoint)
+        self._load_engine_checkpoint(self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """The whole model for ``from_pretrained``, as the Trainer writes it under DeepSpeed (every rank

@@ -165,9 +165,4 @@ def strategy_config(config, options: Mapping[str, Any]) -> Tuple[dict, Dict[str,
                          f"{config_stage(built)}: remote_device places the parameters configure_model builds "
                          "under zero.Init, which runs at ZeRO stage 3 only; set zero_optimization.stage to 3, "
                          "or drop remote_device")
-    if o["exclude_frozen_parameters"] and not o["save_full_weights"]:
-        warnings.warn("ZeroStrategy(exclude_frozen_parameters=True) leaves frozen parameters out of the files "
-                      "save_full_weights=True writes; without it it has no effect: a checkpoint directory holds "
-                      "every parameter (its shards are the optimizer's swap-file layout)",
-                      IgnoredSettingWarning, stacklevel=3)
     return built, o

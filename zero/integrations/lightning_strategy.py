@@ -36,10 +36,12 @@ the tensors a ``train_batch`` window saves in host memory (with
 ``contiguous_memory_optimization`` and ``synchronize_checkpoint_boundary`` are
 DeepSpeed's model-parallel features, warned by the config as without effect.
 ``save_full_weights`` (Lightning 1.4's) makes ``Trainer.save_checkpoint`` write
-one file with the gathered weights (``exclude_frozen_parameters`` leaves the
-frozen ones out of it), ``load_full_weights`` loads such a file, or any
+one file with the gathered weights, ``load_full_weights`` loads such a file, or any
 Lightning checkpoint of the module, into the partitions
-(lightning_checkpoints.py). The options themselves live in lightning_options.py.
+(lightning_checkpoints.py). ``exclude_frozen_parameters`` leaves the frozen
+parameters out of either kind of checkpoint (a checkpoint directory without
+them loads as the LightningModule's ``strict_loading`` allows, as Lightning's
+DeepSpeedStrategy passes it on). The options themselves live in lightning_options.py.
 Tested with lightning 2.6.6.
 
 [Note: where the engine enters Lightning]
@@ -394,7 +396,8 @@ class ZeroStrategy(DDPStrategy):
                               self.exclude_frozen_parameters)
             return
         state = {k: v for k, v in checkpoint.items() if k not in EXCLUDED}
-        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=plain(state))
+        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=plain(state),
+                                    exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = self.broadcast(os.fspath(checkpoint_path))
@@ -415,7 +418,8 @@ class ZeroStrategy(DDPStrategy):
                                     f"'{CHECKPOINT_TAG}/'); a single-file checkpoint loads with "
                                     "ZeroStrategy(load_full_weights=True) or LightningModule.load_from_checkpoint")
         _, client_state = self.engine.load_checkpoint(path, load_optimizer_states=fitting,
-                                                      load_lr_scheduler_states=False)
+                                                      load_lr_scheduler_states=False,
+                                                      load_module_strict=self.lightning_module.strict_loading)
         return client_state
 
     @property
