@@ -188,3 +188,20 @@ def test_a_record_naming_units_that_are_not_frozen_is_refused(tmp_path):
         with built(_fresh_adapters(), _config(tmp_path / "swap2")) as engine:
             with pytest.raises(CheckpointCorruptionError, match="excluded_units"):
                 engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t", load_module_strict=False)
+
+
+def test_save_16bit_model_without_the_frozen_parameters_never_gathers_them(tmp_path):
+    model = lora_model()
+    config = _config(tmp_path / "swap", stage3_gather_16bit_weights_on_model_save=True)
+    with built(model, config) as engine:
+        train_engine(engine, batches(), 1)
+        swapper = engine.parts.param_store.swapper
+        read = swapper.io_bytes.read
+        assert engine.save_16bit_model(str(tmp_path / "out"), "model.safetensors", exclude_frozen_parameters=True)
+        base_bytes = 4 * sum(p.ds_numel for p in model.parameters() if not p.requires_grad)
+        assert swapper.io_bytes.read - read < base_bytes / 10  # only the adapters' partitions were read
+        saved = weights(model)
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    trainable = set(saved) - _frozen_names(lora_model())
+    assert set(written) == trainable
+    assert all(torch.equal(written[n], saved[n]) for n in trainable)

@@ -85,3 +85,27 @@ def test_a_peft_model_with_gradient_checkpointing_trains_as_the_plain_trainer(tm
                        train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / "nvme")))
     ours.train()
     torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("gather_16bit", [False, True])
+def test_save_model_writes_the_plain_trainers_adapters_without_gathering_the_base(tmp_path, gather_16bit):
+    from safetensors.torch import load_file
+
+    plain = Trainer(model=lora_gpt2(), args=training_args(tmp_path / "plain"), train_dataset=dataset())
+    plain.train()
+    plain.save_model(str(tmp_path / "plain_model"))
+    config = nvme_config(swap_dir(tmp_path / "nvme"))
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather_16bit
+    ours = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "ours"), train_dataset=dataset(),
+                       zero_config=config)
+    ours.train()
+    swapper = ours.zero_engine.parts.param_store.swapper
+    read = swapper.io_bytes.read
+    ours.save_model(str(tmp_path / "ours_model"))
+    base_bytes = 4 * sum(p.ds_numel for p in ours.model.parameters() if not p.requires_grad)
+    assert swapper.io_bytes.read - read < base_bytes / 10  # the adapters' partitions at most
+    expected = load_file(str(tmp_path / "plain_model" / "adapter_model.safetensors"))
+    got = load_file(str(tmp_path / "ours_model" / "adapter_model.safetensors"))
+    assert set(got) == set(expected) and expected
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -49,7 +49,7 @@ def save_16bit_model(engine, save_dir: str, save_filename: str, exclude_frozen_p
     values = {}
     try:
         with torch.no_grad():
-            for unit in engine.each_unit_gathered():
+            for unit in engine.each_unit_gathered(trainable_only=exclude_frozen_parameters):
                 if comm.rank == 0:
                     for slot, p in zip(unit.layout.slots, unit.params):
                         if exclude_frozen_parameters and not p.requires_grad:
@@ -87,20 +87,25 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.is_floating_point() else t
 
 
-def fp32_state_dict(engine) -> "OrderedDict[str, torch.Tensor]":
+def fp32_state_dict(engine, exclude_frozen: bool = False) -> "OrderedDict[str, torch.Tensor]":
     """The module's ``state_dict`` with every parameter whole, in fp32 from the optimizer's master
     weights (what ``zero_to_fp32`` makes of a checkpoint, without writing one); floating-point
     buffers upcast. Each unit's master shards are all-gathered in turn, so every rank must call it;
     each gets the whole dict in host memory. Without an optimizer (no master weights) the gathered
-    parameters are upcast instead.
+    parameters are upcast instead. ``exclude_frozen``: without the parameters that have
+    ``requires_grad=False`` (the frozen sub-groups are not read).
     """
     if engine.parts.optimizer_store is None:
-        return OrderedDict((name, _fp32(t)) for name, t in full_state_dict(engine.module).items())
+        return OrderedDict((name, _fp32(t)) for name, t in full_state_dict(engine.module, exclude_frozen).items())
+    frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False)
+              if exclude_frozen and not p.requires_grad}
     store = engine.checkpointed_state  # frozen sub-groups: their parameters' values
     comm, layout = engine.comm, engine.rank_layout
     device = comm.collective_device  # NCCL gathers device tensors, gloo host tensors
     values = {}
     for sg in layout.sub_groups:
+        if exclude_frozen and sg.frozen:
+            continue
         with store.viewed(sg) as (master, _):
             for index in sg.units:
                 unit = layout.units[index]
@@ -115,5 +120,6 @@ def fp32_state_dict(engine) -> "OrderedDict[str, torch.Tensor]":
                         values[name] = value
     state = OrderedDict()
     for name, tensor in engine.module.state_dict(keep_vars=True).items():
-        state[name] = values[name] if name in values else _fp32(tensor.detach().cpu())
+        if name not in frozen:
+            state[name] = values[name] if name in values else _fp32(tensor.detach().cpu())
     return state

@@ -345,9 +345,12 @@ class ZeroEngine(nn.Module):
         if self.parts.reducer is not None:
             self.parts.reducer.clear()
 
-    def each_unit_gathered(self):
-        """Each unit in turn, gathered (held) while the caller reads its parameters."""
+    def each_unit_gathered(self, trainable_only: bool = False):
+        """Each unit in turn (``trainable_only``: those owning a parameter with ``requires_grad``),
+        gathered (held) while the caller reads its parameters."""
         for unit in self.parts.units:
+            if trainable_only and not any(p.requires_grad for p in unit.params):
+                continue
             unit.hold()
             unit.gather()
             try:

@@ -350,15 +350,17 @@ class ZeroTrainer(Trainer):
         the parameters in the compute dtype, 16-bit with fp16 / bf16 (DeepSpeed's ``save_16bit_model``);
         at stage 3 without it: fp32 from the master weights (where DeepSpeed writes an engine checkpoint
         for ``zero_to_fp32`` instead of weights); below stage 3: the parameters every rank holds, in the
-        compute dtype, as DeepSpeed does."""
+        compute dtype, as DeepSpeed does. A peft model's frozen base is left out (never gathered: the
+        Trainer does the same at ZeRO-3), peft saving the adapters."""
         if self.zero_engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         zc = self.zero_engine.config.zero_optimization
+        adapters = _is_peft_model(self.model)
         if zc.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
-            state = fp32_state_dict(self.zero_engine)
+            state = fp32_state_dict(self.zero_engine, exclude_frozen=adapters)
         else:
-            state = full_state_dict(self.model)
+            state = full_state_dict(self.model, exclude_frozen=adapters)
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:

@@ -52,10 +52,7 @@ def save_full_weights(module: nn.Module, checkpoint: Mapping[str, Any], filepath
                       exclude_frozen_parameters: bool) -> None:
     """Lightning's ``checkpoint`` (less what the engine saves) with ``state_dict`` the gathered weights, as one
     file at ``filepath`` written by rank 0. Every rank must call it (the gathers are collective)."""
-    state = full_state_dict(module)
-    if exclude_frozen_parameters:
-        frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-        state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+    state = full_state_dict(module, exclude_frozen_parameters)  # the frozen ones not even gathered
     if rank == 0:
         out = plain({k: v for k, v in checkpoint.items() if k not in EXCLUDED})
         out["state_dict"] = state

@@ -419,7 +419,7 @@ class ZeroStrategy(DDPStrategy):
                                     "ZeroStrategy(load_full_weights=True) or LightningModule.load_from_checkpoint")
         _, client_state = self.engine.load_checkpoint(path, load_optimizer_states=fitting,
                                                       load_lr_scheduler_states=False,
-                                                      load_module_strict=self.lightning_module.strict_loading)
+                                                      load_module_strict=getattr(self.lightning_module, "strict_loading", True))
         return client_state
 
     @property

@@ -16,10 +16,15 @@ import torch.nn as nn
 from .gathered import GatheredParameters
 
 
-def full_state_dict(module: nn.Module) -> "OrderedDict[str, torch.Tensor]":
-    """``module.state_dict()`` in its usual key order, each parameter gathered and copied to the CPU."""
+def full_state_dict(module: nn.Module, exclude_frozen: bool = False) -> "OrderedDict[str, torch.Tensor]":
+    """``module.state_dict()`` in its usual key order, each parameter gathered and copied to the CPU;
+    ``exclude_frozen``: without the parameters that have ``requires_grad=False`` (never gathered)."""
     names: Dict[int, List[str]] = {}
+    frozen = set()
     for name, p in module.named_parameters(remove_duplicate=False):
+        if exclude_frozen and not p.requires_grad:
+            frozen.add(name)
+            continue
         names.setdefault(id(p), []).append(name)
     values: Dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -34,5 +39,6 @@ def full_state_dict(module: nn.Module) -> "OrderedDict[str, torch.Tensor]":
                         values[name] = copy
     state = OrderedDict()
     for name, tensor in module.state_dict(keep_vars=True).items():
-        state[name] = values[name] if name in values else tensor.detach().cpu()
+        if name not in frozen:
+            state[name] = values[name] if name in values else tensor.detach().cpu()
     return state
