@@ -1,4 +1,4 @@
-"""``save_checkpoint(exclude_frozen_parameters=True)`` (checkpoint/save.py [Note: checkpoints
+"""``save_checkpoint(exclude_frozen_parameters=True)`` (zero/checkpoint/save.py [Note: checkpoints
 without the frozen units]): a LoRA checkpoint holds the adapters and their optimizer states, not
 the frozen base; it loads with ``load_module_strict=False`` (the base keeps the model's values)
 and resumes exactly; ``zero_to_fp32`` writes what is there and, with

@@ -37,10 +37,12 @@ def swap_dir(path) -> str:
     return str(path)
 
 
-def test_a_peft_model_trains_as_the_plain_trainer_with_optimizer_state_for_the_adapters_only(tmp_path):
-    plain = Trainer(model=lora_gpt2(), args=training_args(tmp_path / "plain"), train_dataset=dataset())
+@pytest.mark.parametrize("accumulation", [1, 2])  # 2: the Trainer's accumulation windows
+def test_a_peft_model_trains_as_the_plain_trainer_with_optimizer_state_for_the_adapters_only(tmp_path, accumulation):
+    args = dict(gradient_accumulation_steps=accumulation)
+    plain = Trainer(model=lora_gpt2(), args=training_args(tmp_path / "plain", **args), train_dataset=dataset())
     plain.train()
-    ours = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "ours"), train_dataset=dataset(),
+    ours = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "ours", **args), train_dataset=dataset(),
                        zero_config=nvme_config(swap_dir(tmp_path / "nvme")))
     ours.train()
     torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)

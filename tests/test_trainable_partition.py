@@ -400,6 +400,40 @@ def test_a_frozen_unit_goes_once_its_modules_backward_is_over_not_at_the_end_of_
         assert at_end == [1, 1, 1]
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_in_a_train_batch_window_a_frozen_unit_goes_once_the_last_micro_batch_is_done_with_it(
+        tmp_path, monkeypatch, checkpointed):
+    """A window's unit serves k backwards: it went at the end of backward (13 of 15 frozen units
+    gathered then, as in the loop before), now after the k-th backward through its module."""
+    from zero.engine.train_batch import TrainBatch
+    from zero.runtime.hooks import Coordinator
+    from zero.runtime.unit import ParamState
+
+    make = _lora_checkpointed if checkpointed else lora_model
+    windows = [[(x[:2], y[:2]), (x[2:], y[2:])] for x, y in batches(3)]  # 3 windows of 2 micro-batches
+    config = base_config("nvme", "nvme", swap_dir(tmp_path / "loop"), lr=1e-2, accumulation=2, micro=2)
+    with built(make(), config) as loop:  # the reference: the micro-batch loop
+        for window in windows:
+            train_engine(loop, window, 1, accumulation=2)
+        expected = weights(loop.module)
+    config = base_config("nvme", "nvme", swap_dir(tmp_path / "window"), lr=1e-2, accumulation=2, micro=2)
+    with built(make(), config) as engine:
+        frozen = [u for u in engine.parts.units if u.index in engine.rank_layout.frozen and not u.persistent]
+        at_end = []
+        end_backward = Coordinator.end_backward
+
+        def counting(coordinator):
+            at_end.append(sum(u.state is ParamState.AVAILABLE for u in frozen))
+            end_backward(coordinator)
+        monkeypatch.setattr(Coordinator, "end_backward", counting)
+        monkeypatch.setattr(TrainBatch, "_loop", lambda *a, **k: pytest.fail("train_batch ran the loop"))
+        for window in windows:
+            engine.train_batch(window)
+        assert at_end == [1, 1, 1]  # the embedding's (its input takes no gradient)
+        got = weights(engine.module)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
 @pytest.mark.parametrize("offload", ["nvme", "none"])
 def test_non_reentrant_activation_checkpointing_with_a_frozen_base_trains_as_plain_pytorch(tmp_path, offload):
     # torch.utils.checkpoint(use_reentrant=False) saves a frozen weight itself: a recomputed forward

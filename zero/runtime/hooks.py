@@ -319,13 +319,14 @@ class Coordinator:
         frame = self.stack.pop()
         last = self.window is None or self.window.last  # a window releases after its last micro-batch
         # A forward run inside backward recomputes a checkpointed segment: what it saved for backward
-        # holds frozen parameters themselves, not detached views ([Note: frozen units in backward]).
-        recompute = torch._C._current_graph_task_id() != -1
+        # holds frozen parameters themselves, not detached views ([Note: frozen units in backward]);
+        # unless its output takes no gradient (nothing of it was saved).
+        keep = torch._C._current_graph_task_id() != -1 and bool(output_tensors(output))
         for u in frame.units:
             u.unhold()
-            if last and not recompute:
+            if last and not keep:
                 self.maybe_release(u)
-        if torch.is_grad_enabled() and self.reducer is not None and self.window is None:
+        if torch.is_grad_enabled() and self.reducer is not None:
             self._release_after_backward(module, args)
         if torch.is_grad_enabled() and self.reducer is not None:
             tensors = output_tensors(output)
@@ -345,18 +346,24 @@ class Coordinator:
     # Instead, a forward registers a hook on its module's inputs that need a gradient; it fires once
     # the module's backward has computed theirs, and nothing in that backward reads the frozen
     # weights after it: then they go. A module whose inputs need no gradient has no backward
-    # through its weights (nothing is fetched for it). A forward recomputed in backward
+    # through its weights (nothing is fetched for it), except to recompute a checkpointed segment,
+    # whose forward releases it at once. Otherwise a forward recomputed in backward
     # (torch.utils.checkpoint) releases nothing when it ends: non-reentrant checkpointing saves a
     # frozen parameter itself (a trainable one as a detached view), and releasing it would empty
     # the very tensor backward reads ("Recomputed values ... have different metadata"); the hooks
-    # of the original forward, or of the reentrant recompute's own backward, release it.
+    # of the original forward, or of the reentrant recompute's own backward, release it. In a
+    # train_batch window the unit serves k backwards: it goes once the last of them is done with it.
     def _release_after_backward(self, module: nn.Module, args) -> None:
         units = self._frozen_units.get(module)
         inputs = output_tensors(args) if units else []
         if inputs:
-            register_multi_grad_hook(inputs, lambda grads, units=units: self._backward_done(units), mode="all")
+            register_multi_grad_hook(inputs, functools.partial(self._backward_done, units, self.window, module),
+                                     mode="all")
 
-    def _backward_done(self, units: List[ParamUnit]) -> None:
+    def _backward_done(self, units: List[ParamUnit], window: Optional[MicroBatchWindow], module: nn.Module,
+                       grads) -> None:
+        if window is not None and not window.backward_passed(module):
+            return
         for u in units:
             self.maybe_release(u)
 

@@ -87,6 +87,7 @@ class MicroBatchWindow:
         self._count = [0] * k
         self._outputs = [0] * k
         self.stopped: Optional[BaseException] = None
+        self._backward_passes: Dict[nn.Module, int] = {}  # micro-batch backwards done with a module
         self.aliases: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
         self.grads: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
 
@@ -138,6 +139,14 @@ class MicroBatchWindow:
         i = self.index
         if i is not None and not self.replaying:
             self._outputs[i] += 1
+
+    def backward_passed(self, module: nn.Module) -> bool:
+        """One micro-batch's backward is done with ``module``; True for the last of the k (of each
+        k, for a module a forward calls more than once)."""
+        with self._lock:
+            n = self._backward_passes.get(module, 0) + 1
+            self._backward_passes[module] = n
+        return n % self.k == 0
 
     @property
     def first(self) -> bool:
