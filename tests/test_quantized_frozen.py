@@ -169,13 +169,16 @@ def test_frozen_swap_files_hold_a_quarter_of_fp32s_bytes_and_steps_do_not_rewrit
     assert written == {False: trainable_bytes, True: trainable_bytes}  # the frozen base is never rewritten
 
 
-def test_in_host_memory_frozen_shards_are_packed_and_the_flat_store_holds_only_the_trainable_ones(tmp_path):
-    engine = make_engine(model=lora_gpt, overrides=FLAG, config=base_config("cpu", "cpu", micro=2, precision="bf16"))
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])  # fp32: the flat store is the optimizer's master
+def test_in_host_memory_frozen_shards_are_packed_and_the_flat_store_holds_only_the_trainable_ones(tmp_path, precision):
+    engine = make_engine(model=lora_gpt, overrides=FLAG, config=base_config("cpu", "cpu", micro=2, precision=precision))
     store = engine.parts.param_store
     frozen = frozen_units(engine)
     trainable = [u for u in engine.parts.units if u not in frozen]
-    assert store.flat.dtype == torch.bfloat16
+    assert store.flat.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
     assert store.flat.numel() == sum(u.layout.shard_numel for u in trainable)
+    # fp32: the master (the parameters' home) has no slots for the int8 units (4 bytes each, unused)
+    assert (store.flat is engine.parts.optimizer_store.master) == (precision == "fp32")
     assert {i: t.nbytes for i, t in store._packed.items()} == {
         u.index: packed_nbytes(u.layout.shard_numel) for u in frozen}
 
@@ -220,6 +223,8 @@ def test_a_unit_mixing_frozen_and_trainable_parameters_stays_unquantized(tmp_pat
 def _packed_shards(engine) -> dict:
     """Each frozen unit's stored bytes (codes and scales), read through the store."""
     store = engine.parts.param_store
+    if not hasattr(store, "swapper"):  # in host memory
+        return {u.index: store._packed[u.index].clone() for u in frozen_units(engine)}
     out = {}
     for u in frozen_units(engine):
         pid = store._ids[u.index]
@@ -228,18 +233,18 @@ def _packed_shards(engine) -> dict:
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision, offload", [("fp32", "nvme"), ("bf16", "nvme"), ("fp32", "cpu")])
 def test_a_checkpoint_loads_back_the_same_int8_bytes_and_consolidates_to_the_dequantized_values(
-        tmp_path, precision, caplog):
+        tmp_path, precision, offload, caplog):
     batches = make_batches(CFG, 4, 2)
-    config = base_config("nvme", "nvme", tmp_path / "a", precision=precision, micro=2, lr=1e-2)
+    config = base_config(offload, offload, tmp_path / "a", precision=precision, micro=2, lr=1e-2)
     engine = make_engine(tmp_path / "a", model=lora_gpt, config=config, overrides=FLAG)
     train_engine(engine, batches[:2], 2)
     engine.save_checkpoint(tmp_path / "ckpt", tag="t")
     saved_weights, saved_packed = weights(engine.module), _packed_shards(engine)
 
     other = make_engine(tmp_path / "b", model=lora_gpt, seed=5, overrides=FLAG,
-                        config=base_config("nvme", "nvme", tmp_path / "b", precision=precision, micro=2, lr=1e-2))
+                        config=base_config(offload, offload, tmp_path / "b", precision=precision, micro=2, lr=1e-2))
     other.load_checkpoint(tmp_path / "ckpt", tag="t")
     loaded = _packed_shards(other)
     assert loaded.keys() == saved_packed.keys() and all(torch.equal(loaded[i], saved_packed[i]) for i in loaded)

@@ -223,8 +223,8 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     if device.type == "cpu" and spec is not None and malloc_settings.hold():
         release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
-    opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release)
     frozen = _frozen_shards(config, units, rank_layout, spec, comm, device)
+    opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release, frozen)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
                                     frozen)
     _link_units(units, rank_layout, param_store, opt_store, release)
@@ -275,10 +275,11 @@ def _param_home(config, device: torch.device) -> torch.device:
     return device if config.zero_optimization.offload_param.device == "none" else torch.device("cpu")
 
 
-def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release):
+def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release,
+                          frozen: FrozenShards):
     """The fp32 master and optimizer states of the trainable units: on NVMe, or flat on the device
-    or the host (where fp32 parameter shards share its home, its master holds every unit's: the
-    parameter store's flat tensor)."""
+    or the host (where fp32 parameter shards share its home, its master holds every unit's not
+    stored quantized: the parameter store's flat tensor)."""
     if spec is None:
         return None
     offload = config.zero_optimization.offload_optimizer
@@ -293,7 +294,7 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
                         and _param_home(config, device) == home)
         # pinned host memory speeds copies to and from a GPU only: computing on the CPU, it is not taken
         store = FlatOptimizerStore(rank_layout, state_names, home, offload.pin_memory and device.type == "cuda",
-                                   holds_params=holds_params)
+                                   holds_params=holds_params, packed=frozen.units)
     release.callback(store.close)
     return store
 

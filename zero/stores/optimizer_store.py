@@ -21,7 +21,7 @@ import contextlib
 import logging
 
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -170,15 +170,17 @@ class OptimizerStore(abc.ABC):
 class FlatOptimizerStore(OptimizerStore):
     """Master, states and gradients as flat fp32 tensors on ``device`` (``none``) or the host
     (``cpu``), over the trainable prefix of the rank space; with ``holds_params`` the master
-    spans every unit, the fp32 parameter shards' home (param_store.py ``FlatParamStore(flat=)``)."""
+    spans every unit, the fp32 parameter shards' home (param_store.py ``FlatParamStore(flat=)``),
+    but the prefix alone where the frozen units are all ``packed`` (stored int8 outside it)."""
 
     def __init__(self, rank_layout: RankLayout, state_names: Sequence[str], device: torch.device,
-                 pin_memory: bool = False, holds_params: bool = False):
+                 pin_memory: bool = False, holds_params: bool = False, packed: AbstractSet[int] = frozenset()):
         super().__init__(rank_layout, state_names)
         n = rank_layout.trainable_numel
         self.holds_params = holds_params
         self._pinned = for_gpu_copies(pin_memory)
-        self.master = _host_or_device(rank_layout.numel if holds_params else n, device, self._pinned)
+        spans_all = holds_params and not rank_layout.frozen <= packed
+        self.master = _host_or_device(rank_layout.numel if spans_all else n, device, self._pinned)
         self.states = {name: _host_or_device(n, device, self._pinned, zero=True) for name in self.state_names}
         self.grads = _host_or_device(n, device, self._pinned)
 
