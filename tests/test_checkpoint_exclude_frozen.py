@@ -20,10 +20,10 @@ from zero.zero_to_fp32 import main as zero_to_fp32
 LR = 1e-2
 
 
-def _config(path, offload="nvme", stage=3, **zero_extra):
+def _config(path, offload="nvme", stage=3, precision="fp32", **zero_extra):
     if stage < 3:
         return ladder_config(stage, offload, swap_dir(path), lr=LR)
-    return base_config(offload, offload, swap_dir(path), lr=LR, **zero_extra)
+    return base_config(offload, offload, swap_dir(path), lr=LR, precision=precision, **zero_extra)
 
 
 def _saved(tmp_path, exclude: bool, offload="nvme", stage=3, **zero_extra):
@@ -103,24 +103,39 @@ def test_a_resharded_load_keeps_the_base_and_reads_the_adapters(tmp_path):
         assert train_engine(engine, batches()[2:], 2) == pytest.approx(after, rel=1e-6)
 
 
-def test_into_an_engine_that_trains_the_base_it_keeps_its_values_with_fresh_adam_states(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_into_an_engine_that_trains_the_base_it_keeps_its_values_with_fresh_adam_states(tmp_path, caplog, precision):
     saved, _, _ = _saved(tmp_path, exclude=True)
     model = _fresh_adapters()
     model.requires_grad_(True)
     base = {n: v.clone() for n, v in model.named_parameters() if n in _frozen_names(lora_model())}
-    with built(model, _config(tmp_path / "swap2")) as engine:
+    with built(model, _config(tmp_path / "swap2", precision=precision)) as engine:
         train_engine(engine, batches(), 1)  # Adam states of the base become non-zero
         trained = {n: v.clone() for n, v in weights(engine.module).items() if n in base}
-        engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t", load_module_strict=False)
+        layout, store = engine.rank_layout, engine.parts.optimizer_store
+        kept = [i for i in range(len(layout.units)) if layout.units[i].slots[0].name in base]
+        masters = {}  # the base's fp32 master (bf16: finer than its parameters)
+        for sg in layout.sub_groups:
+            master, _ = store.read(sg)
+            for i in set(kept) & set(sg.units):
+                start, stop = layout.unit_range(i)
+                masters[i] = master[start - sg.start:stop - sg.start].clone()
+        with caplog.at_level(logging.WARNING, logger="zero"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"), tag="t", load_module_strict=False)
+        assert f"was saved without its frozen parameters, {sum(len(layout.units[i].slots) for i in kept)} of which " \
+               f"this engine trains" in caplog.text
         got = weights(engine.module)
         for n, v in got.items():
-            assert torch.equal(v, trained[n] if n in base else saved[n]), n
-        for sg in engine.rank_layout.sub_groups:
-            _, states = engine.parts.optimizer_store.read(sg)
-            for index in sg.units:
-                start, stop = engine.rank_layout.unit_range(index)
-                if engine.rank_layout.units[index].slots[0].name in base:
-                    assert all(not s[start - sg.start:stop - sg.start].any() for s in states.values())
+            if n in base:
+                assert torch.equal(v, trained[n]), n
+            elif precision == "fp32":
+                assert torch.equal(v, saved[n]), n
+        for sg in layout.sub_groups:
+            master, states = store.read(sg)
+            for index in set(kept) & set(sg.units):
+                start, stop = layout.unit_range(index)
+                assert torch.equal(master[start - sg.start:stop - sg.start], masters[index])
+                assert all(not s[start - sg.start:stop - sg.start].any() for s in states.values())
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -407,10 +407,11 @@ def test_in_a_train_batch_window_a_frozen_unit_goes_once_the_last_micro_batch_is
     gathered then, as in the loop before), now after the k-th backward through its module."""
     from zero.engine.train_batch import TrainBatch
     from zero.runtime.hooks import Coordinator
-    from zero.runtime.unit import ParamState
+    from zero.runtime.unit import ParamState, ParamUnit
 
     make = _lora_checkpointed if checkpointed else lora_model
-    windows = [[(x[:2], y[:2]), (x[2:], y[2:])] for x, y in batches(3)]  # 3 windows of 2 micro-batches
+    micro = batches(6)
+    windows = [micro[i:i + 2] for i in range(0, 6, 2)]  # 3 windows of 2 micro-batches
     config = base_config("nvme", "nvme", swap_dir(tmp_path / "loop"), lr=1e-2, accumulation=2, micro=2)
     with built(make(), config) as loop:  # the reference: the micro-batch loop
         for window in windows:
@@ -427,9 +428,21 @@ def test_in_a_train_batch_window_a_frozen_unit_goes_once_the_last_micro_batch_is
             end_backward(coordinator)
         monkeypatch.setattr(Coordinator, "end_backward", counting)
         monkeypatch.setattr(TrainBatch, "_loop", lambda *a, **k: pytest.fail("train_batch ran the loop"))
+        gathers = {u.index: 0 for u in frozen}
+        gather = ParamUnit.gather
+
+        def gathering(unit, *a, **k):
+            gathers[unit.index] = gathers.get(unit.index, 0) + (unit.state is not ParamState.AVAILABLE)
+            return gather(unit, *a, **k)
+        monkeypatch.setattr(ParamUnit, "gather", gathering)
         for window in windows:
             engine.train_batch(window)
         assert at_end == [1, 1, 1]  # the embedding's (its input takes no gradient)
+        # at most once for the window's forwards and once for its backwards: released after the last
+        # micro-batch, not sooner (a checkpointed segment's recompute hooks its first input twice);
+        # a tied weight (the embedding, read by the head too) is gathered for each of its modules
+        tied = {u for u in frozen if any(len(slot.names) > 1 for slot in u.layout.slots)}
+        assert tied and all(gathers[u.index] <= 2 * len(windows) for u in frozen if u not in tied), gathers
         got = weights(engine.module)
     assert all(torch.equal(got[n], expected[n]) for n in expected)
 

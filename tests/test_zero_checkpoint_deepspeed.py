@@ -18,6 +18,7 @@ tests allow 1e-5 (fp32) and 5e-4 (bf16) relative. Learning rates and counters ar
 import copy
 import hashlib
 import json
+import logging
 import os
 import pickletools
 import shutil
@@ -152,6 +153,22 @@ def test_a_strict_load_of_it_is_refused_saying_why(tmp_path):
                                              r"exclude_frozen_parameters=True\? load_module_strict=False keeps"):
             engine.load_checkpoint(FIXTURES / "stage3_exclude_frozen")
         assert same_weights(before, weights(engine.module)) and engine.global_steps == 0
+    finally:
+        engine.destroy()
+
+
+def test_a_parameter_it_lacks_that_this_engine_trains_is_named(tmp_path, caplog):
+    """Non-strict, it keeps its value (and zero states), said in a warning; strict, the error does not
+    blame exclude_frozen_parameters (what the checkpoint lacks is trained here)."""
+    rec = record("stage3_exclude_frozen")
+    trained = {**rec, "frozen": []}  # pos trains here
+    engine = make_engine(tmp_path, config=engine_config(rec, 3, 1), model=fixture_model(trained))
+    try:
+        with pytest.raises(ValueError, match=r"parameters missing from it: pos\)"):
+            engine.load_checkpoint(FIXTURES / "stage3_exclude_frozen")
+        with caplog.at_level(logging.WARNING, logger="zero"):
+            engine.load_checkpoint(FIXTURES / "stage3_exclude_frozen", load_module_strict=False)
+        assert "lacks 1 parameter(s) this engine trains (pos): they keep this model's values" in caplog.text
     finally:
         engine.destroy()
 

@@ -401,3 +401,16 @@ def train_step_xy(engine, micro_batch):
     engine.backward(loss)
     engine.step()
     return loss.item()
+
+
+def test_a_window_counts_each_micro_batchs_backward_through_a_module_once():
+    """A frozen unit goes once all k micro-batches' backwards are done with its module (zero/runtime/hooks.py
+    [Note: frozen units in backward]); a micro-batch saying so twice (a recompute's second hook) is one."""
+    from zero.runtime.window import MicroBatchWindow
+
+    window, module, other = MicroBatchWindow(3), torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    assert [window.backward_passed(module, i) for i in (0, 0, 1)] == [False, False, False]
+    assert window.backward_passed(other, 2) is False  # another module's count is its own
+    assert window.backward_passed(module, 2) is True
+    # a module a forward calls twice: the next k
+    assert [window.backward_passed(module, i) for i in (2, 1, 1, 0)] == [False, False, False, True]

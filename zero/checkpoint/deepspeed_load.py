@@ -45,7 +45,7 @@ def _match_parameters(engine, ds: DeepSpeedCheckpoint, strict: bool = True) -> D
     ``strict`` False a parameter the checkpoint lacks (DeepSpeed's ``exclude_frozen_parameters``)
     is left out of the plan and keeps its value."""
     plan: Dict[Tuple[int, int], str] = {}
-    missing, wrong = [], []
+    missing, wrong, trains = [], [], []
     used = set()
     for unit in engine.rank_layout.units:
         for index, slot in enumerate(unit.slots):
@@ -53,6 +53,8 @@ def _match_parameters(engine, ds: DeepSpeedCheckpoint, strict: bool = True) -> D
             found = [n for n in dict.fromkeys(names) if n in ds.params]
             if not found:
                 missing.append(slot.name)
+                if engine.parts.units[unit.index].params[index].requires_grad:
+                    trains.append(slot.name)
                 continue
             name = found[0]
             if ds.params[name].shape != tuple(slot.shape):
@@ -64,13 +66,18 @@ def _match_parameters(engine, ds: DeepSpeedCheckpoint, strict: bool = True) -> D
         parts = []
         if missing:
             parts.append(f"parameters missing from it: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else "")
-                         + " (saved with exclude_frozen_parameters=True? load_module_strict=False keeps this "
-                           "model's values for them)")
+                         + ("" if trains else " (saved with exclude_frozen_parameters=True? load_module_strict=False "
+                                              "keeps this model's values for them)"))
         if extra:
             parts.append(f"parameters this model lacks: {', '.join(extra[:5])}" + (" ..." if len(extra) > 5 else ""))
         if wrong:
             parts.append(f"shapes that differ: {'; '.join(wrong[:5])}")
         raise ValueError(f"the DeepSpeed checkpoint {ds.path} was saved from a different model ({'; '.join(parts)})")
+    if trains:
+        log_rank0(engine.comm.rank, f"load_checkpoint(load_module_strict=False): the DeepSpeed checkpoint {ds.path} lacks "
+                  f"{len(trains)} parameter(s) this engine trains ({', '.join(trains[:5])}"
+                  f"{' ...' if len(trains) > 5 else ''}): they keep this model's values, their optimizer states start "
+                  f"at zero", logging.WARNING)
     return plan
 
 

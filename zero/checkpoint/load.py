@@ -51,16 +51,26 @@ def _check_same_model(meta: dict, engine) -> None:
         raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
 
 
-def _check_strict(meta: dict, excluded: frozenset, checkpoint: str, strict: bool) -> None:
+def _shown(names, count: int = 4) -> str:
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
+def _check_strict(engine, meta: dict, excluded: frozenset, checkpoint: str, strict: bool) -> None:
     """A checkpoint without its frozen units loads only with ``load_module_strict=False``
-    (save.py [Note: checkpoints without the frozen units])."""
-    if not excluded or not strict:
+    (save.py [Note: checkpoints without the frozen units]); units this engine trains among them
+    are named (they keep their values and start with zero optimizer states)."""
+    if not excluded:
         return
-    names = [p["names"][0] for i in sorted(excluded) for p in meta["units"][i]["params"]]
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    raise ValueError(f"checkpoint {checkpoint} was saved with exclude_frozen_parameters=True and holds no values "
-                     f"for {len(names)} frozen parameter(s) ({shown}); load it with load_module_strict=False to "
-                     f"keep this model's values for them")
+    if strict:
+        names = [p["names"][0] for i in sorted(excluded) for p in meta["units"][i]["params"]]
+        raise ValueError(f"checkpoint {checkpoint} was saved with exclude_frozen_parameters=True and holds no values "
+                         f"for {len(names)} frozen parameter(s) ({_shown(names)}); load it with "
+                         f"load_module_strict=False to keep this model's values for them")
+    trains = [s.name for i in sorted(excluded - engine.rank_layout.frozen) for s in engine.rank_layout.units[i].slots]
+    if trains:
+        log_rank0(engine.comm.rank, f"load_checkpoint: {checkpoint} was saved without its frozen parameters, "
+                  f"{len(trains)} of which this engine trains ({_shown(trains)}): they keep this model's values, "
+                  f"their optimizer states start at zero", logging.WARNING)
 
 
 def _absent(sg, own_shards: bool, excluded: frozenset) -> bool:
@@ -264,7 +274,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
         meta = read_meta(checkpoint)
         _check_same_model(meta, engine)
         excluded = excluded_units_from_meta(meta)
-        _check_strict(meta, excluded, checkpoint, load_module_strict)
+        _check_strict(engine, meta, excluded, checkpoint, load_module_strict)
         same_layout = meta["world_size"] == comm.world_size
         # This rank's shards hold exactly its sub-groups (or none of the frozen ones): read whole, or
         # copied file to file.

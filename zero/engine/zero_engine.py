@@ -327,9 +327,10 @@ class ZeroEngine(nn.Module):
         return CheckpointedState(self.parts.optimizer_store, params)
 
     def current_master(self, sub_group) -> torch.Tensor:
-        """``sub_group``'s parameters as they are, in fp32 (what a load keeps of the units a
-        checkpoint left out)."""
-        return MasterFromParameters(self.parts.rank_layout, self.parts.param_store).read(sub_group)[0]
+        """``sub_group``'s fp32 values as they are (what a load keeps of the units a checkpoint left
+        out): the optimizer's master for a trainable one, the parameters for a frozen one."""
+        with self.checkpointed_state.viewed(sub_group) as (master, _):
+            return master.clone()
 
     def load_parameters(self, sub_group, master: torch.Tensor) -> None:
         """The parameters of ``sub_group``'s units from its loaded fp32 master."""

@@ -350,13 +350,14 @@ class ZeroTrainer(Trainer):
         the parameters in the compute dtype, 16-bit with fp16 / bf16 (DeepSpeed's ``save_16bit_model``);
         at stage 3 without it: fp32 from the master weights (where DeepSpeed writes an engine checkpoint
         for ``zero_to_fp32`` instead of weights); below stage 3: the parameters every rank holds, in the
-        compute dtype, as DeepSpeed does. A peft model's frozen base is left out (never gathered: the
-        Trainer does the same at ZeRO-3), peft saving the adapters."""
+        compute dtype, as DeepSpeed does. At stage 3 a peft model's frozen base is left out (never
+        gathered), as the Trainer does, peft saving the adapters; below it the parameters are whole
+        anyway, and peft may want a frozen one (an embedding it saves with a resized vocabulary)."""
         if self.zero_engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         zc = self.zero_engine.config.zero_optimization
-        adapters = _is_peft_model(self.model)
+        adapters = zc.stage == 3 and _is_peft_model(self.model)
         if zc.stage == 3 and not zc.stage3_gather_16bit_weights_on_model_save:
             state = fp32_state_dict(self.zero_engine, exclude_frozen=adapters)
         else:

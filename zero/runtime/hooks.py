@@ -357,12 +357,14 @@ class Coordinator:
         units = self._frozen_units.get(module)
         inputs = output_tensors(args) if units else []
         if inputs:
-            register_multi_grad_hook(inputs, functools.partial(self._backward_done, units, self.window, module),
+            window = self.window
+            index = window.index if window is not None else None
+            register_multi_grad_hook(inputs, functools.partial(self._backward_done, units, window, index, module),
                                      mode="all")
 
-    def _backward_done(self, units: List[ParamUnit], window: Optional[MicroBatchWindow], module: nn.Module,
-                       grads) -> None:
-        if window is not None and not window.backward_passed(module):
+    def _backward_done(self, units: List[ParamUnit], window: Optional[MicroBatchWindow], index: Optional[int],
+                       module: nn.Module, grads) -> None:
+        if window is not None and not window.backward_passed(module, index):
             return
         for u in units:
             self.maybe_release(u)

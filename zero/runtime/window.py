@@ -87,7 +87,7 @@ class MicroBatchWindow:
         self._count = [0] * k
         self._outputs = [0] * k
         self.stopped: Optional[BaseException] = None
-        self._backward_passes: Dict[nn.Module, int] = {}  # micro-batch backwards done with a module
+        self._backward_passes: Dict[nn.Module, set] = {}  # micro-batches whose backward is done with a module
         self.aliases: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
         self.grads: Dict[Tuple[nn.Parameter, int], torch.Tensor] = {}
 
@@ -140,13 +140,17 @@ class MicroBatchWindow:
         if i is not None and not self.replaying:
             self._outputs[i] += 1
 
-    def backward_passed(self, module: nn.Module) -> bool:
-        """One micro-batch's backward is done with ``module``; True for the last of the k (of each
-        k, for a module a forward calls more than once)."""
+    def backward_passed(self, module: nn.Module, index: Optional[int]) -> bool:
+        """Micro-batch ``index``'s backward is done with ``module``; True once all k are (then again
+        for a module a forward calls more than once). A micro-batch counts once however often it
+        says so (a checkpointed segment's recompute hooks its first module's input a second time)."""
         with self._lock:
-            n = self._backward_passes.get(module, 0) + 1
-            self._backward_passes[module] = n
-        return n % self.k == 0
+            seen = self._backward_passes.setdefault(module, set())
+            seen.add(index)
+            if len(seen) < self.k:
+                return False
+            seen.clear()
+            return True
 
     @property
     def first(self) -> bool:
