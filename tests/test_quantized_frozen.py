@@ -346,3 +346,32 @@ def test_an_inference_checkpoint_keeps_the_fp32_dequantized_values_and_loads_bac
     reference = dequantized_base(GPT(CFG).requires_grad_(False)).state_dict()
     state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag="t")
     assert all(torch.equal(state[n], reference[n]) for n in reference if not n.startswith("head."))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # fp32: the parameters' home is the master
+def test_the_host_memory_check_counts_frozen_weights_at_their_packed_size(tmp_path, monkeypatch, precision):
+    """An engine that fits in host memory only with its frozen base int8 is built with the flag and
+    refused without it."""
+    from swapper.host_memory import HostMemory
+    from zero.config import ConfigError
+    from zero.stores import memory_check
+
+    totals = {}
+    check = memory_check.check_host_memory
+
+    def recording(parts, memory):
+        totals[flag] = sum(p.nbytes for p in parts)
+        check(parts, memory)
+    monkeypatch.setattr(memory_check, "check_host_memory", recording)
+    for flag in (False, True):
+        engine = make_engine(model=lora_gpt, overrides=FLAG if flag else {},
+                             config=base_config("cpu", "cpu", micro=2, precision=precision))
+        frozen = [u.layout.shard_numel for u in engine.parts.units if not any(p.requires_grad for p in u.params)]
+        engine.destroy()
+    itemsize = 4 if precision == "fp32" else 2
+    assert totals[False] - totals[True] == sum(itemsize * n - packed_nbytes(n) for n in frozen)
+    between = (totals[False] + totals[True]) // 2
+    monkeypatch.setattr(memory_check, "probe", lambda: HostMemory(between, None, 0))
+    make_engine(model=lora_gpt, overrides=FLAG, config=base_config("cpu", "cpu", micro=2, precision=precision)).destroy()
+    with pytest.raises(ConfigError, match="of host memory on this rank but MemAvailable is"):
+        make_engine(model=lora_gpt, config=base_config("cpu", "cpu", micro=2, precision=precision))

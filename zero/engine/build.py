@@ -223,7 +223,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
     if device.type == "cpu" and spec is not None and malloc_settings.hold():
         release.callback(malloc_settings.let_go)  # gradients and activations are host tensors
     module_units, rank_layout, units, (headroom, activation_budget) = _plan(module, config, comm, device, dtype, spec)
-    frozen = _frozen_shards(config, units, rank_layout, spec, comm, device)
+    frozen = _frozen_shards(config, units, spec, comm, device)
     opt_store = _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, dtype, release, frozen)
     param_store = _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, device, release,
                                     frozen)
@@ -254,7 +254,7 @@ def _plan(module, config, comm, device, dtype, spec):
     adam_states = len(spec.adam.state_names) if spec is not None and spec.adam is not None else 2
     parts = memory_check.host_memory_parts(config, rank_layout, dtype.itemsize,
                                            adam_states, spec is not None, _steps_in_backward(config, spec),
-                                           compute_device=device)
+                                           compute_device=device, quantized=_quantized_units(config, units, spec))
     memory = memory_check.probe()
     memory_check.check_host_memory(parts, memory)
     return module_units, rank_layout, units, (memory_check.headroom_bytes(parts, memory),
@@ -299,7 +299,16 @@ def _make_optimizer_store(config, rank_layout, spec, aio, job_id, comm, device, 
     return store
 
 
-def _frozen_shards(config, units: List[ParamUnit], rank_layout: RankLayout, spec: Optional[OptimizerSpec],
+def _quantized_units(config, units: List[ParamUnit], spec: Optional[OptimizerSpec]) -> set:
+    """The units ``zero_quantized_nontrainable_weights`` stores int8 (stage 3): those whose parameters
+    are all frozen, every one in an engine without an optimizer (see stores/quantized.py)."""
+    zc = config.zero_optimization
+    if not zc.zero_quantized_nontrainable_weights or zc.stage < 3:
+        return set()
+    return {u.index for u in units if spec is None or not any(p.requires_grad for p in u.params)}
+
+
+def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec],
                    comm: Comm, device: torch.device) -> FrozenShards:
     """The units stored quantized with ``zero_quantized_nontrainable_weights`` (stage 3): those
     whose parameters are all frozen, every one in an engine without an optimizer (see
@@ -307,7 +316,7 @@ def _frozen_shards(config, units: List[ParamUnit], rank_layout: RankLayout, spec
     zc = config.zero_optimization
     if not zc.zero_quantized_nontrainable_weights or zc.stage < 3:
         return NOT_QUANTIZED  # below stage 3 the config warned that it has no effect
-    frozen = set(rank_layout.frozen) if spec is not None else {u.index for u in units}
+    frozen = _quantized_units(config, units, spec)  # the layout's frozen units, with an optimizer
     mixed = [u.layout.module_name or "<root>" for u in units
              if spec is not None and 0 < u.grad_count < len(u.params)]
     numel = sum(u.layout.numel for u in units if u.index in frozen)

@@ -27,14 +27,15 @@ from .rank_memory import HOST, MemoryPart, RankSizes, location, rank_memory_part
 
 def host_memory_parts(config: DeepSpeedConfig, rank_layout: RankLayout, itemsize: int,
                       state_count: int, has_optimizer: bool, steps_in_backward: bool = False, *,
-                      compute_device) -> List[MemoryPart]:
-    """The engine's host memory, part by part, for this rank computing on ``compute_device``."""
+                      compute_device, quantized=frozenset()) -> List[MemoryPart]:
+    """The engine's host memory, part by part, for this rank computing on ``compute_device``;
+    ``quantized``: the units stored int8."""
     zc = config.zero_optimization
     spill = spill_offload(zc) if config.activation_checkpointing.cpu_checkpointing else None
     small = 0
     if zc.stage == 3 and zc.offload_param.device == "nvme":
         small = -(-min_swap_bytes(zc.offload_param, config.aio.block_size) // itemsize)
-    parts = rank_memory_parts(RankSizes.of_layout(rank_layout, small), stage=zc.stage, offload_param=zc.offload_param,
+    parts = rank_memory_parts(RankSizes.of_layout(rank_layout, small, quantized), stage=zc.stage, offload_param=zc.offload_param,
                               offload_optimizer=zc.offload_optimizer, itemsize=itemsize,
                               compute_device=location(compute_device), state_count=state_count,
                               has_optimizer=has_optimizer, steps_in_backward=steps_in_backward,

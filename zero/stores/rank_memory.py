@@ -18,7 +18,9 @@ size ``W``) and ``S`` this rank's partition (``P/W``):
 - the parameter partition, ``b·S``, at ``offload_param`` (compute device,
   host memory, or NVMe with ``max_in_cpu`` and swap buffers in host memory),
   except where the fp32 master in the same place is that partition
-  (param_store.py's notes);
+  (param_store.py's notes); frozen units stored int8
+  (``zero_quantized_nontrainable_weights``) take their packed bytes instead,
+  about one a value, outside that master;
 - the gathered parameters on the compute device: stage 3 holds at least the
   largest unit and at most ``stage3_max_live_parameters``; stages 0-2 hold
   every unit whole, ``b·P`` (no stage-3 bound applies). On one rank, with the
@@ -41,6 +43,7 @@ from swapper.host_memory import format_bytes
 
 from .layouts import RankLayout
 from .optimizer_store import nvme_buffer_count
+from .quantized import packed_nbytes
 from .param_store import several_drives, swap_buffer_count
 
 HOST, DEVICE, NVME = "host", "device", "nvme"  # where a part lives; DEVICE: the compute device
@@ -72,6 +75,12 @@ class RankSizes:
     largest_sub_group: int  # of the optimizer's sub-groups
     small_shards: int = 0  # elements of this rank's shards under min_swap_bytes (kept in host memory)
     trainable: Optional[int] = None  # the optimizer's partition (layouts.py): None, all of ``shard``
+    quantized: int = 0  # elements of ``shard`` stored int8 (stores/quantized.py)
+    quantized_bytes: int = 0  # their packed bytes (codes and scales)
+
+    def param_bytes(self, itemsize: int) -> int:
+        """The partition's parameters as stored: the quantized ones packed."""
+        return (self.shard - self.quantized) * itemsize + self.quantized_bytes
 
     @property
     def optimized(self) -> int:
@@ -79,14 +88,17 @@ class RankSizes:
         return self.shard if self.trainable is None else self.trainable
 
     @classmethod
-    def of_layout(cls, rank_layout: RankLayout, small_below: int = 0) -> "RankSizes":
-        """This rank's exact sizes; ``small_below``: shards of fewer elements count in ``small_shards``."""
+    def of_layout(cls, rank_layout: RankLayout, small_below: int = 0, quantized=frozenset()) -> "RankSizes":
+        """This rank's exact sizes; ``small_below``: shards of fewer elements count in ``small_shards``;
+        ``quantized``: the units stored int8."""
         units = rank_layout.units
+        packed = [u.shard_numel for u in units if u.index in quantized]
         return cls(units[0].world_size if units else 1, rank_layout.numel,
                    sum(u.padded_numel for u in units), max((u.padded_numel for u in units), default=0),
                    max((u.shard_numel for u in units), default=0),
                    max((g.numel for g in rank_layout.trainable_sub_groups), default=0),
-                   sum(u.shard_numel for u in units if u.shard_numel < small_below), rank_layout.trainable_numel)
+                   sum(u.shard_numel for u in units if u.shard_numel < small_below), rank_layout.trainable_numel,
+                   sum(packed), sum(packed_nbytes(n) for n in packed))
 
     @classmethod
     def of_counts(cls, total_params: int, largest_layer_params: int, world_size: int,
@@ -135,7 +147,7 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
     # An fp32 partition in the master's place is the master (param_store.py's notes).
     is_master = itemsize == 4 and has_optimizer and param_home == opt_home
     whole = stage < 3
-    shard_bytes = sizes.shard * itemsize
+    shard_bytes = sizes.param_bytes(itemsize)
     parts: List[MemoryPart] = []
 
     def add(what, nbytes, setting, where, locked=False, fix=None):
@@ -158,7 +170,9 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
             compute if on_device else HOST, locked=par.pin_memory and not on_device)
         # homed in the master: the trainable units' shards; the frozen ones have swap files of their own
         own = sizes.shard - in_cpu if not is_master else min(sizes.shard - sizes.optimized, sizes.shard - in_cpu)
-        add("parameter swap files", own * itemsize, "zero_optimization.offload_param.nvme_path", NVME)
+        packed = min(own, sizes.quantized)  # frozen units' files, int8 (none is homed in the master)
+        add("parameter swap files", (own - packed) * itemsize + packed * sizes.quantized_bytes // max(1, sizes.quantized),
+            "zero_optimization.offload_param.nvme_path", NVME)
     elif not is_master:
         if whole:
             what = ("parameters, whole (one rank: its partition is the whole model)" if sizes.world_size == 1
@@ -172,9 +186,13 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
             add("parameter partitions on the compute device (offload_param.device none)", shard_bytes,
                 "zero_optimization.offload_param.device", compute)
 
+    if is_master and par.device != "nvme" and sizes.quantized:
+        add("frozen parameter partitions stored int8 (zero_quantized_nontrainable_weights)", sizes.quantized_bytes,
+            "zero_optimization.offload_param.device", param_home)
     if has_optimizer:
-        # fp32 shards in the master's flat home are the master, frozen units' included (engine/build.py)
-        master = sizes.shard if is_master and par.device != "nvme" else sizes.optimized
+        # fp32 shards in the master's flat home are the master, frozen units' included (engine/build.py),
+        # but for those stored int8 (outside it)
+        master = sizes.shard - sizes.quantized if is_master and par.device != "nvme" else sizes.optimized
         states = (1 + state_count) * 4 * sizes.optimized + 4 * master
         if opt.device == "nvme":
             sg = sizes.largest_sub_group
