@@ -335,6 +335,51 @@ def test_quantized_frozen_weights_cross_on_the_copy_stream_and_train_as_the_dequ
     assert (len(copies) > 0) == (device.type == "cuda")  # on the CPU the packed bytes are dequantized in place
 
 
+def test_a_lora_window_releases_each_frozen_unit_after_its_last_backward_and_equals_plain_torch(
+        tmp_path, device, loops, monkeypatch):
+    """A train_batch window on the device (one backward call over the k losses on CUDA) releases a
+    frozen unit once the k-th micro-batch's backward is done with its module (zero/runtime/hooks.py
+    [Note: frozen units in backward]): at the end of each backward only the embedding's is left."""
+    from zero.examples import add_lora
+    from zero.runtime.hooks import Coordinator
+    from zero.runtime.unit import ParamState
+
+    def lora():
+        model = add_lora(GPT(CFG), rank=2)
+        with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.1)
+        return model
+
+    k = 2
+    batches = make_batches(CFG, STEPS * k, MICRO)
+    config = case_config(Case(3, "cpu", "nvme", k=k, window=True), tmp_path, device)
+    engine = make_engine(tmp_path, model=lora, config=config)
+    try:
+        frozen = [u for u in engine.parts.units if u.index in engine.rank_layout.frozen and not u.persistent]
+        at_end, end_backward = [], Coordinator.end_backward
+
+        def counting(coordinator):
+            at_end.append(sum(u.state is ParamState.AVAILABLE for u in frozen))
+            end_backward(coordinator)
+        monkeypatch.setattr(Coordinator, "end_backward", counting)
+        losses = [loss for i in range(STEPS)
+                  for loss in engine.train_batch_losses(on(device, batches[i * k:(i + 1) * k]))]
+        final = {n: p.detach().clone() for n, p in weights(engine.module).items()}
+    finally:
+        engine.destroy()
+    assert loops == [] and len(frozen) > 8 and at_end == [1] * STEPS
+    expected, reference, initial = plain_torch(batches, device, k=k, model=lora, offloaded=True)
+    tol = tolerance(device, "fp32")
+    torch.testing.assert_close(torch.tensor([float(l) for l in losses], dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), rtol=tol.loss_rtol, atol=0)
+    trained = [n for n, p in reference.items() if p.requires_grad]
+    moved = torch.cat([(reference[n].detach() - initial[n]).abs().flatten() for n in trained])
+    assert moved.median() > LR / 2  # the adapters moved: the comparison is not vacuous
+    assert_close_weights(final, reference, tol)
+
+
 def test_load_pretrained_into_a_built_engine_trains_from_the_loaded_weights(tmp_path, device):
     batches = make_batches(CFG, STEPS, MICRO)
     torch.manual_seed(1)
