@@ -111,3 +111,43 @@ def test_save_model_writes_the_plain_trainers_adapters_without_gathering_the_bas
     assert set(got) == set(expected) and expected
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_peft_models_accumulation_windows_run_unit_major_and_release_the_base_as_they_go(tmp_path, monkeypatch):
+    """Without dropout the Trainer's windows run through engine.train_batch: equal to the loop, and a
+    frozen unit goes once the window's last backward is done with its module (zero/runtime/hooks.py
+    [Note: frozen units in backward]), not at the end of backward."""
+    from test_hf_trainer_train_batch import assert_same_run, gpt2
+    from zero.engine.train_batch import TrainBatch
+    from zero.runtime.hooks import Coordinator
+    from zero.runtime.unit import ParamState
+
+    def lora():
+        torch.manual_seed(1)
+        model = peft.get_peft_model(gpt2(), peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                            target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        return model
+
+    runs, at_end, end_backward = {}, [], Coordinator.end_backward
+    for use in (True, False):
+        trainer = ZeroTrainer(model=lora(), args=training_args(tmp_path / str(use), gradient_accumulation_steps=2),
+                              train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / f"nvme{use}")),
+                              use_train_batch=use)
+        if use:
+            def counting(coordinator, trainer=trainer):
+                engine = trainer.zero_engine
+                at_end.append(sum(u.state is ParamState.AVAILABLE for u in engine.parts.units
+                                  if u.index in engine.rank_layout.frozen and not u.persistent))
+                end_backward(coordinator)
+            monkeypatch.setattr(Coordinator, "end_backward", counting)
+            monkeypatch.setattr(TrainBatch, "_loop", lambda *a, **k: pytest.fail("the window ran the loop"))
+        trainer.train()
+        monkeypatch.undo()
+        runs[use] = trainer
+    assert_same_run(runs[True], runs[False])
+    frozen = [u for u in runs[True].zero_engine.parts.units if u.index in runs[True].zero_engine.rank_layout.frozen]
+    assert len(frozen) > 8 and at_end and max(at_end) <= 1, at_end
