@@ -29,25 +29,13 @@ import tempfile
 import time
 
 from bench import harness
+from bench.checkpoint_io import tree_bytes
 from bench.io_bound import MODEL, SEQ
 from bench.lora import QUICK_MODEL, _engine
+from tools import fio
 
 SECTION = "## LoRA checkpoints without the frozen base (bench/lora_checkpoint.py)"
 GiB = harness.GiB
-
-
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _written(a: dict, b: dict) -> int:
@@ -74,7 +62,7 @@ def child(spec: dict) -> dict:
             saves.append(time.perf_counter() - t0)
             written.append(_written(io0, harness.settled_io()))
             sizes.append(tree_bytes(ckpt))
-            out["cache_dropped"] &= drop_caches()
+            out["cache_dropped"] &= fio.drop_page_cache()
             io0 = harness.settled_io()
             t0 = time.perf_counter()
             engine.load_checkpoint(ckpt, tag="t", load_module_strict=not exclude)

@@ -265,6 +265,22 @@ def weight_digests(model: torch.nn.Module) -> Dict[str, str]:
             for n, t in weights(model).items()}
 
 
+def frozen_gathered_at_end_of_backward(monkeypatch) -> List[int]:
+    """From now on, at the end of each backward: how many frozen units (no parameter that trains, not
+    persistent) are still gathered (zero/runtime/hooks.py [Note: frozen units in backward])."""
+    from zero.runtime.hooks import Coordinator
+    from zero.runtime.param_state import ParamState
+
+    counts, end_backward = [], Coordinator.end_backward
+
+    def counting(coordinator):
+        counts.append(sum(u.state is ParamState.AVAILABLE for u in coordinator.units
+                          if not u.grad_count and not u.persistent))
+        end_backward(coordinator)
+    monkeypatch.setattr(Coordinator, "end_backward", counting)
+    return counts
+
+
 def same_weights(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
     """Two ``weights()`` results with the same names and equal tensors."""
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

@@ -341,8 +341,7 @@ def test_a_lora_window_releases_each_frozen_unit_after_its_last_backward_and_equ
     frozen unit once the k-th micro-batch's backward is done with its module (zero/runtime/hooks.py
     [Note: frozen units in backward]): at the end of each backward only the embedding's is left."""
     from zero.examples import add_lora
-    from zero.runtime.hooks import Coordinator
-    from zero.runtime.unit import ParamState
+    from helpers import frozen_gathered_at_end_of_backward
 
     def lora():
         model = add_lora(GPT(CFG), rank=2)
@@ -358,12 +357,7 @@ def test_a_lora_window_releases_each_frozen_unit_after_its_last_backward_and_equ
     engine = make_engine(tmp_path, model=lora, config=config)
     try:
         frozen = [u for u in engine.parts.units if u.index in engine.rank_layout.frozen and not u.persistent]
-        at_end, end_backward = [], Coordinator.end_backward
-
-        def counting(coordinator):
-            at_end.append(sum(u.state is ParamState.AVAILABLE for u in frozen))
-            end_backward(coordinator)
-        monkeypatch.setattr(Coordinator, "end_backward", counting)
+        at_end = frozen_gathered_at_end_of_backward(monkeypatch)
         losses = [loss for i in range(STEPS)
                   for loss in engine.train_batch_losses(on(device, batches[i * k:(i + 1) * k]))]
         final = {n: p.detach().clone() for n, p in weights(engine.module).items()}

@@ -117,10 +117,9 @@ def test_a_peft_models_accumulation_windows_run_unit_major_and_release_the_base_
     """Without dropout the Trainer's windows run through engine.train_batch: equal to the loop, and a
     frozen unit goes once the window's last backward is done with its module (zero/runtime/hooks.py
     [Note: frozen units in backward]), not at the end of backward."""
+    from helpers import frozen_gathered_at_end_of_backward
     from test_hf_trainer_train_batch import assert_same_run, gpt2
     from zero.engine.train_batch import TrainBatch
-    from zero.runtime.hooks import Coordinator
-    from zero.runtime.unit import ParamState
 
     def lora():
         torch.manual_seed(1)
@@ -132,18 +131,13 @@ def test_a_peft_models_accumulation_windows_run_unit_major_and_release_the_base_
                     p.normal_(0, 0.1)
         return model
 
-    runs, at_end, end_backward = {}, [], Coordinator.end_backward
+    runs, at_end = {}, []
     for use in (True, False):
         trainer = ZeroTrainer(model=lora(), args=training_args(tmp_path / str(use), gradient_accumulation_steps=2),
                               train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / f"nvme{use}")),
                               use_train_batch=use)
         if use:
-            def counting(coordinator, trainer=trainer):
-                engine = trainer.zero_engine
-                at_end.append(sum(u.state is ParamState.AVAILABLE for u in engine.parts.units
-                                  if u.index in engine.rank_layout.frozen and not u.persistent))
-                end_backward(coordinator)
-            monkeypatch.setattr(Coordinator, "end_backward", counting)
+            at_end = frozen_gathered_at_end_of_backward(monkeypatch)
             monkeypatch.setattr(TrainBatch, "_loop", lambda *a, **k: pytest.fail("the window ran the loop"))
         trainer.train()
         monkeypatch.undo()

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 import zero
-from helpers import base_config, ladder_config, run_ranks, train_engine, weights
+from helpers import base_config, frozen_gathered_at_end_of_backward, ladder_config, run_ranks, train_engine, weights
 from zero.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from zero.checkpoint.format import META, CheckpointCorruptionError, sub_group_file, units_from_meta
 from zero.examples import GPT, GPTConfig, add_lora, make_batches, train_reference, train_reference_mixed
@@ -379,21 +379,12 @@ def _lora_checkpointed(seed: int = 0):
 
 
 def test_a_frozen_unit_goes_once_its_modules_backward_is_over_not_at_the_end_of_backward(tmp_path, monkeypatch):
-    from zero.runtime.hooks import Coordinator
-    from zero.runtime.unit import ParamState
-
     model = lora_model()
     reference = copy.deepcopy(model)
     with built(model, base_config("nvme", "nvme", tmp_path, lr=1e-2)) as engine:
         frozen = [u for u in engine.parts.units if u.index in engine.rank_layout.frozen and not u.persistent]
         assert len(frozen) > 8
-        at_end = []
-        end_backward = Coordinator.end_backward
-
-        def counting(coordinator):
-            at_end.append(sum(u.state is ParamState.AVAILABLE for u in frozen))
-            end_backward(coordinator)
-        monkeypatch.setattr(Coordinator, "end_backward", counting)
+        at_end = frozen_gathered_at_end_of_backward(monkeypatch)
         assert train_engine(engine, batches(), 3) == train_reference(reference, batches(), 3, lr=1e-2)
         # the embedding alone (its input, token ids, takes no gradient): before, every frozen unit
         # the backward had gathered (13 of 15 here) stayed until its end
@@ -406,7 +397,6 @@ def test_in_a_train_batch_window_a_frozen_unit_goes_once_the_last_micro_batch_is
     """A window's unit serves k backwards: it went at the end of backward (13 of 15 frozen units
     gathered then, as in the loop before), now after the k-th backward through its module."""
     from zero.engine.train_batch import TrainBatch
-    from zero.runtime.hooks import Coordinator
     from zero.runtime.unit import ParamState, ParamUnit
 
     make = _lora_checkpointed if checkpointed else lora_model
@@ -420,13 +410,7 @@ def test_in_a_train_batch_window_a_frozen_unit_goes_once_the_last_micro_batch_is
     config = base_config("nvme", "nvme", swap_dir(tmp_path / "window"), lr=1e-2, accumulation=2, micro=2)
     with built(make(), config) as engine:
         frozen = [u for u in engine.parts.units if u.index in engine.rank_layout.frozen and not u.persistent]
-        at_end = []
-        end_backward = Coordinator.end_backward
-
-        def counting(coordinator):
-            at_end.append(sum(u.state is ParamState.AVAILABLE for u in frozen))
-            end_backward(coordinator)
-        monkeypatch.setattr(Coordinator, "end_backward", counting)
+        at_end = frozen_gathered_at_end_of_backward(monkeypatch)
         monkeypatch.setattr(TrainBatch, "_loop", lambda *a, **k: pytest.fail("train_batch ran the loop"))
         gathers = {u.index: 0 for u in frozen}
         gather = ParamUnit.gather

@@ -36,11 +36,7 @@ import torch
 from nvmeio import FastFileWriter, SafetensorsWriter
 
 from .format import (BUFFERS, ShardReader, checkpoint_path, frozen_param_names, load_state, quantized_param_names,
-                     resolve_tag)
-
-
-def _shown(names) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                     resolve_tag, shown_names)
 
 
 def _warn(reader: ShardReader, exclude_frozen: bool) -> None:
@@ -51,12 +47,12 @@ def _warn(reader: ShardReader, exclude_frozen: bool) -> None:
         if names:
             log.warning("%s: %d frozen parameter(s) were stored int8 (zero_quantized_nontrainable_weights): %s; "
                         "the state dict holds their dequantized values, not the weights the model was built with",
-                        reader.checkpoint, len(names), _shown(names))
+                        reader.checkpoint, len(names), shown_names(names, 3))
         missing = [s.name for i in sorted(reader.excluded) for s in reader.units[i].slots]
         if missing:
             log.warning("%s was saved with exclude_frozen_parameters=True: the state dict lacks %d frozen "
                         "parameter(s) (%s); they are the model's own (its pretrained weights, for a LoRA base)",
-                        reader.checkpoint, len(missing), _shown(missing))
+                        reader.checkpoint, len(missing), shown_names(missing, 3))
 
 
 def _kept(reader: ShardReader, exclude_frozen: bool) -> Iterator[Tuple[object, object, list]]:

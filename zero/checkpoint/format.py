@@ -216,6 +216,11 @@ EXCLUDED_UNITS = "excluded_units"
 units]): every rank's frozen sub-groups are absent."""
 
 
+def shown_names(names, count: int = 4) -> str:
+    """The first ``count`` of ``names`` for a message, and how many more."""
+    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
+
+
 def quantized_meta(frozen) -> dict:
     return {"codes": "int8", "scales": "float32", "group_size": frozen.group_size, "units": sorted(frozen.units)}
 

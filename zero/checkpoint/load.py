@@ -36,7 +36,8 @@ from ..runtime.timers import log_rank0
 from .deepspeed_files import is_deepspeed_checkpoint
 from .deepspeed_load import load_deepspeed_checkpoint
 from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, excluded_units_from_meta,
-                     frozen_units_from_meta, open_shard, read_meta, resolve_tag, sub_group_file, unsafe_error)
+                     frozen_units_from_meta, open_shard, read_meta, resolve_tag, shown_names, sub_group_file,
+                     unsafe_error)
 from .shard_io import CheckpointIO, check_digests, shard_checksums
 from .storage import agreed_local_tag, check_local_files, check_same_copies
 
@@ -51,10 +52,6 @@ def _check_same_model(meta: dict, engine) -> None:
         raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
 
 
-def _shown(names, count: int = 4) -> str:
-    return ", ".join(names[:count]) + (f" and {len(names) - count} more" if len(names) > count else "")
-
-
 def _check_strict(engine, meta: dict, excluded: frozenset, checkpoint: str, strict: bool) -> None:
     """A checkpoint without its frozen units loads only with ``load_module_strict=False``
     (save.py [Note: checkpoints without the frozen units]); units this engine trains among them
@@ -64,12 +61,12 @@ def _check_strict(engine, meta: dict, excluded: frozenset, checkpoint: str, stri
     if strict:
         names = [p["names"][0] for i in sorted(excluded) for p in meta["units"][i]["params"]]
         raise ValueError(f"checkpoint {checkpoint} was saved with exclude_frozen_parameters=True and holds no values "
-                         f"for {len(names)} frozen parameter(s) ({_shown(names)}); load it with "
+                         f"for {len(names)} frozen parameter(s) ({shown_names(names)}); load it with "
                          f"load_module_strict=False to keep this model's values for them")
     trains = [s.name for i in sorted(excluded - engine.rank_layout.frozen) for s in engine.rank_layout.units[i].slots]
     if trains:
         log_rank0(engine.comm.rank, f"load_checkpoint: {checkpoint} was saved without its frozen parameters, "
-                  f"{len(trains)} of which this engine trains ({_shown(trains)}): they keep this model's values, "
+                  f"{len(trains)} of which this engine trains ({shown_names(trains)}): they keep this model's values, "
                   f"their optimizer states start at zero", logging.WARNING)
 
 
@@ -150,7 +147,7 @@ def _unit_keys(reader: ShardReader, sg, index: int, keys):
 
 def _load_resharded(engine, reader: ShardReader, sg, keys, load_states: bool) -> Optional[torch.Tensor]:
     """A sub-group gathered element range by element range from any rank's shards; a unit the
-    checkpoint left out keeps its parameters' values (with zero states); None where the whole
+    checkpoint left out keeps its values (engine.current_master, with zero states); None where the whole
     sub-group is frozen and left out (nothing to load)."""
     comm, layout = engine.comm, engine.rank_layout
     missing = [i for i in sg.units if i in reader.excluded]
