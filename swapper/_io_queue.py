@@ -18,9 +18,10 @@ pool waits for its oldest writes only.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 
@@ -60,9 +61,13 @@ class IoQueue:
     """Submits reads or writes on one handle and completes them in batches; ``counts`` (shared
     by a swapper's queues) adds up the bytes submitted."""
 
-    def __init__(self, handle, counts: Optional[IoBytes] = None):
+    def __init__(self, handle, counts: Optional[IoBytes] = None,
+                 on_batch: Optional[Callable[[List[IoOp]], ContextManager]] = None):
         self.handle = handle
         self.counts = counts if counts is not None else IoBytes()
+        # ``on_batch(ops)``: a context the callbacks of a batch that completed without error run in
+        # (a swapper's checksums hash the batch's reads at once: checksum.py)
+        self.on_batch = on_batch
         self._ops: List[IoOp] = []
 
     def __len__(self) -> int:
@@ -97,11 +102,17 @@ class IoQueue:
         except BaseException as exc:  # noqa: BLE001 - every op must see it
             error = exc
         callback_errors: List[BaseException] = []
-        for op in ops:
-            try:
-                op.on_done(error)
-            except BaseException as exc:  # noqa: BLE001 - raised below
-                callback_errors.append(exc)
+        try:
+            context = self.on_batch(ops) if error is None and self.on_batch is not None else contextlib.nullcontext()
+        except BaseException as exc:  # noqa: BLE001 - the callbacks run (and release) regardless
+            callback_errors.append(exc)
+            context = contextlib.nullcontext()
+        with context:
+            for op in ops:
+                try:
+                    op.on_done(error)
+                except BaseException as exc:  # noqa: BLE001 - raised below
+                    callback_errors.append(exc)
         if error is not None:
             for extra in callback_errors:
                 add_note(error, f"also: {extra!r}")

@@ -25,7 +25,7 @@ from nvmeio.striping import stripe_unit
 from ._buffer_pool import PoolBuffer, StagingPool
 from .checksum import checksum_table
 from ._errors import PoolExhaustedError, SwapCorruptionError, SwapFileTruncatedError, SwapStateError, add_note
-from ._io_queue import IoBytes, IoQueue, ReadRing
+from ._io_queue import IoBytes, IoKind, IoQueue, ReadRing
 from ._pool_kind import PoolKind, WholeBuffers
 from ._swap_dir import SwapDirectory
 
@@ -64,7 +64,7 @@ class SwapperBase(abc.ABC):
         # A directory that cannot be claimed (in use, stale) must not leave the handles' threads
         # and kernel AIO contexts to garbage collection.
         with contextlib.ExitStack() as undo:
-            self._reads = IoQueue(new_handle(config), self.io_bytes)
+            self._reads = self._new_queue()
             undo.callback(self._reads.close)
             self._writes = IoQueue(new_handle(config), self.io_bytes)
             undo.callback(self._writes.close)
@@ -104,7 +104,15 @@ class SwapperBase(abc.ABC):
         return self._pool
 
     def _new_queue(self) -> IoQueue:
-        return IoQueue(new_handle(self.aio_config), self.io_bytes)
+        """A read queue: a batch that lands is hashed at once (checksum.py, [Note: a landed batch
+        of reads is hashed at once])."""
+        return IoQueue(new_handle(self.aio_config), self.io_bytes, self._reads_landed)
+
+    def _reads_landed(self, ops):
+        if self._checksums is None:
+            return contextlib.nullcontext()
+        return self._checksums.hashed_ahead([(op.path, op.offset, op.buffer) for op in ops
+                                             if op.kind is IoKind.READ and op.buffer.device.type == "cpu"])
 
     def _spread_reads(self, queues: int) -> None:
         """Reads over up to ``queues`` queues, each its own handle (made at first need), so that

@@ -106,6 +106,45 @@ def test_a_read_of_several_large_regions_is_verified_in_parallel_and_any_damage_
         table.verify("f", 0, bad)
 
 
+@pytest.mark.parametrize("damaged", [None, 0, 3])
+def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, monkeypatch, damaged):
+    """A batch of reads is hashed as it lands, the waiting thread and the helpers together, and the
+    reads' verification uses those digests (swapper/checksum.py, [Note: a landed batch of reads is
+    hashed at once]): each region hashed once, not all on the waiting thread, damage still found."""
+    import threading
+
+    n = 1 << 20  # four 4 MiB partitions: above PARALLEL_MIN_BYTES together
+    values = [torch.randn(n) for _ in range(4)]
+    ids = ["a", "b", "c", "d"]
+    with PartitionedParamSwapper(tmp_path, None, buffer_size=n, max_in_cpu=0, checksum="crc32") as s:
+        for pid in ids:
+            s.register(pid, n)
+        s.swap_out_tensors(ids, values)
+        s.synchronize()
+        if damaged is not None:
+            _flip_byte(s.swap_dir.file(swap_file_name(ids[damaged])), 4 * 1234)
+        hashed = []
+        digest = ChecksumTable.digest
+
+        def watched(table, data):
+            hashed.append((threading.current_thread().name, data.numel() * data.element_size()))
+            return digest(table, data)
+
+        monkeypatch.setattr(ChecksumTable, "digest", watched)
+        if damaged is None:
+            got = s.swap_in(ids)
+            assert all(torch.equal(g, v) for g, v in zip(got, values))
+        else:
+            with pytest.raises(SwapCorruptionError) as info:
+                s.swap_in(ids)
+            assert info.value.filename == s.swap_dir.file(swap_file_name(ids[damaged]))
+            assert s.state(ids[damaged]) is PartitionState.ON_NVME
+            assert [s.state(p) for p in ids if p != ids[damaged]] == [PartitionState.AVAILABLE] * 3
+        assert sorted(b for _, b in hashed) == [4 * n] * 4  # each region once
+        assert any(name.startswith("nvmeio-verify") for name, _ in hashed)
+        assert any(name == threading.current_thread().name for name, _ in hashed)
+
+
 def test_rewriting_a_region_forgets_the_old_digest():
     table = ChecksumTable("crc32")
     table.record("f", 0, torch.zeros(100))
