@@ -47,9 +47,12 @@ def test_a_windows_gradients_cross_once_with_the_loops_sums(dtype, k, add):
     assert torch.equal(dst, expected)
 
 
-def test_a_units_gradients_cross_in_one_copy_and_land_only_when_flushed_or_two_are_in_flight():
+def test_a_units_gradients_cross_in_one_copy_and_land_only_when_flushed_or_two_are_in_flight(monkeypatch):
     """zero/runtime/device_to_host.py [Note: a unit's gradients cross in one copy]: payloads of mixed dtypes
     and odd sizes packed at aligned offsets; the host slices change only when their copy lands."""
+    from zero.runtime import device_to_host
+
+    monkeypatch.setattr(device_to_host, "BATCH_BYTES", 1)  # every unit crosses on its own
     gen = torch.Generator().manual_seed(3)
     parts = {u: [torch.randn(n, generator=gen) for n in (7, 1031, 64)] for u in range(3)}
     grads = {u: [[(torch.randn(n, generator=gen)).to(dt) for _ in range(k)]
@@ -71,6 +74,33 @@ def test_a_units_gradients_cross_in_one_copy_and_land_only_when_flushed_or_two_a
     assert all(torch.equal(a, b) for u in range(3) for a, b in zip(parts[u], expected[u]))
     crossing.send(0)  # nothing pending: no copy
     assert crossing.copies == 3
+
+
+def test_small_units_cross_together_and_a_large_one_on_its_own_with_the_same_sums(monkeypatch):
+    """[Note: small units cross together]: units under BATCH_BYTES are packed as they come and
+    cross when the next would not fit, when a larger unit comes, or at flush; each lands where
+    and as it would alone."""
+    from zero.runtime import device_to_host
+
+    monkeypatch.setattr(device_to_host, "BATCH_BYTES", 4096)
+    gen = torch.Generator().manual_seed(6)
+    sizes = [100, 200, 7, 300, 2000, 50]  # fp32: 400, 800, 28, 1200 bytes packed; 8000 alone; 200
+    dsts = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)] for n in sizes]
+    adds = [u % 2 == 1 for u in range(len(sizes))]
+    expected = [in_loop_order(d, g, a) for d, g, a in zip(dsts, grads, adds)]
+    crossing = GradCrossing(torch.device("cpu"))
+    before = [d.clone() for d in dsts]
+    copies = []
+    for u, (d, g, a) in enumerate(zip(dsts, grads, adds)):
+        crossing.put(u, d, g, a)
+        crossing.send(u)
+        copies.append(crossing.copies)
+    assert copies == [0, 0, 0, 0, 2, 2]  # the four small ones together, then the large one
+    assert crossing.in_flight == 2 and all(torch.equal(d, b) for d, b in zip(dsts, before))  # none landed
+    crossing.flush()
+    assert crossing.copies == 3 and crossing.in_flight == 0
+    assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
 
 
 def test_a_unit_larger_than_a_slab_crosses_in_element_ranges_with_the_same_sums(monkeypatch):
@@ -103,15 +133,22 @@ def test_an_abandoned_backward_lands_nothing():
     crossing.abandon()
     crossing.flush()
     assert crossing.in_flight == 0 and bool((dst == 0).all())
-    crossing.send(1)
-    assert crossing.copies == 1
+    copies = crossing.copies  # 0: unit 0 was still packed, waiting for others (small units cross together)
+    crossing.send(1)  # abandoned: nothing pending
+    crossing.flush()
+    assert crossing.copies == copies == 0 and bool((dst == 0).all())
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["unit by unit", "small units together"])
 @pytest.mark.parametrize("case", ["bf16 loop", "bf16 train_batch", "fp32 nvme stash"])
-def test_training_through_the_crossing_equals_training_without_it(tmp_path, monkeypatch, case):
+def test_training_through_the_crossing_equals_training_without_it(tmp_path, monkeypatch, case, together):
     """The engine's gradients forced through GradCrossing on the CPU (as on a GPU with the
-    optimizer offloaded): losses and weights bit-identical to the direct path, one copy per unit
-    with gradients per backward."""
+    optimizer offloaded): losses and weights bit-identical to the direct path; one copy per unit
+    with gradients per backward, or fewer where small units cross together."""
+    from zero.runtime import device_to_host
+
+    if not together:
+        monkeypatch.setattr(device_to_host, "BATCH_BYTES", 1)
     precision, mode = case.split(" ", 1)
     offload = "nvme" if mode == "nvme stash" else "cpu"
     k, steps = 2, 2
@@ -132,7 +169,10 @@ def test_training_through_the_crossing_equals_training_without_it(tmp_path, monk
     assert same_weights(crossed_weights, direct_weights)
     with_grads = sum(1 for u in crossed.units if u.grad_count)
     backwards = steps * (1 if mode == "train_batch" else k)
-    assert crossed.parts.reducer.crossing.copies == with_grads * backwards
+    if together:  # the small model's units (all under BATCH_BYTES) cross a few at a time
+        assert backwards <= crossed.parts.reducer.crossing.copies < with_grads * backwards
+    else:
+        assert crossed.parts.reducer.crossing.copies == with_grads * backwards
     assert direct.parts.reducer.crossing.copies == 0
 
 

@@ -35,7 +35,7 @@ def spy_lending(model, seen: list) -> None:
             m.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight._zero_unit.lent))
 
 
-@pytest.mark.parametrize("buffer_count", [4, 12])
+@pytest.mark.parametrize("buffer_count", [3, 4, 12])
 def test_inference_from_nvme_gives_the_plain_logits_forward_after_forward(tmp_path, buffer_count):
     torch.manual_seed(0)
     model = GPT(CFG).eval()
@@ -55,7 +55,7 @@ def test_inference_from_nvme_gives_the_plain_logits_forward_after_forward(tmp_pa
             if i >= 1:  # the trace is known: the next forward's first units are on their way
                 assert store._prefetched.keys() & set(coord.prefetcher.trace[:3])
         assert any(seen), "no unit computed on a lent pool buffer"
-        if buffer_count == 4:  # 2 spare buffers: some units must be copied instead
+        if buffer_count == 3:  # 2 spare buffers of 3: some units must be copied instead
             assert not all(seen)
     finally:
         engine.destroy()

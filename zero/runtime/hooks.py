@@ -220,6 +220,8 @@ class Coordinator:
     def fetch(self, u: ParamUnit, by: Optional[nn.Module] = None) -> None:
         """Gather ``u`` for module ``by``'s forward or backward (None: a parameter read elsewhere)."""
         if self.window is None or self.window.first:  # a window's trace is its first micro-batch's
+            if u.state is ParamState.NOT_AVAILABLE:
+                self._read_first(u)
             self.prefetcher.record(u)
         if u.state is ParamState.AVAILABLE:
             return
@@ -231,6 +233,18 @@ class Coordinator:
             u.gather(lend=lend)
         if not u.persistent and not prefetched:
             self.live.count(u.layout.numel)
+
+    def _read_first(self, u: ParamUnit) -> None:
+        """Start ``u``'s own read before the reads ahead that recording it starts (prefetch.py,
+        [Note: the first reads go first]); counted as a read ahead is."""
+        if not self.store.reads_ahead or u.layout.shard_numel == 0:
+            return
+        if not u.persistent:
+            self.live.make_room(u.layout.numel)
+        if self.store.prefetch([u.layout]):
+            u.mark_prefetched()
+            if not u.persistent:
+                self.live.count(u.layout.numel)
 
     def maybe_release(self, u: ParamUnit) -> None:
         if not u.releasable or u.state is not ParamState.AVAILABLE:
@@ -305,6 +319,7 @@ class Coordinator:
         if not self.stack and (window is None or window.first):
             self.prefetcher.begin_iteration()
             if self._again:
+                self.prefetcher.read_ahead_at_start()  # the disk works while the persistent units copy
                 self.gather_persistent()
         if window is not None and module in self.module_units:
             window.reached(module)
