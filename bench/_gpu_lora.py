@@ -8,6 +8,15 @@ the same iteration is bound by the frozen base's reads, and issue 32 asks that i
 its bytes: the stage reports, per dtype, the flagged run's bytes and seconds over the unflagged
 run's, and each run's seconds over the disk's time for its bytes (the disk stage's reference, as
 the train stage's rows).
+
+[Note: the wide model]
+On an H200 the stand-in's quantized iteration stopped being the disk's: 0.29 GiB of int8 take
+0.17 s to read, while its 339 units (24 layers of small Linears and rank-8 adapters, 1 x 8
+tokens) cost about 0.2 s of the CPU's hooks and copies a forward and backward (bench/gpu_runs/,
+2026-11-27 18:58). Issue 32's "the iteration time falls in proportion in the I/O-bound regime"
+needs a model still I/O-bound with the flag: the wide model (``Sizes.lora_wide``, 8 layers of
+d_model 2048, 420M parameters: a unit's read takes ~10x as long as the stand-in's for about
+a third of the units) runs the same pair in fp32 after the stand-in's rows.
 """
 from __future__ import annotations
 
@@ -19,32 +28,41 @@ import time
 LORA_MODULE = "bench.lora"
 
 
-def jobs(dtypes) -> list:
-    """(dtype, flag) of every run, unflagged first per dtype (the pair a short budget keeps)."""
-    return [(d, flag) for d in dtypes for flag in (False, True)]
+STAND_IN = "stand-in"
+WIDE = "wide"
+
+
+def jobs(sizes) -> list:
+    """(model label, model, dtype, flag) of every run: the stand-in per dtype, unflagged first (the
+    pair a short budget keeps), then the wide model in fp32 (see [Note: the wide model])."""
+    out = [(STAND_IN, sizes.model, d, flag) for d in sizes.dtypes for flag in (False, True)]
+    if sizes.lora_wide:
+        out += [(WIDE, sizes.lora_wide, "fp32", flag) for flag in (False, True)]
+    return out
 
 
 def stage_lora(run, stage, disk_reference) -> dict:
     """Runs bench/lora.py's ``iterations`` child per (dtype, flag); ``disk_reference(run, disk, r, w)``
     is gpu_check's. The record is rewritten after every run."""
     s = run.sizes
-    out = {"model": s.model, "device": "cuda" if run.cuda else "cpu", "runs": []}
+    out = {"model": s.model, "models": {STAND_IN: s.model, **({WIDE: s.lora_wide} if s.lora_wide else {})},
+           "device": "cuda" if run.cuda else "cpu", "runs": []}
     disk = run.record["stages"].get("disk", {})
-    for dtype, flag in jobs(s.dtypes):
+    for name, model, dtype, flag in jobs(s):
         left = stage.left()
-        label = f"lora {dtype} {'quantized' if flag else 'unquantized'}"
+        label = f"lora {'' if name == STAND_IN else name + ' '}{dtype} {'quantized' if flag else 'unquantized'}"
         if left < max(1.0, s.min_run_s):
             row = {"skipped": "the stage's time ran out"}
         else:
             swap = tempfile.mkdtemp(prefix="lora-", dir=run.scratch)
-            spec = {"dtype": dtype, "flag": flag, "model": s.model, "nvme_path": swap, "warmup": s.warmup,
+            spec = {"dtype": dtype, "flag": flag, "model": model, "nvme_path": swap, "warmup": s.warmup,
                     "iters": s.iters}
             run.say(f"lora: {label}")
             try:
                 row = run.child(LORA_MODULE, ["--child", "iterations", json.dumps(spec)], min(left, s.run_cap_s))
             finally:
                 shutil.rmtree(swap, ignore_errors=True)
-        row = {"dtype": dtype, "flag": flag, **row}
+        row = {"lora_model": name, "dtype": dtype, "flag": flag, **row}
         if "median_s" in row:
             row["disk"] = disk_reference(run, disk, row["swap_read_bytes"], row["swap_write_bytes"])
         run.say(f"lora: {label}: " + line(row))
@@ -74,10 +92,15 @@ def line(row: dict) -> str:
 
 
 def pairs(st: dict) -> list:
-    """Per dtype with both runs measured: (dtype, unflagged row, flagged row)."""
-    rows = {(r["dtype"], r["flag"]): r for r in st.get("runs", []) if "median_s" in r}
-    return [(d, rows[(d, False)], rows[(d, True)]) for d in dict.fromkeys(d for d, _ in rows)
-            if (d, False) in rows and (d, True) in rows]
+    """Per (model label, dtype) with both runs measured: (label, dtype, unflagged row, flagged row)."""
+    rows = {(r.get("lora_model", STAND_IN), r["dtype"], r["flag"]): r for r in st.get("runs", []) if "median_s" in r}
+    keys = dict.fromkeys((m, d) for m, d, _ in rows)
+    return [(m, d, rows[(m, d, False)], rows[(m, d, True)]) for m, d in keys
+            if (m, d, False) in rows and (m, d, True) in rows]
+
+
+def pair_name(model: str, dtype: str) -> str:
+    return dtype if model == STAND_IN else f"{model} {dtype}"
 
 
 def moved(row: dict) -> int:

@@ -116,9 +116,9 @@ def _train(st: dict) -> str:
 
 
 def _lora(st: dict) -> str:
-    parts = [f"{d}: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.2f}x, seconds {on['median_s'] / off['median_s']:.2f}x "
-             f"(quantized / not); / disk {_f(_gpu_lora.to_disk(off))} and {_f(_gpu_lora.to_disk(on))}"
-             for d, off, on in _gpu_lora.pairs(st)]
+    parts = [f"{_gpu_lora.pair_name(m, d)}: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.2f}x, seconds "
+             f"{on['median_s'] / off['median_s']:.2f}x (quantized / not); / disk {_f(_gpu_lora.to_disk(off))} and "
+             f"{_f(_gpu_lora.to_disk(on))}" for m, d, off, on in _gpu_lora.pairs(st)]
     return "; ".join(parts) or st.get("error", "")
 
 
@@ -220,16 +220,17 @@ def _train_details(st: dict) -> list:
 def _lora_details(st: dict) -> list:
     if not st.get("runs"):
         return []
-    mdl = st.get("model", {})
+    models = st.get("models") or {_gpu_lora.STAND_IN: st.get("model", {})}
+    shapes = "; ".join(f"{name}: GPT {m.get('layers')} x d {m.get('d_model')}" for name, m in models.items())
     out = ["## LoRA on a frozen base on NVMe, without and with zero_quantized_nontrainable_weights", "",
-           f"bench/lora.py's stand-in on {st.get('device')}: GPT {mdl.get('layers')} x d {mdl.get('d_model')} with rank "
+           f"bench/lora.py's LoRA on {st.get('device')} ({shapes}) with rank "
            "8 adapters, the base frozen on NVMe (int8, a scale per 256 elements, with the flag), AdamW in host memory, "
            "micro-batches of 1 x 8 tokens, the median iteration; bytes: the parameter swapper's; disk: the disk "
            "stage's time for those bytes.", "",
-           "| dtype | quantized | s/it | swapper read GiB | written GiB | disk s | / disk | init s |",
-           "|---|---|---:|---:|---:|---:|---:|---:|"]
+           "| model | dtype | quantized | s/it | swapper read GiB | written GiB | disk s | / disk | init s |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for row in st["runs"]:
-        head = f"| {row['dtype']} | {'yes' if row['flag'] else 'no'} |"
+        head = f"| {row.get('lora_model', _gpu_lora.STAND_IN)} | {row['dtype']} | {'yes' if row['flag'] else 'no'} |"
         if "median_s" not in row:
             out.append(head + f" {_gpu_lora.line(row).replace('|', '/')} |" + " |" * 5)
             continue
@@ -238,13 +239,14 @@ def _lora_details(st: dict) -> list:
                    f"{row['swap_write_bytes'] / GiB:.4f} | {_f(disk, 3)} | {_f(_gpu_lora.to_disk(row))} | "
                    f"{row['init_s']} |")
     out.append("")
-    for d, off, on in _gpu_lora.pairs(st):
-        out.append(f"- {d}: quantized / unquantized: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.3f}x, "
+    for m, d, off, on in _gpu_lora.pairs(st):
+        out.append(f"- {_gpu_lora.pair_name(m, d)}: quantized / unquantized: bytes {_gpu_lora.moved(on) / _gpu_lora.moved(off):.3f}x, "
                    f"seconds {on['median_s'] / off['median_s']:.3f}x")
     for row in st["runs"]:
         if "phases" in row:
             ph = row["phases"]
-            out.append(f"- {row['dtype']}, {'quantized' if row['flag'] else 'unquantized'}, one more iteration phase "
+            out.append(f"- {_gpu_lora.pair_name(row.get('lora_model', _gpu_lora.STAND_IN), row['dtype'])}, "
+                       f"{'quantized' if row['flag'] else 'unquantized'}, one more iteration phase "
                        f"by phase (the device synchronized after each): forward {ph['forward']:.3f} s, backward "
                        f"{ph['backward']:.3f} s, step {ph['step']:.3f} s, flush {ph['flush']:.3f} s; blocked on NVMe "
                        f"{ph['blocked']:.3f} s; busiest thread {ph['busiest_thread'][0]} "

@@ -18,7 +18,8 @@ and write GiB/s: the disk's time for a byte count, fio being absent there; fio's
 on PATH, as a kit can carry it), ``aio`` (GiB/s of locked host buffers, CUDA tensors through
 aio_handle and through gds_handle), ``train`` (bench/io_bound.py's children: plain torch on the
 GPU in memory, and ours at k = 1, 4, 16 in fp32 and bf16) and ``lora`` (bench/lora.py's LoRA
-stand-in without and with quantized frozen weights, bench/_gpu_lora.py). Whatever imports torch
+stand-in without and with quantized frozen weights, then a wider model in fp32 whose quantized
+iteration stays I/O-bound, bench/_gpu_lora.py). Whatever imports torch
 or nvmeio runs in a child process with a timeout, so a crash, a hang or a failed build ends one
 stage, recorded with its error, and the next stage runs; the JSON and the markdown are rewritten
 after every stage, so a run stopped from outside keeps what had finished.
@@ -56,6 +57,7 @@ GiB = harness.GiB
 STAGES = ("install", "tests", "disk", "aio", "train", "lora")
 NO_CUDA = "no CUDA: rehearsed on CPU"
 TINY_MODEL = dict(vocab=256, d_model=32, heads=2, layers=2, seq=16, tie=True)
+WIDE_LORA_MODEL = dict(vocab=8192, d_model=2048, heads=16, layers=8, seq=128, tie=True)  # 420M parameters
 
 
 @dataclass(frozen=True)
@@ -78,18 +80,20 @@ class Sizes:
     aio_rounds: int
     one_process_per_run: bool
     use_fio: bool
+    lora_wide: Optional[dict] = None  # the lora stage's second model (bench/_gpu_lora.py [Note: the wide model])
 
 
-REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 120, "disk": 45, "aio": 45, "lora": 110},
+REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 120, "disk": 45, "aio": 45, "lora": 170},
              model=io_bound.MODEL,
              ks=(1, 4, 16), dtypes=("fp32", "bf16"), warmup=1, iters=2, torch_iters=3, min_run_s=30, run_cap_s=200,
              tune_io_size="1G", tune_budget_s=25, aio_bytes=1 * GiB, aio_rounds=3, one_process_per_run=True,
-             use_fio=True)
+             use_fio=True, lora_wide=WIDE_LORA_MODEL)
 REHEARSAL = Sizes(total_s=240, budgets={"install": 60, "tests": 90, "disk": 40, "aio": 40, "lora": 40},
                   model=TINY_MODEL,
                   ks=(1, 4), dtypes=("fp32", "bf16"), warmup=1, iters=1, torch_iters=1, min_run_s=0, run_cap_s=120,
                   tune_io_size="8M", tune_budget_s=2, aio_bytes=8 << 20, aio_rounds=1, one_process_per_run=False,
-                  use_fio=False)  # fio would reserve huge pages on a shared machine, for nothing a rehearsal needs
+                  use_fio=False,  # fio would reserve huge pages on a shared machine, for nothing a rehearsal needs
+                  lora_wide=dict(TINY_MODEL, d_model=64))
 
 PROBE = """
 import json

@@ -41,17 +41,24 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
         assert len(row["busiest_thread"]) == len(row["cpu_s"]) == len(row["blocked_s"]) == n
         assert all(0 <= t <= c + 0.02 for (_, t), c in zip(row["busiest_thread"], row["cpu_s"]))
     lora = record["stages"]["lora"]
-    assert [(row["dtype"], row["flag"]) for row in lora["runs"]] == [(d, f) for d in gpu_check.REHEARSAL.dtypes
-                                                                     for f in (False, True)]
+    assert [(row["lora_model"], row["dtype"], row["flag"]) for row in lora["runs"]] == [
+        ("stand-in", d, f) for d in gpu_check.REHEARSAL.dtypes for f in (False, True)] + [
+        ("wide", "fp32", False), ("wide", "fp32", True)]  # bench/_gpu_lora.py [Note: the wide model]
+    assert lora["models"]["wide"]["d_model"] == 2 * lora["models"]["stand-in"]["d_model"]
     for row in lora["runs"]:
         assert row["median_s"] > 0 and row["disk"]["seconds"] > 0 and row["swap_read_bytes"] > 0, row
         assert (row["quantized_units"] > 0) == row["flag"], row
         assert {"forward", "backward", "step", "flush", "blocked", "busiest_thread"} <= set(row["phases"]), row
-    off, on = ({r["flag"]: r for r in lora["runs"] if r["dtype"] == "fp32"}[f] for f in (False, True))
-    assert on["swap_read_bytes"] < 0.5 * off["swap_read_bytes"]  # int8 codes and scales against fp32
+    for model in ("stand-in", "wide"):
+        off, on = ({r["flag"]: r for r in lora["runs"] if r["dtype"] == "fp32" and r["lora_model"] == model}[f]
+                   for f in (False, True))
+        assert on["swap_read_bytes"] < 0.5 * off["swap_read_bytes"]  # int8 codes and scales against fp32
+    wide = [r for r in lora["runs"] if r["lora_model"] == "wide"]
+    assert wide[0]["swap_read_bytes"] > lora["runs"][0]["swap_read_bytes"]  # the wider base reads more
     md = (out / "gpu_check.md").read_text()
     for name in gpu_check.STAGES:
         assert f"| {name} | {statuses[name]} |" in md
+    assert "wide fp32: bytes" in md and "| wide | fp32 | yes |" in md
     assert "[gpu_check" in r.stdout and (out / "gpu_check.log").stat().st_size > 0
 
 
