@@ -35,7 +35,9 @@ xxh3 at ~5.5 GB/s on freshly read memory). So when a queue's batch lands, the re
 cover are hashed together (:meth:`ChecksumTable.hashed_ahead`): the waiting thread takes one,
 a pool of helper threads (SCHED_IDLE, as above) the others, and the callbacks' ``verify``
 compares against those digests instead of hashing again. A region is still hashed from the
-bytes just read, before anything sees them; only where and when changes.
+bytes just read, before anything sees them; only where and when changes. The digests live only
+while that batch's callbacks run: one kept longer could vouch for other bytes read later into
+the same memory.
 
 [Note: a drive's share of a striped region]
 A region of a file striped over several drives (nvmeio.striping) keeps, beside its digest,
@@ -56,7 +58,7 @@ import functools
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -309,20 +311,24 @@ class ChecksumTable:
         inside = [r for r in self._files.get(path, []) if r.offset >= offset and r.offset + r.nbytes <= end]
         return inside, [raw[r.offset - offset:r.offset - offset + r.nbytes] for r in inside]
 
-    @contextlib.contextmanager
-    def hashed_ahead(self, reads: Sequence[Tuple[object, int, torch.Tensor]]):
-        """Within the block, :meth:`verify` of any of ``reads`` (``(path, offset, data)``, landed)
-        uses digests of their regions computed together on entry (see [Note: a landed batch of
-        reads is hashed at once])."""
+    def hashed_ahead(self, reads: Sequence[Tuple[object, int, torch.Tensor]]) -> ContextManager:
+        """Hashes the regions inside ``reads`` (``(path, offset, data)``, landed) together, now;
+        within the returned context :meth:`verify` of any of them uses those digests, which go
+        when it exits (see [Note: a landed batch of reads is hashed at once]). Enter it at once:
+        a digest kept past it could vouch for other bytes read later into the same memory."""
         keys, jobs = [], []
         for path, offset, data in reads:
             for r, piece in zip(*self._inside(path, offset, data)):
                 keys.append((path, r.offset, r.nbytes, piece.data_ptr()))
                 jobs.append(functools.partial(self.digest, piece))
+        self._ahead = {}
         if len(jobs) < 2 or sum(k[2] for k in keys) < PARALLEL_MIN_BYTES:
-            yield
-            return
+            return contextlib.nullcontext()
         self._ahead = dict(zip(keys, hash_together(jobs)))
+        return self._ahead_until_exit()
+
+    @contextlib.contextmanager
+    def _ahead_until_exit(self):
         try:
             yield
         finally:

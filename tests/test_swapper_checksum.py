@@ -106,8 +106,9 @@ def test_a_read_of_several_large_regions_is_verified_in_parallel_and_any_damage_
         table.verify("f", 0, bad)
 
 
+@pytest.mark.parametrize("drives", [1, 2], ids=["one drive", "striped over two"])
 @pytest.mark.parametrize("damaged", [None, 0, 3])
-def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, monkeypatch, damaged):
+def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, monkeypatch, damaged, drives):
     """A batch of reads is hashed as it lands, the waiting thread and the helpers together, and the
     reads' verification uses those digests (swapper/checksum.py, [Note: a landed batch of reads is
     hashed at once]): each region hashed once, not all on the waiting thread, damage still found."""
@@ -116,13 +117,18 @@ def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, m
     n = 1 << 20  # four 4 MiB partitions: above PARALLEL_MIN_BYTES together
     values = [torch.randn(n) for _ in range(4)]
     ids = ["a", "b", "c", "d"]
-    with PartitionedParamSwapper(tmp_path, None, buffer_size=n, max_in_cpu=0, checksum="crc32") as s:
+    dirs = [tmp_path / f"d{i}" for i in range(drives)]
+    for d in dirs:
+        d.mkdir()
+    with PartitionedParamSwapper(dirs if drives > 1 else dirs[0], {"block_size": 4096}, buffer_size=n, max_in_cpu=0,
+                                 checksum="crc32") as s:
         for pid in ids:
             s.register(pid, n)
         s.swap_out_tensors(ids, values)
         s.synchronize()
         if damaged is not None:
-            _flip_byte(s.swap_dir.file(swap_file_name(ids[damaged])), 4 * 1234)
+            path = s.swap_dir.file(swap_file_name(ids[damaged]))
+            _flip_byte(path.parts[0] if drives > 1 else path, 1234)
         hashed = []
         digest = ChecksumTable.digest
 
@@ -137,7 +143,7 @@ def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, m
         else:
             with pytest.raises(SwapCorruptionError) as info:
                 s.swap_in(ids)
-            assert info.value.filename == s.swap_dir.file(swap_file_name(ids[damaged]))
+            assert info.value.filename == (path.parts[0] if drives > 1 else path)  # the drive, when striped
             assert s.state(ids[damaged]) is PartitionState.ON_NVME
             assert [s.state(p) for p in ids if p != ids[damaged]] == [PartitionState.AVAILABLE] * 3
         assert sorted(b for _, b in hashed) == [4 * n] * 4  # each region once
@@ -242,3 +248,46 @@ def test_a_missing_checksum_package_names_what_to_install(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "xxhash", None)
     with pytest.raises(ImportError, match=r"pip install xxhash\); checksum='crc32' works"):
         ChecksumTable("xxhash")
+
+
+class _DoneHandle:
+    """An aio_handle stand-in whose ops are done when submitted."""
+
+    def async_pread(self, buffer, path, offset):
+        pass
+
+    def wait(self):
+        return 0
+
+
+def test_a_batch_whose_hashing_ahead_fails_still_runs_every_callback_and_keeps_no_digest():
+    """IoQueue runs a landed batch's callbacks inside ``on_batch``'s context; if hashing ahead fails,
+    every callback still runs (buffers go back, states move), each read is verified on its own,
+    and the error is raised after them; a table keeps no digest past its batch."""
+    from swapper._io_queue import IoKind, IoQueue
+
+    table = ChecksumTable("crc32")
+    data = [torch.randn(1 << 20) for _ in range(3)]  # 12 MiB: hashed ahead
+    for i, t in enumerate(data):
+        table.record(f"f{i}", 0, t)
+    verified = []
+
+    def on_done(i):
+        return lambda error: (table.verify(f"f{i}", 0, data[i]), verified.append(i))
+
+    queue = IoQueue(_DoneHandle(), on_batch=lambda ops: table.hashed_ahead([(op.path, op.offset, op.buffer)
+                                                                           for op in ops]))
+    for i, t in enumerate(data):
+        queue.submit(IoKind.READ, t, f"f{i}", 0, on_done(i))
+    assert queue.drain() == 3 and verified == [0, 1, 2] and table._ahead == {}
+
+    def broken(ops):
+        raise RuntimeError("hashing ahead failed")
+
+    queue.on_batch, verified[:] = broken, []
+    data[1][5] += 1  # and one read is damaged: its own verification finds it
+    for i, t in enumerate(data):
+        queue.submit(IoKind.READ, t, f"f{i}", 0, on_done(i))
+    with pytest.raises(RuntimeError, match="hashing ahead failed") as info:
+        queue.drain()
+    assert verified == [0, 2] and "SwapCorruptionError" in "".join(getattr(info.value, "__notes__", []))
