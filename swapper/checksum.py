@@ -199,6 +199,15 @@ _hash_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _hash_pool_lock = threading.Lock()
 
 
+def _forget_hash_pool() -> None:  # a forked child has none of its parent's threads
+    global _hash_pool
+    _hash_pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_hash_pool)
+
+
 def hash_together(jobs: Sequence[Callable[[], int]]) -> List[int]:
     """Each job's digest, the first computed by the calling thread, the others by the helper
     pool (see [Note: a landed batch of reads is hashed at once])."""

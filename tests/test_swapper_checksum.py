@@ -291,3 +291,24 @@ def test_a_batch_whose_hashing_ahead_fails_still_runs_every_callback_and_keeps_n
     with pytest.raises(RuntimeError, match="hashing ahead failed") as info:
         queue.drain()
     assert verified == [0, 2] and "SwapCorruptionError" in "".join(getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
+def test_a_forked_child_hashes_together_with_helpers_of_its_own():
+    """The helper pool's threads are not in a forked child: it starts its own (a pool inherited
+    empty would take the jobs and never run them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch\n"
+        "from swapper.checksum import ChecksumTable, hash_together\n"
+        "t = ChecksumTable('crc32')\n"
+        "jobs = [lambda i=i: t.digest(torch.full((10,), float(i))) for i in range(4)]\n"
+        "want = hash_together(jobs)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if hash_together(jobs) == want else 3)\n"
+        "print('child', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "child 0", out.stdout + out.stderr
