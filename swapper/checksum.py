@@ -218,9 +218,14 @@ def hash_together(jobs: Sequence[Callable[[], int]]) -> List[int]:
         if _hash_pool is None:
             _hash_pool = concurrent.futures.ThreadPoolExecutor(
                 HASH_THREADS, thread_name_prefix="nvmeio-verify", initializer=run_in_background)
-        futures = [_hash_pool.submit(job) for job in jobs[1:]]
+        futures = []
+        for job in jobs[1:]:
+            try:
+                futures.append(_hash_pool.submit(job))
+            except RuntimeError:  # the interpreter is exiting (an atexit cleanup): hashed here instead
+                futures.append(None)
     first = jobs[0]()
-    return [first] + [f.result() for f in futures]
+    return [first] + [f.result() if f is not None else job() for f, job in zip(futures, jobs[1:])]
 
 
 DriveDigests = Tuple[Tuple[int, int], ...]  # (part, digest of its share), for each part a region touches

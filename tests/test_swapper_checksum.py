@@ -312,3 +312,20 @@ def test_a_forked_child_hashes_together_with_helpers_of_its_own():
         "print('child', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "child 0", out.stdout + out.stderr
+
+
+def test_hashing_together_in_an_atexit_cleanup_hashes_on_the_calling_thread():
+    """At exit the helper pool takes no new work (concurrent.futures refuses it once the
+    interpreter shuts down): a cleanup that drains reads then still verifies them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, torch\n"
+        "from swapper.checksum import ChecksumTable, hash_together\n"
+        "t = ChecksumTable('crc32')\n"
+        "jobs = [lambda i=i: t.digest(torch.full((10,), float(i))) for i in range(4)]\n"
+        "want = hash_together(jobs)\n"
+        "atexit.register(lambda: print('at exit', hash_together(jobs) == want, flush=True))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "at exit True", out.stdout + out.stderr
