@@ -203,19 +203,31 @@ def test_below_stage_3_the_flag_warns_that_it_has_no_effect(tmp_path):
     assert not engine.frozen_shards
 
 
-def test_a_unit_mixing_frozen_and_trainable_parameters_stays_unquantized(tmp_path, caplog):
+def test_a_modules_frozen_weight_beside_a_trained_bias_is_stored_quantized(tmp_path):
+    """zero/runtime/unit.py [Note: a module's frozen and trainable parameters]: the module gets two
+    units, and its frozen one is as any frozen unit (int8, no master); the bias trains."""
     def half_frozen():
         model = GPT(CFG)
         model.blocks[0].fc.weight.requires_grad_(False)  # its bias still trains
         model.blocks[1].fc.requires_grad_(False)
         return model
 
-    with caplog.at_level(logging.WARNING, logger="zero"):
-        engine = make_engine(tmp_path, model=half_frozen, offload="nvme", overrides=FLAG, micro=2)
-    names = {engine.parts.units[i].layout.module_name for i in engine.frozen_shards.units}
-    assert names == {"blocks.1.fc"}
-    assert "1 module(s) own frozen and trainable parameters together and stay unquantized" in caplog.text
-    assert "blocks.0.fc" in caplog.text
+    engine = make_engine(tmp_path, model=half_frozen, offload="nvme", overrides=FLAG, micro=2)
+    try:
+        quantized = sorted((engine.parts.units[i].layout.module_name, [s.name for s in engine.parts.units[i].layout.slots])
+                           for i in engine.frozen_shards.units)
+        assert quantized == [("blocks.0.fc", ["blocks.0.fc.weight"]),
+                             ("blocks.1.fc", ["blocks.1.fc.weight", "blocks.1.fc.bias"])]
+        bias_unit = [u for u in engine.parts.units if [s.name for s in u.layout.slots] == ["blocks.0.fc.bias"]]
+        assert len(bias_unit) == 1 and bias_unit[0].index not in engine.rank_layout.frozen
+        bias = engine.module.blocks[0].fc.bias
+        with zero.GatheredParameters([bias]):
+            before = bias.detach().clone()
+        train_engine(engine, make_batches(CFG, 2, 2), 2)
+        with zero.GatheredParameters([bias]):
+            assert not torch.equal(bias.detach(), before)  # it trains
+    finally:
+        engine.destroy()
 
 
 # -- checkpoints -------------------------------------------------------------------------------------

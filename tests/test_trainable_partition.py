@@ -442,3 +442,79 @@ def test_non_reentrant_activation_checkpointing_with_a_frozen_base_trains_as_pla
         got = weights(model)
         for name, p in reference.named_parameters():
             assert torch.equal(got[name], p.detach()), name
+
+
+# -- a module's frozen and trainable parameters (zero/runtime/unit.py [Note: a module's frozen and ...]) --
+
+def lora_with_biases(seed: int = 0) -> torch.nn.Module:
+    """peft's bias="all": the adapters and every bias train, the base weights stay frozen."""
+    model = lora_model(seed)
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.requires_grad_(True)
+    return model
+
+
+@pytest.mark.parametrize("offload_param,offload_optimizer", [("nvme", "nvme"), ("none", "cpu")])
+def test_frozen_weights_beside_trained_biases_get_no_optimizer_state_and_train_as_plain_pytorch(
+        tmp_path, offload_param, offload_optimizer):
+    model = lora_with_biases()
+    reference = copy.deepcopy(model)
+    mixed = [m for m in model.modules() if len({p.requires_grad for p in m.parameters(recurse=False)}) == 2]
+    assert mixed  # the case: modules owning a frozen weight and a trained bias
+    with built(model, base_config(offload_param, offload_optimizer, tmp_path, lr=1e-2, sub_group_size=2000)) as engine:
+        layout = engine.rank_layout
+        assert layout.trainable_numel == trainable_numel(reference)  # was the mixed modules' weights too
+        for unit in engine.parts.units:
+            kinds = {p.requires_grad for p in unit.params}
+            assert len(kinds) == 1 and (unit.index in layout.frozen) == (kinds == {False})
+        losses = train_engine(engine, batches(), 4)
+        assert losses == train_reference(reference, batches(), 4, lr=1e-2)
+        got = weights(model)
+        for name, p in reference.named_parameters():
+            assert torch.equal(got[name], p.detach()), name
+
+
+@pytest.mark.parametrize("saved_split,loaded_split", [(False, True), (True, False)],
+                         ids=["one unit a module, loaded split", "split, loaded as one unit a module"])
+def test_a_checkpoint_grouping_a_modules_parameters_otherwise_resumes_exactly(tmp_path, monkeypatch, saved_split,
+                                                                             loaded_split):
+    """zero/checkpoint/regroup.py [Note: a checkpoint grouped otherwise]: a checkpoint saved before
+    modules were split (or after, loaded by an engine that does not split) loads by parameter name,
+    masters and Adam states, and training goes on as it would have."""
+    from zero.engine import build
+
+    plan = build.plan_units
+
+    def grouping(split):
+        monkeypatch.setattr(build, "plan_units", lambda m, w, split_frozen=False: plan(m, w, split and split_frozen))
+
+    grouping(saved_split)
+    engine, model = _trained(tmp_path, model=lora_with_biases())
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        saved = weights(model)
+        units_saved = len(engine.parts.units)
+        after = train_engine(engine, batches()[2:], 2)
+    finally:
+        engine.destroy()
+    grouping(loaded_split)
+    for offload in ("nvme", "cpu"):
+        config = base_config(offload, offload, swap_dir(tmp_path / f"swap-{offload}"), lr=1e-2)
+        with built(lora_with_biases(seed=5), config) as engine2:
+            assert len(engine2.parts.units) != units_saved  # grouped otherwise
+            engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+            assert all(torch.equal(v, saved[n]) for n, v in weights(engine2.module).items())
+            assert train_engine(engine2, batches()[2:], 2) == after
+
+
+def test_a_checkpoint_of_other_parameters_is_still_refused_by_name(tmp_path):
+    engine, _ = _trained(tmp_path, model=lora_with_biases())
+    try:
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    finally:
+        engine.destroy()
+    other = GPT(dataclasses.replace(CFG, layers=3))
+    with built(other, base_config("nvme", "nvme", swap_dir(tmp_path / "swap2"), lr=1e-2)) as engine2:
+        with pytest.raises(ValueError, match=r"saved from a different model \(parameters differ: \[\(.blocks\.0\.attn\.proj\.base"):
+            engine2.load_checkpoint(str(tmp_path / "ckpt"), tag="t")

@@ -38,18 +38,24 @@ from .deepspeed_load import load_deepspeed_checkpoint
 from .format import (BUFFERS, LATEST, META, ShardReader, checkpoint_path, engine_file, excluded_units_from_meta,
                      frozen_units_from_meta, open_shard, read_meta, resolve_tag, shown_names, sub_group_file,
                      unsafe_error)
+from .regroup import RegroupedReader
 from .shard_io import CheckpointIO, check_digests, shard_checksums
 from .storage import agreed_local_tag, check_local_files, check_same_copies
 
 
-def _check_same_model(meta: dict, engine) -> None:
+def _check_same_model(meta: dict, engine) -> bool:
+    """The checkpoint holds this model's parameters (by name and shape); True where its units
+    group them otherwise (regroup.py, [Note: a checkpoint grouped otherwise])."""
     saved = [[(tuple(p["names"])[0], tuple(p["shape"])) for p in u["params"]] for u in meta["units"]]
     ours = [[(s.name, s.shape) for s in u.slots] for u in engine.rank_layout.units]
-    if saved != ours:
-        theirs = {n: s for u in saved for n, s in u}
-        mine = {n: s for u in ours for n, s in u}
+    if saved == ours:
+        return False
+    theirs = {n: s for u in saved for n, s in u}
+    mine = {n: s for u in ours for n, s in u}
+    if theirs != mine:
         diff = sorted(set(theirs.items()) ^ set(mine.items()))[:5]
         raise ValueError(f"the checkpoint was saved from a different model (parameters differ: {diff})")
+    return True
 
 
 def _check_strict(engine, meta: dict, excluded: frozenset, checkpoint: str, strict: bool) -> None:
@@ -63,7 +69,9 @@ def _check_strict(engine, meta: dict, excluded: frozenset, checkpoint: str, stri
         raise ValueError(f"checkpoint {checkpoint} was saved with exclude_frozen_parameters=True and holds no values "
                          f"for {len(names)} frozen parameter(s) ({shown_names(names)}); load it with "
                          f"load_module_strict=False to keep this model's values for them")
-    trains = [s.name for i in sorted(excluded - engine.rank_layout.frozen) for s in engine.rank_layout.units[i].slots]
+    left_out = {p["names"][0] for i in excluded for p in meta["units"][i]["params"]}
+    layout = engine.rank_layout
+    trains = [s.name for u in layout.units if u.index not in layout.frozen for s in u.slots if s.name in left_out]
     if trains:
         log_rank0(engine.comm.rank, f"load_checkpoint: {checkpoint} was saved without its frozen parameters, "
                   f"{len(trains)} of which this engine trains ({shown_names(trains)}): they keep this model's values, "
@@ -269,19 +277,22 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str], load_optimizer_st
     staged: dict = {}  # sub-group index -> (its shard staged and verified, carried checksums), until published
     try:
         meta = read_meta(checkpoint)
-        _check_same_model(meta, engine)
+        regrouped = _check_same_model(meta, engine)
         excluded = excluded_units_from_meta(meta)
         _check_strict(engine, meta, excluded, checkpoint, load_module_strict)
         same_layout = meta["world_size"] == comm.world_size
         # This rank's shards hold exactly its sub-groups (or none of the frozen ones): read whole, or
         # copied file to file.
         frozen = frozen_units_from_meta(meta)
-        own_shards = (same_layout and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
+        own_shards = (same_layout and not regrouped
+                      and meta["sub_group_size"] == engine.config.zero_optimization.sub_group_size
                       and frozen == engine.rank_layout.frozen and excluded in (frozen, frozenset()))
         names = engine.checkpointed_state.state_names
         load_states = load_optimizer_states and set(names) <= set(meta.get("state_names", []))
         keys = ["master"] + (list(names) if load_states else [])
         reader = ShardReader(checkpoint, meta)
+        if regrouped:
+            reader = RegroupedReader(reader, engine.rank_layout.units)
         if node_local:
             check_local_files(checkpoint, comm.rank, _files_read(engine, checkpoint, reader, own_shards, same_layout),
                               resharding=not own_shards)

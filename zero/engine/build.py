@@ -244,7 +244,7 @@ def _build_parts(module: nn.Module, config: DeepSpeedConfig, comm: Comm, device:
 def _plan(module, config, comm, device, dtype, spec):
     """Units (one per module owning parameters), this rank's layout, and the host-memory check
     (with the headroom it leaves for the gradient stash and the default activation budget, in bytes)."""
-    layouts, params_per_unit, module_units = plan_units(module, comm.world_size)
+    layouts, params_per_unit, module_units = plan_units(module, comm.world_size, split_frozen=spec is not None)
     # Units with no parameter to train: no master, states or gradient (stores/layouts.py [Note: the
     # optimizer covers the trainable units only]); without an optimizer there are none of those.
     frozen = {l.index for l, ps in zip(layouts, params_per_unit)
@@ -317,8 +317,6 @@ def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec]
     if not zc.zero_quantized_nontrainable_weights or zc.stage < 3:
         return NOT_QUANTIZED  # below stage 3 the config warned that it has no effect
     frozen = _quantized_units(config, units, spec)  # the layout's frozen units, with an optimizer
-    mixed = [u.layout.module_name or "<root>" for u in units
-             if spec is not None and 0 < u.grad_count < len(u.params)]
     numel = sum(u.layout.numel for u in units if u.index in frozen)
     log_rank0(comm.rank, f"zero_quantized_nontrainable_weights: {len(frozen)} of {len(units)} units "
                          f"({numel} elements) stored int8 with an fp32 scale per {GROUP_SIZE} elements")
@@ -326,11 +324,6 @@ def _frozen_shards(config, units: List[ParamUnit], spec: Optional[OptimizerSpec]
         logging.getLogger("zero").warning(
             "zero_quantized_nontrainable_weights is set but every unit has a parameter that requires grad: "
             "nothing is stored quantized (freeze parameters with requires_grad_(False) before zero.initialize)")
-    if mixed:
-        logging.getLogger("zero").warning(
-            "zero_quantized_nontrainable_weights: %d module(s) own frozen and trainable parameters together and "
-            "stay unquantized (a module's parameters are stored as one unit): %s", len(mixed),
-            ", ".join(mixed[:5]) + (f" and {len(mixed) - 5} more" if len(mixed) > 5 else ""))
     return FrozenShards(frozen, to_device=host_to_device.copy_then_reuse if device.type == "cuda" else None)
 
 

@@ -256,8 +256,21 @@ def named_param_aliases(module: nn.Module) -> Dict[nn.Parameter, List[str]]:
     return names
 
 
-def plan_units(module: nn.Module, world_size: int):
-    """Split ``module``'s parameters into units, one per module owning parameters directly.
+# [Note: a module's frozen and trainable parameters]
+# A unit is a module's own parameters, gathered together. Where a module owns frozen and
+# trainable parameters together (peft's bias="all" or "lora_only": a frozen base weight beside a
+# trained bias; BitFit: every bias trained) one unit made the whole module trainable: an fp32
+# master, Adam states and a gradient for the frozen weight too (16 bytes a parameter, read and
+# written every step with the optimizer on NVMe) and no int8 storage for it. So an engine that
+# trains gives such a module two units, its trainable parameters and its frozen ones, both
+# gathered for its forward (as a parameter shared with an earlier module is); the frozen one is
+# then as any frozen unit (stores/layouts.py [Note: the optimizer covers the trainable units
+# only]). A checkpoint saved with the module as one unit loads by parameter name
+# (checkpoint/regroup.py).
+def plan_units(module: nn.Module, world_size: int, split_frozen: bool = False):
+    """Split ``module``'s parameters into units, one per module owning parameters directly;
+    with ``split_frozen`` (an engine that trains), two for a module that owns frozen and
+    trainable parameters together (see [Note: a module's frozen and trainable parameters]).
 
     Returns ``(layouts, params_per_unit, module_units)``, where
     ``module_units[m]`` lists the units module ``m`` must gather before its
@@ -274,12 +287,15 @@ def plan_units(module: nn.Module, world_size: int):
         for p in direct:
             if p not in owner and all(p is not q for q in new):
                 new.append(p)
-        if new:
+        groups = [new] if new else []
+        if split_frozen and len({p.requires_grad for p in new}) == 2:
+            groups = [[p for p in new if p.requires_grad == kind] for kind in dict.fromkeys(p.requires_grad for p in new)]
+        for group in groups:
             index = len(layouts)
-            shapes = [(tuple(aliases[p]), tuple(getattr(p, "ds_shape", p.shape))) for p in new]
+            shapes = [(tuple(aliases[p]), tuple(getattr(p, "ds_shape", p.shape))) for p in group]
             layouts.append(build_unit_layout(index, mod_name, shapes, world_size))
-            params_per_unit.append(new)
-            for p in new:
+            params_per_unit.append(group)
+            for p in group:
                 owner[p] = index
         needed = []
         for p in direct:
