@@ -194,8 +194,8 @@ class Coordinator:
         linears = set(self._linears)
         for u, ms in users.items():
             only = ms[0] if len(ms) == 1 else None
-            if only in linears and {id(p) for p in u.params} == {id(p) for p in only._parameters.values()
-                                                                  if p is not None}:
+            if only in linears and {id(p) for p in u.params} <= {id(p) for p in only._parameters.values()
+                                                                  if p is not None}:  # (a split module's: unit.py)
                 u.owner = only
 
     def _unlend(self, units: List[ParamUnit]) -> None:
