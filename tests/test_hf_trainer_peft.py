@@ -20,11 +20,13 @@ from zero.hf import ZeroTrainer
 from zero.partitioning.full_state_dict import full_state_dict
 
 
-def lora_gpt2():
+def lora_gpt2(bias: str = "none"):
+    """``bias="all"``: every bias trains beside the adapters, the base weights stay frozen (their
+    modules split in two units: zero/runtime/unit.py [Note: a module's frozen and trainable parameters])."""
     model = tiny_gpt2()
     torch.manual_seed(1)
     model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
-                                                       fan_in_fan_out=True))
+                                                       fan_in_fan_out=True, bias=bias))
     with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -37,12 +39,13 @@ def swap_dir(path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])  # 2: the Trainer's accumulation windows
-def test_a_peft_model_trains_as_the_plain_trainer_with_optimizer_state_for_the_adapters_only(tmp_path, accumulation):
+@pytest.mark.parametrize("accumulation,bias", [(1, "none"), (2, "none"), (1, "all")])  # 2: accumulation windows
+def test_a_peft_model_trains_as_the_plain_trainer_with_optimizer_state_for_the_adapters_only(tmp_path, accumulation,
+                                                                                             bias):
     args = dict(gradient_accumulation_steps=accumulation)
-    plain = Trainer(model=lora_gpt2(), args=training_args(tmp_path / "plain", **args), train_dataset=dataset())
+    plain = Trainer(model=lora_gpt2(bias), args=training_args(tmp_path / "plain", **args), train_dataset=dataset())
     plain.train()
-    ours = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "ours", **args), train_dataset=dataset(),
+    ours = ZeroTrainer(model=lora_gpt2(bias), args=training_args(tmp_path / "ours", **args), train_dataset=dataset(),
                        zero_config=nvme_config(swap_dir(tmp_path / "nvme")))
     ours.train()
     torch.testing.assert_close(losses(ours), losses(plain), rtol=1e-6, atol=0)
@@ -56,9 +59,10 @@ def test_a_peft_model_trains_as_the_plain_trainer_with_optimizer_state_for_the_a
         engine.rank_layout.trainable_sub_groups)
 
 
-def test_a_peft_trainer_checkpoint_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("bias", ["none", "all"])
+def test_a_peft_trainer_checkpoint_resumes_exactly(tmp_path, bias):
     args = dict(max_steps=4, save_strategy="steps", save_steps=2, weight_decay=0.0)
-    whole = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "whole", **args), train_dataset=dataset(),
+    whole = ZeroTrainer(model=lora_gpt2(bias), args=training_args(tmp_path / "whole", **args), train_dataset=dataset(),
                         zero_config=nvme_config(swap_dir(tmp_path / "nvme1")))
     whole.train()
     checkpoint = tmp_path / "whole" / "checkpoint-2"
@@ -67,7 +71,7 @@ def test_a_peft_trainer_checkpoint_resumes_exactly(tmp_path):
     assert meta["excluded_units"] and meta["excluded_units"] == meta["frozen_units"]
     shards = [f for f in os.listdir(checkpoint / "global_step2" / "rank00000") if f.startswith("subgroup")]
     assert len(shards) == len(whole.zero_engine.rank_layout.trainable_sub_groups)
-    resumed = ZeroTrainer(model=lora_gpt2(), args=training_args(tmp_path / "resumed", **args),
+    resumed = ZeroTrainer(model=lora_gpt2(bias), args=training_args(tmp_path / "resumed", **args),
                           train_dataset=dataset(), zero_config=nvme_config(swap_dir(tmp_path / "nvme2")))
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4
