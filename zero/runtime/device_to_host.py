@@ -104,7 +104,8 @@ class _Batch:
 
 
 class GradCrossing:
-    """Device gradients of each unit into host slices, one copy per unit (see the note).
+    """Device gradients of each unit into host slices, one copy per unit, small units' together
+    (see the notes).
     ``pinned``: registered host memory for the slabs (nvmeio.RegisteredHost), else plain."""
 
     def __init__(self, device: torch.device, pinned=None):
