@@ -412,10 +412,14 @@ def test_ctrl_c_removes_the_temporary_files(dirs):
                           "--io_size", "64M", "--search", "grid", "--log_dir", str(logs)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not os.listdir(nvme) and time.monotonic() < deadline and p.poll() is None:
+        start = time.monotonic()
+        while not os.listdir(nvme) and time.monotonic() < start + 60 and p.poll() is None:
             time.sleep(0.05)
-        assert os.listdir(nvme), "the sweep never created its file"
+        if not os.listdir(nvme):  # say why: the child ended (how), or it was still starting
+            ended = p.poll() is not None
+            _, err = p.communicate(timeout=30) if ended else ("", "")
+            pytest.fail(f"the sweep never created its file: after {time.monotonic() - start:.1f} s the child "
+                        + (f"had exited with {p.returncode}: {err[-2000:]}" if ended else "was still running"))
         time.sleep(0.3)  # into the sweep proper
         p.send_signal(sig)
         _, err = finish_process(p, timeout=30)
