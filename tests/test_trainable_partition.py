@@ -315,8 +315,8 @@ def test_the_estimate_gives_optimizer_state_to_the_modules_that_train_only():
 
     assert optimizer_bytes() == 16 * trainable < 16 * total // 4
     assert optimizer_bytes(trainable_params=total) == 16 * total  # a count: everything unless told
-    model.ln_f.bias.requires_grad_(True)  # its module's weight gets a master too (one unit)
-    assert optimizer_bytes() == 16 * (trainable + model.ln_f.weight.numel() + model.ln_f.bias.numel())
+    model.ln_f.bias.requires_grad_(True)  # its module's frozen weight is a unit of its own: no master
+    assert optimizer_bytes() == 16 * (trainable + model.ln_f.bias.numel())
     with pytest.raises(ValueError, match="trainable_params must be between 0 and the model's"):
         optimizer_bytes(trainable_params=total + 1)
 

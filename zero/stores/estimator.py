@@ -67,15 +67,10 @@ def model_sizes(model: nn.Module) -> Tuple[int, int]:
 
 
 def optimized_params(model: nn.Module) -> int:
-    """The parameters the engine keeps optimizer state for: those of every module owning one that
-    requires grad (layouts.py [Note: the optimizer covers the trainable units only])."""
-    seen, total = set(), 0
-    for m in model.modules():
-        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        if any(p.requires_grad for p in own):
-            total += sum(int(getattr(p, "ds_numel", p.numel())) for p in own)
-    return total
+    """The parameters the engine keeps optimizer state for: those that require grad (layouts.py
+    [Note: the optimizer covers the trainable units only]; a module's frozen parameters beside
+    trainable ones are a unit of their own: runtime/unit.py)."""
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
 
 
 def estimate_zero3(total_params: int, largest_layer_params: int, offload_param: str, offload_optimizer: str,
