@@ -209,23 +209,48 @@ if hasattr(os, "register_at_fork"):
 
 
 def hash_together(jobs: Sequence[Callable[[], int]]) -> List[int]:
-    """Each job's digest, the first computed by the calling thread, the others by the helper
-    pool (see [Note: a landed batch of reads is hashed at once])."""
+    """Each job's digest, computed by the calling thread and the helper pool together: each takes
+    the next job nobody has started, so the caller waits only for jobs a helper is running; where
+    the helpers get no core (they run at SCHED_IDLE, a busy machine's data loaders beside them),
+    the caller does them all (see [Note: a landed batch of reads is hashed at once])."""
     global _hash_pool
     if len(jobs) < 2:
         return [job() for job in jobs]
+    results: List[Optional[int]] = [None] * len(jobs)
+    errors: List[BaseException] = []
+    todo = list(range(len(jobs) - 1, -1, -1))  # popped from the end: the first job first
+    left = [len(jobs)]
+    cond = threading.Condition()
+
+    def work() -> None:
+        while True:
+            with cond:
+                if not todo:
+                    return
+                i = todo.pop()
+            try:
+                results[i] = jobs[i]()
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller
+                errors.append(exc)
+            with cond:
+                left[0] -= 1
+                cond.notify_all()
+
     with _hash_pool_lock:
         if _hash_pool is None:
             _hash_pool = concurrent.futures.ThreadPoolExecutor(
                 HASH_THREADS, thread_name_prefix="nvmeio-verify", initializer=run_in_background)
-        futures = []
-        for job in jobs[1:]:
+        for _ in range(min(HASH_THREADS, len(jobs) - 1)):
             try:
-                futures.append(_hash_pool.submit(job))
-            except RuntimeError:  # the interpreter is exiting (an atexit cleanup): hashed here instead
-                futures.append(None)
-    first = jobs[0]()
-    return [first] + [f.result() if f is not None else job() for f, job in zip(futures, jobs[1:])]
+                _hash_pool.submit(work)
+            except RuntimeError:  # the interpreter is exiting (an atexit cleanup): the caller does it
+                break
+    work()
+    with cond:
+        cond.wait_for(lambda: left[0] == 0)
+    if errors:
+        raise errors[0]
+    return results
 
 
 DriveDigests = Tuple[Tuple[int, int], ...]  # (part, digest of its share), for each part a region touches

@@ -113,6 +113,7 @@ def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, m
     reads' verification uses those digests (swapper/checksum.py, [Note: a landed batch of reads is
     hashed at once]): each region hashed once, not all on the waiting thread, damage still found."""
     import threading
+    import time
 
     n = 1 << 20  # four 4 MiB partitions: above PARALLEL_MIN_BYTES together
     values = [torch.randn(n) for _ in range(4)]
@@ -134,6 +135,7 @@ def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, m
 
         def watched(table, data):
             hashed.append((threading.current_thread().name, data.numel() * data.element_size()))
+            time.sleep(0.05)  # (as a large region takes: the helpers have started by then)
             return digest(table, data)
 
         monkeypatch.setattr(ChecksumTable, "digest", watched)
@@ -329,3 +331,22 @@ def test_hashing_together_in_an_atexit_cleanup_hashes_on_the_calling_thread():
         "atexit.register(lambda: print('at exit', hash_together(jobs) == want, flush=True))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "at exit True", out.stdout + out.stderr
+
+
+def test_hashing_together_with_helpers_that_never_run_is_done_by_the_caller(monkeypatch):
+    """Helpers at SCHED_IDLE may get no core on a busy machine: the caller takes every job nobody
+    started, so it never waits for a helper that has not begun."""
+    from swapper import checksum
+
+    import concurrent.futures
+
+    class Starved:  # a pool whose threads never get a core: its futures never finish
+        def submit(self, fn):
+            return concurrent.futures.Future()
+
+    monkeypatch.setattr(checksum, "_hash_pool", Starved())
+    table = ChecksumTable("crc32")
+    data = [torch.full((100,), float(i)) for i in range(5)]
+    assert checksum.hash_together([lambda t=t: table.digest(t) for t in data]) == [table.digest(t) for t in data]
+    with pytest.raises(ZeroDivisionError):
+        checksum.hash_together([lambda: 1, lambda: 1 // 0, lambda: 3])
