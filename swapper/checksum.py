@@ -32,8 +32,9 @@ callback verified its regions one after the other on the thread that waited: the
 main thread, hashing every byte read. On a GPU that was a fixed cost the disk could not hide
 (the 311M LoRA stand-in: 0.21 s an iteration of 0.75 s unquantized, 49 ms of 0.41 s quantized,
 xxh3 at ~5.5 GB/s on freshly read memory). So when a queue's batch lands, the regions its reads
-cover are hashed together (:meth:`ChecksumTable.hashed_ahead`): the waiting thread takes one,
-a pool of helper threads (SCHED_IDLE, as above) the others, and the callbacks' ``verify``
+cover are hashed together (:meth:`ChecksumTable.hashed_ahead`): the waiting thread and a pool of
+helper threads (SCHED_IDLE, as above) each take the next region nobody has started, so a
+helper that gets no core leaves its share to the waiting thread, and the callbacks' ``verify``
 compares against those digests instead of hashing again. A region is still hashed from the
 bytes just read, before anything sees them; only where and when changes. The digests live only
 while that batch's callbacks run: one kept longer could vouch for other bytes read later into
