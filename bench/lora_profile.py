@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import os
 import pstats
@@ -135,7 +136,7 @@ def run(args) -> dict:
         spec = {"dtype": args.dtype, "flag": args.flag, "model": model, "nvme_path": nvme}
         ex, engine, _ = lora._engine(spec)
         cfg = ex.GPTConfig(**model)
-        x, y = ex.make_batches(lora.dataclasses.replace(cfg, seq=lora.SEQ), 1, 1)[0]
+        x, y = ex.make_batches(dataclasses.replace(cfg, seq=lora.SEQ), 1, 1)[0]
         for _ in range(args.warmup):
             loss = engine(x, y)
             engine.backward(loss)

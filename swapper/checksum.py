@@ -18,8 +18,8 @@ The engine's main thread drives compute, so a digest it computes delays the
 step. A large swap-out records its digests on a helper thread
 (:meth:`ChecksumTable.record_later`) while the write is in flight; whoever
 reuses the buffer waits for them first (the optimizer swapper, before it
-releases the buffer). A read verifying several large regions hashes every
-other one on a helper thread. The helpers run at Linux's SCHED_IDLE: only on a
+releases the buffer). A read verifying several large regions shares them with
+the helpers (:func:`hash_together`). The helpers run at Linux's SCHED_IDLE: only on a
 core nothing else wants. At normal priority a helper took a core from the
 matrix products' second thread, and a parallel kernel waits for its slowest
 thread: on the 2-CPU benchmark machine ~0.6 s of hashing a k = 16 iteration
@@ -379,17 +379,11 @@ class ChecksumTable:
         inside, pieces = self._inside(path, offset, data)
         known = [self._ahead.pop((path, r.offset, r.nbytes, p.data_ptr()), None) for r, p in zip(inside, pieces)]
         todo = [i for i, k in enumerate(known) if k is None]
-        helper = None  # every other region hashed on a helper thread (see the note)
-        if len(todo) > 1 and sum(inside[i].nbytes for i in todo) >= PARALLEL_MIN_BYTES:
-            helper = PendingDigests([functools.partial(self.digest, pieces[i]) for i in todo[1::2]])
-        slot = {i: n for n, i in enumerate(todo)}
+        if len(todo) > 1 and sum(inside[i].nbytes for i in todo) >= PARALLEL_MIN_BYTES:  # (see the note)
+            for i, value in zip(todo, hash_together([functools.partial(self.digest, pieces[i]) for i in todo])):
+                known[i] = value
         for i, r in enumerate(inside):
-            if known[i] is not None:
-                actual = known[i]
-            elif helper is None or slot[i] % 2 == 0:
-                actual = self.digest(pieces[i])
-            else:
-                actual = helper.value(slot[i] // 2)
+            actual = known[i] if known[i] is not None else self.digest(pieces[i])
             if actual != r.value():
                 drives, where = self._changed_drives(path, r, pieces[i])
                 raise SwapCorruptionError(

@@ -295,41 +295,35 @@ def test_a_batch_whose_hashing_ahead_fails_still_runs_every_callback_and_keeps_n
     assert verified == [0, 2] and "SwapCorruptionError" in "".join(getattr(info.value, "__notes__", []))
 
 
+def _hash_together_then(tail: str):
+    """A fresh Python that hashes four jobs together (``want``), then runs ``tail``."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, os, torch\n"
+            "from swapper.checksum import ChecksumTable, hash_together\n"
+            "t = ChecksumTable('crc32')\n"
+            "jobs = [lambda i=i: t.digest(torch.full((10,), float(i))) for i in range(4)]\n"
+            "want = hash_together(jobs)\n" + tail)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX's")
 def test_a_forked_child_hashes_together_with_helpers_of_its_own():
     """The helper pool's threads are not in a forked child: it starts its own (a pool inherited
     empty would take the jobs and never run them)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, torch\n"
-        "from swapper.checksum import ChecksumTable, hash_together\n"
-        "t = ChecksumTable('crc32')\n"
-        "jobs = [lambda i=i: t.digest(torch.full((10,), float(i))) for i in range(4)]\n"
-        "want = hash_together(jobs)\n"
+    out = _hash_together_then(
         "pid = os.fork()\n"
         "if pid == 0:\n"
         "    os._exit(0 if hash_together(jobs) == want else 3)\n"
         "print('child', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "child 0", out.stdout + out.stderr
 
 
 def test_hashing_together_in_an_atexit_cleanup_hashes_on_the_calling_thread():
     """At exit the helper pool takes no new work (concurrent.futures refuses it once the
     interpreter shuts down): a cleanup that drains reads then still verifies them."""
-    import subprocess
-    import sys
-
-    code = (
-        "import atexit, torch\n"
-        "from swapper.checksum import ChecksumTable, hash_together\n"
-        "t = ChecksumTable('crc32')\n"
-        "jobs = [lambda i=i: t.digest(torch.full((10,), float(i))) for i in range(4)]\n"
-        "want = hash_together(jobs)\n"
-        "atexit.register(lambda: print('at exit', hash_together(jobs) == want, flush=True))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = _hash_together_then("atexit.register(lambda: print('at exit', hash_together(jobs) == want, flush=True))\n")
     assert out.returncode == 0 and out.stdout.strip() == "at exit True", out.stdout + out.stderr
 
 

@@ -22,10 +22,6 @@ from ..stores.layouts import UnitLayout
 from .format import ShardReader
 
 
-def same_grouping(saved: Sequence[UnitLayout], ours: Sequence[UnitLayout]) -> bool:
-    return [[(s.name, s.shape) for s in u.slots] for u in saved] == [[(s.name, s.shape) for s in u.slots] for u in ours]
-
-
 class RegroupedReader:
     """:class:`ShardReader`'s ``read`` / ``check`` / ``files`` / ``frozen`` / ``excluded`` in the
     engine's unit indices (see the note); the parameters must be the same, by name and shape."""

@@ -288,7 +288,7 @@ def plan_units(module: nn.Module, world_size: int, split_frozen: bool = False):
             if p not in owner and all(p is not q for q in new):
                 new.append(p)
         groups = [new] if new else []
-        if split_frozen and len({p.requires_grad for p in new}) == 2:
+        if split_frozen:  # a group per kind, in the order they come
             groups = [[p for p in new if p.requires_grad == kind] for kind in dict.fromkeys(p.requires_grad for p in new)]
         for group in groups:
             index = len(layouts)
