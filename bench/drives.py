@@ -54,8 +54,9 @@ FIO_BS, FIO_DEPTH = 8 << 20, 32
 # -- the children: each first joins the throttled cgroup -------------------------------------------
 
 def child(kind: str, spec: dict) -> dict:
-    with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
+    from tools.sim_drives import join
+
+    join(spec["cgroup"], os.getpid())
     if kind == "fio":
         return child_fio(spec)
     if kind == "aio":

@@ -33,10 +33,19 @@ With ``--optimizer nvme`` the fp32 master and AdamW's states go to NVMe as well 
 nvme, ZeRO-Infinity's whole recipe): they cover the adapters only (zero/stores/layouts.py [Note: the
 optimizer covers the trainable units only]), so each step reads and writes the adapters' 16 bytes a
 parameter besides the base's reads; read / written count both swappers, the optimizer's also apart.
+
+With ``--mib-per-s R`` the swap files go to one simulated drive of R MiB/s read and write
+(tools/sim_drives.py [Note: a throttled loop device stands in for a drive]; set up and torn down by
+the run, as root), the regime a GPU sees with a real one: this CPU computes the stand-in ~100x
+slower than a GPU, so on the real disk here its quantized iteration is bound by compute, not by
+its reads. Each row's floor is then fio's sequential read and write of that drive (O_DIRECT,
+io_uring, 8 MiB blocks, iodepth 32, in the throttled group), one after the other, for the row's
+bytes; the loss check is left to the unthrottled run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,7 +60,8 @@ from bench import harness, training
 from bench.io_bound import AIO, MODEL, SEQ, scaled
 
 SECTION = "## LoRA on a quantized frozen base (bench/lora.py)"
-SECTIONS = {"cpu": SECTION, "nvme": "## LoRA with the optimizer on NVMe too (bench/lora.py --optimizer nvme)"}
+SECTIONS = {"cpu": SECTION, "nvme": "## LoRA with the optimizer on NVMe too (bench/lora.py --optimizer nvme)",
+            "slow": "## LoRA on a slow drive (bench/lora.py --mib-per-s)"}
 QUICK_MODEL = dict(vocab=8192, d_model=256, heads=4, layers=4, seq=128, tie=True)
 LOSS_MODEL = dict(vocab=512, d_model=256, heads=4, layers=4, seq=64, tie=True)
 LOSS_BATCH = 4
@@ -92,6 +102,7 @@ def _engine(spec: dict, lr: float = 1e-4, micro: int = 1):
 
 
 def child_iterations(spec: dict) -> dict:
+    _join(spec)
     t0 = time.perf_counter()
     ex, engine, model = _engine(spec)
     init_s = time.perf_counter() - t0
@@ -161,6 +172,22 @@ def profiled_iteration(engine, x, y) -> dict:
     return out
 
 
+def _join(spec: dict) -> None:
+    """With ``--mib-per-s``: this child's I/O to the simulated drive is held to its speed."""
+    if spec.get("cgroup"):
+        from tools.sim_drives import join
+
+        join(spec["cgroup"], os.getpid())
+
+
+def child_fio(spec: dict) -> dict:
+    """fio's sequential write and read of the simulated drive, in its throttled group."""
+    from bench import drives
+
+    _join(spec)
+    return drives.child_fio(spec)
+
+
 def child_losses(spec: dict) -> dict:
     ex, engine, model = _engine(spec, lr=1e-3, micro=LOSS_BATCH)
     cfg = ex.GPTConfig(**spec["model"])
@@ -186,34 +213,73 @@ def run(args) -> dict:
                        "quick": args.quick, "model": model, "seq": SEQ, "batch": 1, "rank": RANK,
                        "warmup": args.warmup, "iters": args.iters, "loss_model": LOSS_MODEL,
                        "loss_batch": LOSS_BATCH, "loss_steps": args.loss_steps, "nvme_dir": args.nvme_dir,
-                       "optimizer": args.optimizer},
+                       "optimizer": args.optimizer, "mib_per_s": args.mib_per_s, "log": []},
               "runs": [], "losses": []}
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        record["meta"]["log"].append(line)
+
     try:
-        for dtype in args.dtypes:
-            for flag in (False, True):
-                swap = tempfile.mkdtemp(dir=root)
-                spec = {"dtype": dtype, "flag": flag, "model": model, "nvme_path": swap, "warmup": args.warmup,
-                        "iters": args.iters, "optimizer": args.optimizer}
-                row = {"dtype": dtype, "flag": flag, **run_child("iterations", spec, args.timeout)}
-                shutil.rmtree(swap, ignore_errors=True)
-                if "error" not in row:  # the disk's best time for the iteration's bytes, in this run
-                    row["fio"] = harness.fio_reference(row["swap_read_bytes"], row["swap_write_bytes"], root)
-                record["runs"].append(row)
-                harness.save_json(record, args.out, indent=1)
-                print(f"{dtype} flag={flag}: {describe(row)}", flush=True)
-            for flag in (False, True):
-                swap = tempfile.mkdtemp(dir=root)
-                spec = {"dtype": dtype, "flag": flag, "model": LOSS_MODEL, "nvme_path": swap, "steps": args.loss_steps,
-                        "optimizer": args.optimizer}
-                row = {"dtype": dtype, "flag": flag, **run_child("losses", spec, args.timeout)}
-                shutil.rmtree(swap, ignore_errors=True)
-                record["losses"].append(row)
-                harness.save_json(record, args.out, indent=1)
-            print(f"{dtype} losses: {loss_text(record, dtype)}", flush=True)
+        with contextlib.ExitStack() as stack:
+            swap_root, floor, cgroup = root, None, None
+            if args.mib_per_s:
+                from tools.sim_drives import SimulatedDrives
+
+                drive = stack.enter_context(SimulatedDrives(os.path.join(root, "drive"), 1, args.mib_per_s << 20,
+                                                            size=args.drive_bytes, log=log))
+                swap_root, cgroup = drive.mounts[0], drive.cgroup
+                record["drive_fio"] = fio = run_child("fio", {"cgroup": cgroup, "dir": swap_root,
+                                                              "nbytes": args.fio_bytes}, args.timeout)
+                log(f"fio, the simulated drive: {json.dumps(fio)}")
+                if "error" in fio:
+                    raise RuntimeError(f"fio on the simulated drive failed: {fio['error']}")
+                floor = _drive_floor(fio)
+            for dtype in args.dtypes:
+                iterations(record, args, dtype, model, swap_root, cgroup, floor or _fio_together(root), log)
+                if args.loss_steps:
+                    losses(record, args, dtype, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     record["meta"].update(load_end=harness.load_average(), elapsed_s=round(time.time() - record["meta"]["t0"]))
     return record
+
+
+def _drive_floor(fio: dict):
+    """A row's floor on the simulated drive: its reads and writes at fio's speeds, one after the other."""
+    return lambda r, w: {"seconds": (r / fio["read_gibps"] + w / fio["write_gibps"]) / GiB,
+                         "how": "the simulated drive's fio read and write speeds, one after the other"}
+
+
+def _fio_together(work: str):
+    """The disk's best time for a row's bytes: fio's read and write jobs at once, in ``work``."""
+    return lambda r, w: harness.fio_reference(r, w, work)
+
+
+def iterations(record, args, dtype, model, swap_root, cgroup, floor, log) -> None:
+    for flag in (False, True):
+        swap = tempfile.mkdtemp(dir=swap_root)
+        spec = {"dtype": dtype, "flag": flag, "model": model, "nvme_path": swap, "warmup": args.warmup,
+                "iters": args.iters, "optimizer": args.optimizer, "cgroup": cgroup}
+        row = {"dtype": dtype, "flag": flag, **run_child("iterations", spec, args.timeout)}
+        shutil.rmtree(swap, ignore_errors=True)
+        if "error" not in row:  # the iteration's floor for its bytes, in this run
+            row["fio"] = floor(row["swap_read_bytes"], row["swap_write_bytes"])
+        record["runs"].append(row)
+        harness.save_json(record, args.out, indent=1)
+        log(f"{dtype} flag={flag}: {describe(row)}")
+
+
+def losses(record, args, dtype, root) -> None:
+    for flag in (False, True):
+        swap = tempfile.mkdtemp(dir=root)
+        spec = {"dtype": dtype, "flag": flag, "model": LOSS_MODEL, "nvme_path": swap, "steps": args.loss_steps,
+                "optimizer": args.optimizer}
+        row = {"dtype": dtype, "flag": flag, **run_child("losses", spec, args.timeout)}
+        shutil.rmtree(swap, ignore_errors=True)
+        record["losses"].append(row)
+        harness.save_json(record, args.out, indent=1)
+    print(f"{dtype} losses: {loss_text(record, dtype)}", flush=True)
 
 
 def describe(row: dict) -> str:
@@ -333,13 +399,16 @@ def figures(record: dict) -> list:
                     "parameter's: zero/stores/layouts.py)", per_param <= 24 * 1.02, when))
         t = time_ratios(record, dtype)
         if t is not None:
-            off = _find(record["runs"], dtype, False)
-            bound = off["median_s"] / floor_s(off)
-            regime = "I/O-bound" if bound <= 1.15 else f"not I/O-bound here: {bound:.1f}x its disk time"
+            off, on = _find(record["runs"], dtype, False), _find(record["runs"], dtype, True)
+            bound = [r["median_s"] / floor_s(r) for r in (off, on)]
+            regime = ("both I/O-bound" if max(bound) <= 1.15 else
+                      f"{bound[0]:.2f}x and {bound[1]:.2f}x their disk times")
+            drive = f" on a {m['mib_per_s']} MiB/s drive" if m.get("mib_per_s") else ""
             out.append(harness.Figure(
-                f"{dtype}: s / iteration, int8 over {dtype} base (the disk's time for their bytes: "
-                f"{t[1]:.3f}x; unquantized {regime})", f"{t[0]:.3f}x", "falls with the bytes where I/O-bound",
-                None if bound > 1.15 else t[0] <= 1.15 * t[1], when))
+                f"{dtype}{drive}: s / iteration, int8 over {dtype} base (the disk's time for their bytes: "
+                f"{t[1]:.3f}x; unquantized and int8 {regime})", f"**{t[0]:.3f}x**",
+                "falls with the bytes where I/O-bound: ≤ 1.15x their ratio (issue 32)",
+                None if bound[0] > 1.15 else t[0] <= 1.15 * t[1], when))
         d = loss_diffs(record, dtype)
         if d is not None:
             out.append(harness.Figure(f"{dtype}: LoRA loss over {m['loss_steps']} steps (small model), largest "
@@ -372,12 +441,17 @@ def chart(record: dict, path: str) -> bool:
         if "losses" in row:
             axes[2].plot(row["losses"], lw=0.8, ls="--" if row["flag"] else "-",
                          label=f"{row['dtype']} {'int8' if row['flag'] else row['dtype']} base")
-    axes[2].set_xlabel("step")
-    axes[2].set_ylabel("loss (small model)")
-    axes[2].legend(fontsize=7)
-    m = record["meta"]["model"]
-    fig.suptitle(f"LoRA rank {RANK} on GPT {m['layers']} x d {m['d_model']} (base frozen on NVMe), micro-batch "
-                 f"1 x {SEQ}; median of {record['meta']['iters']}", fontsize=9)
+    if record["losses"]:
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("loss (small model)")
+        axes[2].legend(fontsize=7)
+    else:
+        axes[2].axis("off")
+        axes[2].text(0.5, 0.5, "loss check: the unthrottled run", ha="center", fontsize=8)
+    m, rate = record["meta"]["model"], record["meta"].get("mib_per_s")
+    fig.suptitle(f"LoRA rank {RANK} on GPT {m['layers']} x d {m['d_model']} (base frozen on "
+                 f"{f'a {rate} MiB/s drive' if rate else 'NVMe'}), micro-batch 1 x {SEQ}; median of "
+                 f"{record['meta']['iters']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -394,7 +468,7 @@ def markdown(record: dict, png, notes=()) -> str:
     body = [f"Latest run: {m['started']}, commit {m['commit']}; {m['nproc']} CPUs, {m['ram_bytes'] / GiB:.0f} GiB "
             f"RAM, disk {m['disk']}; load average {m['load_start']} at the start, {m['load_end']} at the end; "
             f"{m['elapsed_s']} s in all." + (" **Quick run (--quick): a smoke test.**" if m["quick"] else ""), "",
-            doc, "", sizes + "read / written: the parameter swapper's bytes per iteration; bytes / unquantized: "
+            doc, "", *_drive_lines(record), sizes + "read / written: the parameter swapper's bytes per iteration; bytes / unquantized: "
             "(read + written) over the same compute dtype's run without the flag.", "", *table(record), "",
             *[f"- {d} losses: {loss_text(record, d)}." for d in sorted({r['dtype'] for r in record['losses']})],
             *[f"- {n}" for n in notes], ""]
@@ -403,13 +477,22 @@ def markdown(record: dict, png, notes=()) -> str:
     return "\n".join(body)
 
 
+def _drive_lines(record: dict) -> list:
+    fio = record.get("drive_fio")
+    if not fio:
+        return []
+    return [f"The simulated drive ({record['meta']['mib_per_s']} MiB/s, set up and torn down by the run): fio "
+            f"wrote it at {fio['write_gibps'] * 1024:.0f} MiB/s and read it at {fio['read_gibps'] * 1024:.0f} "
+            f"MiB/s ({fio['write_job']}; {fio['read_job']}).", ""]
+
+
 def write_outputs(record: dict, args) -> None:
     print("\n".join(table(record)))
-    optimizer = record["meta"].get("optimizer", "cpu")
-    name = "lora.png" if optimizer == "cpu" else f"lora_{optimizer}_optimizer.png"
+    kind = "slow" if record["meta"].get("mib_per_s") else record["meta"].get("optimizer", "cpu")
+    name = {"cpu": "lora.png", "slow": "lora_slow_drive.png"}.get(kind, f"lora_{kind}_optimizer.png")
     png = args.png or (os.path.join(os.path.dirname(os.path.abspath(args.results_md)), name)
            if args.results_md else None)
-    harness.publish(record, args.results_md, SECTIONS[optimizer], png, chart, figures,
+    harness.publish(record, args.results_md, SECTIONS[kind], png, chart, figures,
                     lambda r, p: markdown(r, p, args.note))
 
 
@@ -424,6 +507,10 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--loss-steps", type=int, default=None, help="steps of the loss check (default 200; --quick 20)")
     p.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="swap files go under it")
+    p.add_argument("--mib-per-s", type=int, default=0,
+                   help="swap on one simulated drive of this speed, read and write (root; see the note)")
+    p.add_argument("--drive-bytes", type=int, default=8 << 30, help="the simulated drive's size (sparse)")
+    p.add_argument("--fio-bytes", type=int, default=1 << 30, help="fio's bytes on the simulated drive")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per child")
     p.add_argument("--out", help="JSON of the run")
     p.add_argument("--results-md", help="replace this file's section (e.g. bench/RESULTS.md)")
@@ -434,13 +521,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.child:
         kind, spec = args.child[0], json.loads(args.child[1])
-        harness.print_result(child_iterations(spec) if kind == "iterations" else child_losses(spec))
+        harness.print_result({"iterations": child_iterations, "fio": child_fio, "losses": child_losses}[kind](spec))
         return 0
     if args.render:
         with open(args.render) as f:
             write_outputs(json.load(f), args)
         return 0
-    args.loss_steps = args.loss_steps or (20 if args.quick else 200)
+    if args.loss_steps is None:  # a throttled drive changes the seconds, not the losses
+        args.loss_steps = 0 if args.mib_per_s else 20 if args.quick else 200
     args.argv = argv
     record = run(args)
     harness.save_json(record, args.out, indent=1)

@@ -27,7 +27,7 @@ from typing import Callable, List, Optional
 
 BLKIO = "/sys/fs/cgroup/blkio"
 
-__all__ = ["SimulatedDrives", "BLKIO", "unavailable_reason"]
+__all__ = ["SimulatedDrives", "BLKIO", "join", "unavailable_reason"]
 
 
 def unavailable_reason() -> Optional[str]:
@@ -40,6 +40,12 @@ def unavailable_reason() -> Optional[str]:
         if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode:
             return f"{tool} is not installed"
     return None
+
+
+def join(cgroup: str, pid: int) -> None:
+    """Moves process ``pid`` into the throttled ``cgroup`` (its I/O to the drives is held to the speed)."""
+    with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        f.write(str(pid))
 
 
 def _retry(step: Callable[[], object], seconds: float = 15.0):
@@ -115,9 +121,7 @@ class SimulatedDrives:
                     f.write(rule)
 
     def join(self, pid: int) -> None:
-        """Moves process ``pid`` into the throttled cgroup (its I/O to the drives is held to the speed)."""
-        with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(pid))
+        join(self.cgroup, pid)
 
     def close(self) -> None:
         """Tears down everything set up, each step whatever the others did; says what it did."""
