@@ -126,6 +126,10 @@ class SwapperBase(abc.ABC):
         finally:
             self._writes.drain()
 
+    def flush_writes(self) -> None:
+        """Complete every write in flight, the reads going on; raise the first write's error."""
+        self._writes.drain()
+
     def cleanup(self) -> None:
         """Finish I/O, free the pool, delete every swap file and the swap directory.
 

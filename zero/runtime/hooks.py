@@ -268,6 +268,8 @@ class Coordinator:
             u.drop_holds()
             if u.free or (u.persistent and not changed(u)):
                 continue
+            if u.state is ParamState.INFLIGHT and not changed(u):
+                continue  # read ahead for the next forward (prefetch.py, [Note: frozen units are read ahead across iterations])
             if u.persistent and u.state is ParamState.AVAILABLE:
                 gathered.append(u)
             u.release()
@@ -306,10 +308,12 @@ class Coordinator:
         until every rank has finished its collectives) rather than out of ``step()`` after the
         update."""
         self._again.update(self._release((lambda u: u.grad_count > 0) if after_step else (lambda u: True)))
-        if self.store.resident and self.store.reads_ahead:
-            self.store.drop_prefetched()
+        if self.store.resident and self.store.reads_ahead:  # a step leaves frozen units' copies valid
+            keep = {u.index for u in self.units if not u.grad_count} if after_step else set()
+            self.store.drop_prefetched(keep=keep)
             for u in self.units:
-                u.drop_prefetch()
+                if u.index not in keep:
+                    u.drop_prefetch()
         if self.whole:  # below stage 3 the parameters are whole between steps, as in DeepSpeed
             self.gather_persistent()
 

@@ -541,7 +541,7 @@ class NvmeParamStore(ParamStore):
             self.write(layout, values)
 
     def flush(self) -> None:
-        self.swapper.synchronize()
+        self.swapper.flush_writes()  # reads ahead for the next forward go on
 
     def discard_unsaved(self) -> None:
         self.swapper.discard_unsaved()
