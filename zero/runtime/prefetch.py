@@ -66,10 +66,13 @@ unit gathered, kept or already on its way: with a model kept gathered from forwa
 backward (a LoRA base) every fetch walked the rest of the trace, quadratic in the units, 0.3 s
 of an iteration's Python for 339 units here. So the prefetcher keeps ``scan_from``, the first
 trace position its last look did not settle (one it stopped at for want of budget, room or
-live bound, or a read that did not start), and the next look begins there. A settled unit
-that becomes unavailable again before its next use (released to make room, its read-ahead
-dropped) moves ``scan_from`` back to that use (:meth:`Prefetcher.became_unavailable`, which
-the units call), so nothing the old walk would have read ahead is missed.
+live bound), and the next look begins there. A position behind it to look at again (a settled
+unit that became unavailable before its next use: released to make room, its read-ahead
+dropped, or in backward a frozen unit whose next use is the next forward's; a read that did
+not start) goes on a heap, ``revisit``, which each look takes first, in trace order
+(:meth:`Prefetcher.became_unavailable`, which the units call): nothing the old walk would have
+read ahead is missed, and moving ``scan_from`` back instead made a LoRA backward, which
+releases the base from its last layer to its first, walk the next forward once per release.
 
 [Note: the first reads go first]
 A fetch records its unit and reads ahead before it gathers: a unit nothing read ahead (the
@@ -92,6 +95,7 @@ start of backward), which saves reading it from NVMe twice. The coordinator's ``
 from __future__ import annotations
 
 import bisect
+import heapq
 from typing import Dict, List, Optional, Set
 
 from ..stores.param_store import ParamStore
@@ -136,6 +140,7 @@ class Prefetcher:
         self.live = live
         self.prefetch_numel = prefetch_numel
         self.max_reuse_distance = max_reuse_distance
+        self.inference = inference
         # Units the next forward finds as this one left them: every unit of an inference engine, a
         # training engine's frozen ones (see [Note: frozen units are read ahead across iterations]).
         self.unchanging: Set[int] = {u.index for u in units if inference or not u.grad_count}
@@ -150,6 +155,7 @@ class Prefetcher:
         self._backward_recorded: Optional[int] = None
         self.positions: Dict[int, List[int]] = {}  # unit -> its trace positions, in order
         self.scan_from = 0  # see [Note: the read-ahead resumes where it stopped]
+        self.revisit: List[int] = []  # a heap of positions behind scan_from to look at again
         for unit in units:
             unit.on_unavailable = self.became_unavailable
 
@@ -197,6 +203,7 @@ class Prefetcher:
         self.last_fetch = {}
         self.trace_ok = self.trace is not None
         self.scan_from = 0
+        self.revisit = []
         ahead = {i for i in self.ahead if self.trace_ok and self.units[i].state is ParamState.INFLIGHT}
         self.ahead = set()
         self.store.drop_prefetched(keep=ahead)
@@ -234,7 +241,19 @@ class Prefetcher:
             nxt = uses[0] + len(self.trace)  # the next forward's (virtual positions past the trace's end)
         else:
             return
-        self.scan_from = min(self.scan_from, nxt)
+        if nxt < self.scan_from:
+            heapq.heappush(self.revisit, nxt)
+
+    def _end(self, pos: int) -> int:
+        """Where a look from trace position ``pos`` stops: the trace's end or, where units stay
+        unchanged across forwards, virtual positions past it (the next forward's: inference up to
+        a whole trace ahead, a training engine through its next forward only)."""
+        length = len(self.trace)
+        if not self.unchanging:
+            return length
+        if self.inference:
+            return pos + length
+        return length + self.backward_at if self.backward_at is not None else length
 
     def record(self, u: ParamUnit) -> None:
         pos = len(self.recording)
@@ -264,40 +283,49 @@ class Prefetcher:
         at_positions: List[int] = []  # each wanted unit's (virtual) trace position
         wraps: Set[int] = set()  # of those, units of the next forward
         length = len(self.trace)
-        # Virtual positions: those past the trace's end are the next forward's (see the notes on wrapping).
-        end = pos + length if self.unchanging else length
+        end = self._end(pos)
         short = False  # stopped for want of room (not by the budget, the live bound or the trace's end)
         wanted_bytes = live = 0
         v = max(pos + 1, self.scan_from)
-        while v < end and budget > 0:
-            index = self.trace[v % length]
+        again = self.revisit
+        while again and again[0] <= pos:  # passed
+            heapq.heappop(again)
+        while budget > 0:
+            behind = bool(again) and again[0] < v  # a position behind the walk to look at again first
+            if not behind and v >= end:
+                break
+            at = again[0] if behind else v
+            index = self.trace[at % length]
             nxt = self.units[index]
-            if (nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or nxt in wanted
-                    or (v >= length and index not in self.unchanging)):
+            if not (nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or nxt in wanted
+                    or (at >= length and index not in self.unchanging)):
+                if self.live.numel + live + nxt.layout.numel > self.live.limit:
+                    break
+                cost = self.store.prefetch_cost(nxt.layout)
+                while cost > room and self._copy_out_kept_lent(at):
+                    room = self.store.prefetch_capacity() - wanted_bytes
+                if cost > room:
+                    short = True
+                    break
+                wanted.append(nxt)
+                at_positions.append(at)
+                if at >= length:
+                    wraps.add(index)
+                room -= cost
+                wanted_bytes += cost
+                budget -= nxt.layout.shard_numel
+                live += 0 if nxt.persistent else nxt.layout.numel
+            if behind:
+                heapq.heappop(again)
+            else:
                 v += 1
-                continue
-            if self.live.numel + live + nxt.layout.numel > self.live.limit:
-                break
-            cost = self.store.prefetch_cost(nxt.layout)
-            while cost > room and self._copy_out_kept_lent(v):
-                room = self.store.prefetch_capacity() - wanted_bytes
-            if cost > room:
-                short = True
-                break
-            wanted.append(nxt)
-            at_positions.append(v)
-            if v >= length:
-                wraps.add(index)
-            room -= cost
-            wanted_bytes += cost
-            budget -= nxt.layout.shard_numel
-            live += 0 if nxt.persistent else nxt.layout.numel
-            v += 1
+        self.scan_from = v
         if not wanted or (short and wanted_bytes < self.store.prefetch_batch_bytes()):
-            self.scan_from = at_positions[0] if at_positions else v
-            return  # wait for a batch's worth of room (see the note)
-        started = self.store.prefetch([w.layout for w in wanted])
-        self.scan_from = at_positions[started] if started < len(wanted) else v
+            started = 0  # wait for a batch's worth of room (see the note)
+        else:
+            started = self.store.prefetch([w.layout for w in wanted])
+        for at in at_positions[started:]:  # not on their way: looked at again first next time
+            heapq.heappush(again, at)
         for nxt in wanted[:started]:
             if nxt.index in wraps:
                 self.ahead.add(nxt.index)
