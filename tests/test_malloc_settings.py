@@ -72,3 +72,44 @@ def test_a_value_that_is_not_a_flag_is_refused_by_name():
     done = run_process([sys.executable, "-c", SCRIPT], env=env, cwd=os.path.dirname(__file__))
     assert done.returncode != 0
     assert "NVMEIO_MALLOC_TUNING='sometimes' is not a boolean" in done.stderr
+
+
+# [Note: the heap between steps]: the end of a step trims the heap once it has outgrown the working set
+# measured at the end of the first step after the last trim; a smaller growth stays for reuse.
+STEPS_SCRIPT = r"""
+import sys, torch, zero
+from zero.examples import GPT, GPTConfig, make_batches
+
+def rss_anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3}}
+cfg = GPTConfig(layers=1)
+engine, _, _, _ = zero.initialize(model=GPT(cfg), config=config)
+x, y = make_batches(cfg, 1, 2)[0]
+
+def step():
+    engine.backward(engine(x, y))
+    engine.step()
+
+step()  # the working set
+out = []
+for mib in map(int, sys.argv[1:]):
+    freed = [torch.ones(1 << 20) for _ in range(mib // 4)]  # 4 MiB each, from the heap, then freed
+    del freed
+    grown = rss_anon()
+    step()
+    out.append(grown - rss_anon())
+engine.destroy()
+print(*out)
+"""
+
+
+def test_a_step_trims_the_heap_once_it_has_outgrown_the_working_set_and_not_before():
+    done = run_process([sys.executable, "-c", STEPS_SCRIPT, "64", "768"], cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr[-2000:]
+    small, large = map(int, done.stdout.split()[-2:])
+    assert small < 32 << 20  # 64 MiB more than the working set: kept for the next tensors
+    assert large >= 512 << 20  # 768 MiB more: given back

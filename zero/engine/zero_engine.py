@@ -27,6 +27,7 @@ from ..runtime.comm import Comm
 from ..config import DeepSpeedConfig, IgnoredSettingWarning
 from ..partitioning import hf_zero3
 from ..runtime.timers import Timers, log_rank0
+from ..stores import malloc_settings
 from ..stores.checkpointed_state import CheckpointedState
 from ..stores.param_store import MasterFromParameters
 
@@ -279,6 +280,7 @@ class ZeroEngine(nn.Module):
             self.global_samples += self.config.train_batch_size
         if stepped:  # (counted first: below stage 3 the refresh gathers, and may fail)
             self.parts.coordinator.refresh(after_step=True)
+        malloc_settings.step_ended()  # computing on the CPU: the heap kept near one iteration's size
         if self.timers.enabled:
             self._report_times()
         every = self.config.steps_per_print
