@@ -42,7 +42,15 @@ skips the rest. Without it the disk was idle through backward and the step
 and the next forward waited for its first reads. The walk reaches the next
 forward only once everything of this iteration before it is gathered or on its
 way, and a read ahead never takes the pool's spare region, so backward's own
-fetches and the step's writes are not held up. A write into a frozen unit between
+fetches and the step's writes are not held up. Backward releases the base from
+its last layer to its first, so the next forward's units come free in the
+reverse of the order it needs them: where the room for reads ahead holds all
+of the next forward's frozen units (an int8 base) they are read as they come
+free; where it does not (an fp32 base larger than the pool), reads of its last
+layers would hold the room its first layers need, and the walk stops at the
+first unit still gathered for this backward, so those reads start as the
+first layers come free, at the end of backward, in the order the forward
+needs them. A write into a frozen unit between
 iterations (a checkpoint load, ``GatheredParameters`` modifying it) replaces the
 bytes read ahead: the NVMe store overwrites the pool buffer the read landed in,
 the host-resident one drops its copy.
@@ -154,6 +162,7 @@ class Prefetcher:
         self.backward_at: Optional[int] = None  # the trace position of backward's first fetch
         self._backward_recorded: Optional[int] = None
         self.positions: Dict[int, List[int]] = {}  # unit -> its trace positions, in order
+        self.any_order = inference  # see _index_trace
         self.scan_from = 0  # see [Note: the read-ahead resumes where it stopped]
         self.revisit: List[int] = []  # a heap of positions behind scan_from to look at again
         for unit in units:
@@ -226,6 +235,11 @@ class Prefetcher:
         self.positions = {}
         for pos, index in enumerate(trace):
             self.positions.setdefault(index, []).append(pos)
+        # Whether backward may read the next forward's frozen units in the order they come free
+        # (see [Note: frozen units are read ahead across iterations]).
+        forward = {i for i in trace[:self.backward_at or 0] if i in self.unchanging and not self.units[i].persistent}
+        self.any_order = self.inference or sum(
+            self.store.prefetch_cost(self.units[i].layout) for i in forward) <= self.store.prefetch_room()
 
     def became_unavailable(self, u: ParamUnit) -> None:
         """``u`` was released or its read-ahead dropped: a look ahead that settled its next use
@@ -297,6 +311,9 @@ class Prefetcher:
             at = again[0] if behind else v
             index = self.trace[at % length]
             nxt = self.units[index]
+            if (at >= length and not self.any_order and nxt.state is ParamState.AVAILABLE
+                    and not nxt.persistent):
+                break  # still gathered for this backward: the next forward reads in order
             if not (nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or nxt in wanted
                     or (at >= length and index not in self.unchanging)):
                 if self.live.numel + live + nxt.layout.numel > self.live.limit:

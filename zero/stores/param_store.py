@@ -179,6 +179,10 @@ class ParamStore(abc.ABC):
         """Read ahead in batches of at least this many bytes when room is what limits it."""
         return 0
 
+    def prefetch_room(self) -> int:
+        """The bytes :meth:`prefetch_capacity` gives with nothing read ahead or lent."""
+        return 0
+
     def drop_prefetched(self, keep: Iterable[int] = ()) -> None:
         """Give back the memory of prefetched shards that were not fetched, but those of the unit
         indices in ``keep``."""
@@ -287,6 +291,9 @@ class FlatParamStore(ParamStore):
 
     def prefetch_capacity(self) -> int:
         return max(0, self.ahead_bytes - sum(nbytes for _, nbytes in self._ahead.values()))
+
+    def prefetch_room(self) -> int:
+        return self.ahead_bytes
 
     def prefetch_cost(self, layout: UnitLayout) -> int:
         stored = self._stored(layout)
@@ -471,6 +478,9 @@ class NvmeParamStore(ParamStore):
 
     def prefetch_batch_bytes(self) -> int:
         return self.swapper.pool.main_bytes // self.READ_AHEAD_BATCHES
+
+    def prefetch_room(self) -> int:
+        return self.swapper.pool.main_bytes
 
     def prefetch(self, layouts: Iterable[UnitLayout]) -> int:
         layouts = list(layouts)
