@@ -34,10 +34,10 @@ def batches(n: int):
     return make_batches(dataclasses.replace(CFG), n, 2)
 
 
-def config(tmp_path, quantized: bool) -> dict:
+def config(tmp_path, quantized: bool, buffer_count: int = 16) -> dict:
     tmp_path.mkdir(exist_ok=True)
     conf = base_config("nvme", "cpu", tmp_path, lr=1e-2, zero_quantized_nontrainable_weights=quantized)
-    conf["zero_optimization"]["offload_param"]["buffer_count"] = 16
+    conf["zero_optimization"]["offload_param"]["buffer_count"] = buffer_count
     return conf
 
 
@@ -50,14 +50,15 @@ def in_flight_for_next_forward(engine) -> set:
     return set(ahead)
 
 
-def run(tmp_path, quantized: bool, wrap: bool, steps: int = 4):
-    """Losses, final weights, swapper bytes read per step (after the first), and what each step
-    left in flight for the next forward."""
+def run(tmp_path, quantized: bool, wrap: bool, steps: int = 4, buffer_count: int = 16):
+    """Losses, final weights, swapper bytes read per step, and what each step left in flight for
+    the next forward."""
     model = lora_model()
-    engine, _, _, _ = zero.initialize(model=model, config=config(tmp_path, quantized))
+    engine, _, _, _ = zero.initialize(model=model, config=config(tmp_path, quantized, buffer_count))
     try:
+        prefetcher = engine.parts.coordinator.prefetcher
         if not wrap:
-            engine.parts.coordinator.prefetcher.unchanging = set()
+            prefetcher.unchanging = set()
         counts = engine.parts.param_store.swapper.io_bytes
         losses, reads, ahead = [], [], []
         for batch in batches(steps):
@@ -65,15 +66,26 @@ def run(tmp_path, quantized: bool, wrap: bool, steps: int = 4):
             losses += train_engine(engine, [batch], 1)
             reads.append(counts.read - before)
             ahead.append(in_flight_for_next_forward(engine))
+        assert not wrap or prefetcher.any_order == (buffer_count == 16), prefetcher.any_order
+        if not prefetcher.any_order:  # read in the forward's order: what is in flight comes first in it
+            units = engine.parts.units
+            order = list(dict.fromkeys(i for i in prefetcher.trace[:prefetcher.backward_at]
+                                       if i in prefetcher.unchanging and not units[i].persistent))
+            assert all(a == set(order[:len(a)]) for a in ahead), (order, ahead)
         return losses, weights(model), reads, ahead
     finally:
         engine.destroy()
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["fp32 base", "int8 base"])
-def test_backward_reads_the_next_forwards_frozen_units_and_training_is_unchanged(tmp_path, quantized):
-    losses, got, reads, ahead = run(tmp_path / "wrap", quantized, wrap=True)
-    plain_losses, plain, plain_reads, plain_ahead = run(tmp_path / "plain", quantized, wrap=False)
+@pytest.mark.parametrize("quantized,buffer_count", [(False, 16), (True, 16), (False, 4)],
+                         ids=["fp32 base", "int8 base", "fp32 base, a pool smaller than the forward"])
+def test_backward_reads_the_next_forwards_frozen_units_and_training_is_unchanged(tmp_path, quantized,
+                                                                                  buffer_count):
+    """With room for all of the next forward's frozen units they are read as backward releases
+    them; with less (``any_order`` false), from the end of backward in the forward's order."""
+    losses, got, reads, ahead = run(tmp_path / "wrap", quantized, wrap=True, buffer_count=buffer_count)
+    plain_losses, plain, plain_reads, plain_ahead = run(tmp_path / "plain", quantized, wrap=False,
+                                                        buffer_count=buffer_count)
     assert not any(plain_ahead)
     assert not ahead[0]  # the first iteration records the trace
     assert all(ahead[1:]), ahead

@@ -520,3 +520,4 @@ class Coordinator:
         for u in self.units:
             u.end_backward()
             self.maybe_release(u)
+        self.prefetcher.backward_ended()

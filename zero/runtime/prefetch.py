@@ -280,6 +280,13 @@ class Prefetcher:
             return
         self._look_ahead(pos + 1, u)
 
+    def backward_ended(self) -> None:
+        """Backward released what it held: read on into the next forward (its frozen units, see
+        [Note: frozen units are read ahead across iterations]); no fetch would start it before the
+        step."""
+        if self.trace_ok and self.unchanging and not self.inference and self.recording:
+            self._look_ahead(len(self.recording), None)
+
     def read_ahead_at_start(self) -> None:
         """Before anything is fetched in an iteration: start the reads of its first units (see
         [Note: the first reads go first])."""
