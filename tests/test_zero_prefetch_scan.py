@@ -35,6 +35,6 @@ def test_a_lora_iteration_looks_at_each_trace_position_a_few_times_not_once_per_
     trace = len(engine.parts.coordinator.prefetcher.trace)
     assert trace > 2 * len(engine.parts.units) - 10  # fetched in forward and again in backward
     # The old walk: about trace * trace / 2. Now each position a few times, the next forward's
-    # included (its frozen units are read ahead during backward: prefetch.py).
+    # included (its frozen units are read ahead during backward: zero/runtime/prefetch.py).
     assert len(looks) < 12 * trace, (len(looks), trace)
     engine.destroy()
