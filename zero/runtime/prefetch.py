@@ -318,8 +318,8 @@ class Prefetcher:
             at = again[0] if behind else v
             index = self.trace[at % length]
             nxt = self.units[index]
-            if (at >= length and not self.any_order and nxt.state is ParamState.AVAILABLE
-                    and not nxt.persistent):
+            if (at >= length and not self.any_order and index in self.unchanging
+                    and nxt.state is ParamState.AVAILABLE and not nxt.persistent):
                 break  # still gathered for this backward: the next forward reads in order
             if not (nxt.state is not ParamState.NOT_AVAILABLE or nxt is u or nxt in wanted
                     or (at >= length and index not in self.unchanging)):
