@@ -129,6 +129,22 @@ def loop_device_node(directory, data: bytes):
         subprocess.run(["losetup", "--detach", device], capture_output=True, timeout=60)
 
 
+def lora_gpt(cfg: GPTConfig, seed: int = 0, rank: int = 2) -> torch.nn.Module:
+    """A GPT with rank-``rank`` adapters (zero.examples.add_lora), all its base frozen; the adapters
+    drawn from N(0, 0.1), since B starts at zero: they matter from the first step."""
+    from zero.examples import add_lora
+
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    torch.manual_seed(seed + 1)
+    add_lora(model, rank=rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    return model
+
+
 def train_engine(engine, batches: Sequence, steps: int, accumulation: int = 1, rank: int = 0,
                  shards: int = 1) -> List[float]:
     """The same loop through a ZeRO engine; rank ``rank`` of ``shards`` takes its part of each batch."""

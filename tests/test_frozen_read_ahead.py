@@ -11,23 +11,15 @@ import pytest
 import torch
 
 import zero
-from helpers import base_config, train_engine, weights
-from zero.examples import GPT, GPTConfig, add_lora, make_batches, train_reference
+from helpers import base_config, lora_gpt, train_engine, weights
+from zero.examples import GPTConfig, make_batches, train_reference
 from zero.runtime.param_state import ParamState
 
 CFG = GPTConfig(vocab=64, d_model=32, heads=2, layers=2, seq=16)
 
 
 def lora_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    torch.manual_seed(seed + 1)
-    add_lora(model, rank=2)
-    with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.1)
-    return model
+    return lora_gpt(CFG, seed)
 
 
 def batches(n: int):

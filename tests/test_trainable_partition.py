@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 import zero
-from helpers import base_config, frozen_gathered_at_end_of_backward, ladder_config, run_ranks, train_engine, weights
+from helpers import base_config, lora_gpt, frozen_gathered_at_end_of_backward, ladder_config, run_ranks, train_engine, weights
 from zero.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
 from zero.checkpoint.format import META, CheckpointCorruptionError, sub_group_file, units_from_meta
 from zero.examples import GPT, GPTConfig, add_lora, make_batches, train_reference, train_reference_mixed
@@ -27,15 +27,7 @@ STATES = 2  # AdamW's exp_avg and exp_avg_sq
 
 
 def lora_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = GPT(CFG)
-    torch.manual_seed(seed + 1)
-    add_lora(model, rank=2)
-    with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_(0, 0.1)
-    return model
+    return lora_gpt(CFG, seed)
 
 
 def batches(n: int = 4):

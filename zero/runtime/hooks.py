@@ -309,7 +309,7 @@ class Coordinator:
         update."""
         self._again.update(self._release((lambda u: u.grad_count > 0) if after_step else (lambda u: True)))
         if self.store.resident and self.store.reads_ahead:  # a step leaves frozen units' copies valid
-            keep = {u.index for u in self.units if not u.grad_count} if after_step else set()
+            keep = self.prefetcher.unchanging if after_step else set()
             self.store.drop_prefetched(keep=keep)
             for u in self.units:
                 if u.index not in keep:
