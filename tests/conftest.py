@@ -28,8 +28,34 @@ from helpers import BACKENDS
 
 def pytest_addoption(parser):
     parser.addoption("--cuda-suite-on-cpu", action="store_true",
-                     help="run the CUDA suite (tests/test_cuda_engine.py) with the CPU as its device: a dry "
-                          "check of its references where there is no GPU")
+                     help="run the CUDA suite (tests/test_cuda_engine.py, tests/test_cuda_frameworks.py) with the "
+                          "CPU as its device: a dry check of its references where there is no GPU")
+
+
+# -- the CUDA suite (tests/test_cuda_engine.py, tests/test_cuda_frameworks.py) ------------------------------------
+
+@pytest.fixture
+def cuda_suite_device(request):
+    """cuda:0, or the CPU with --cuda-suite-on-cpu; skips without a GPU."""
+    import torch
+
+    if request.config.getoption("--cuda-suite-on-cpu"):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (pytest --cuda-suite-on-cpu runs it on the CPU, a dry check)")
+    return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True, warn_only=True) for the test: an op without a
+    deterministic kernel warns, naming itself, rather than failing a comparison for it."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 @pytest.fixture(autouse=True)

@@ -471,6 +471,9 @@ def _worker(rank: int, world_size: int, port: int, scenarios, out_dir: str, time
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     if dist.is_initialized():
+        # Rank 0 serves the group's store: leaving before every rank has joined the group would
+        # close it under a rank still connecting ("connectFullMesh failed ... closed by peer").
+        dist.barrier()
         dist.destroy_process_group()
 
 

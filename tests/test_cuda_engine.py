@@ -72,7 +72,7 @@ from helpers import (CheckpointedGPT, HFCheckpointedGPT, base_config, ladder_con
                      train_windows, weights)
 from zero.examples import GPT, GPTConfig, OffloadedAdamW, make_batches, train_reference, train_reference_mixed
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_algorithms")]
 
 CFG = GPTConfig()
 STEPS = 3
@@ -96,21 +96,8 @@ ON_CUDA = {"fp32": Tolerance(1e-5, 1e-5, 1e-6),  # see [Note: the tolerances on 
 
 
 @pytest.fixture
-def device(request):
-    """cuda:0, or the CPU with --cuda-suite-on-cpu (tests/conftest.py); skips without a GPU."""
-    if request.config.getoption("--cuda-suite-on-cpu"):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (pytest --cuda-suite-on-cpu runs it on the CPU, a dry check)")
-    return torch.device("cuda", 0)
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+def device(cuda_suite_device):
+    return cuda_suite_device
 
 
 @pytest.fixture
