@@ -297,6 +297,28 @@ def test_gds_without_cuda_prints_the_gds_handle_message(dirs):
         assert str(e) in r.stderr
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("flag", ["--gpu", "--gds"])
+def test_on_a_gpu_the_sweep_moves_gpu_memory_and_prints_a_handle_config(dirs, sweep_file, flag):
+    """``nvme_tune --nvme_dir ... --gpu`` as DeepNVMe's users run it (and --gds where a gds_handle can be
+    made): every run moves a CUDA tensor, and the result is an aio block the handles accept."""
+    if flag == "--gds" and nvmeio.gds_unavailable_reason():
+        pytest.skip(f"--gds: {nvmeio.gds_unavailable_reason()}")
+    nvme, logs = dirs
+    r = tune("--nvme_dir", nvme, "--io_size", "4M", "--sweep_config", sweep_file, "--backend", BACKEND,
+             "--log_dir", logs, "--json", flag, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert list(result["aio"]) == AIO_KEYS and result["read_gbps"] > 0 and result["write_gbps"] > 0
+    nvmeio.aio_handle(**result["aio"])
+    records = [json.loads(line) for line in (logs / os.path.basename(result["log"])).read_text().splitlines()]
+    assert records[0]["event"] == "start" and records[0]["device"] == "cuda"
+    runs = [rec for rec in records if rec["event"] == "measure"]
+    assert len(runs) == len(sweep_points()) and all(x["error"] is None for x in runs)
+    assert os.listdir(nvme) == []
+
+
 def test_plot_without_matplotlib_is_refused(dirs, tmp_path):
     """matplotlib hidden from the command (a package of that name first on its path that fails
     to import), whether or not it is installed."""
