@@ -12,7 +12,7 @@ import torch
 from helpers import run_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FILES = ("test_cuda_engine.py", "test_cuda_frameworks.py")
+FILES = ("test_cuda_engine.py", "test_cuda_frameworks.py", "test_cuda_inference.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the CUDA suite runs on it, not on the CPU")
