@@ -194,6 +194,44 @@ def test_the_trainer_saves_and_resumes_on_the_gpu_as_it_ran(tmp_path, device, hf
     resumed.zero_engine.destroy()
 
 
+def test_a_peft_lora_on_the_gpu_matches_the_plain_trainer_there(tmp_path, device, hf):
+    """peft's LoRA on GPT-2 (base frozen on NVMe, adapters trained on the GPU) through ZeroTrainer, as the
+    plain Trainer trains it on the same GPU; the base is never changed."""
+    peft = pytest.importorskip("peft", reason="needs peft: pip install peft")
+    from zero.hf import ZeroTrainer
+
+    def lora():
+        model = tiny_gpt2(hf)
+        torch.manual_seed(1)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
+                                                           fan_in_fan_out=True))
+        with torch.no_grad():  # B starts at zero: make the adapters matter from the first step
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        return model
+
+    args = dict(gradient_accumulation_steps=2)
+    plain = hf.Trainer(model=lora(), args=hf_args(hf, tmp_path / "plain", device, **args), train_dataset=gpt2_data())
+    initial = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
+    plain.train()
+    model = lora()
+    ours = ZeroTrainer(model=model, args=hf_args(hf, tmp_path / "ours", device, **args), train_dataset=gpt2_data(),
+                       zero_config=nvme_params_config(nvme(tmp_path)))
+    ours.train()
+    engine = ours.zero_engine
+    assert engine.device.type == device.type and engine.rank_layout.frozen
+    weights = full_state_dict(model)
+    trained = {n: p for n, p in plain.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert_trained_alike(hf_losses(ours), hf_losses(plain), {n: weights[n] for n in trained}, trained, initial,
+                         device, moved_at_least=LR / 4)
+    for name, p in plain.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(weights[name], initial[name].cpu()), name
+    engine.destroy()
+
+
 # -- Lightning ------------------------------------------------------------------------------------------------
 
 CFG = GPTConfig()
