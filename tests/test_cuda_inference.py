@@ -78,3 +78,33 @@ def test_bf16_on_the_gpu_gives_the_plain_bf16_models_tokens(tmp_path, device):
         assert torch.equal(greedy(model, ids, mask), greedy(plain, ids, mask))
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_int8_weights_on_nvme_cross_to_the_gpu_and_compute_as_the_dequantized_model(tmp_path, device, precision):
+    """ZeRO-Inference with ``zero_quantized_nontrainable_weights``: each unit's int8 codes and scales cross
+    to the GPU and are dequantized there, giving the weights the host's dequantization gives."""
+    from helpers import dequantized_base
+    from zero.examples import GPT, GPTConfig, make_batches
+
+    cfg = GPTConfig(vocab=64, d_model=64, heads=4, layers=2, seq=16)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": precision == "bf16"},
+              "compute_device": device.type,
+              "zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True,
+                                    "offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0,
+                                                      "min_swap_bytes": 0}}}
+    torch.manual_seed(0)
+    engine, _, _, _ = zero.initialize(model=GPT(cfg), config=config)
+    try:
+        assert engine.device.type == device.type and len(engine.frozen_shards.units) == len(engine.parts.units)
+        torch.manual_seed(0)
+        reference = dequantized_base(GPT(cfg).requires_grad_(False))
+        reference = reference.to(device, torch.bfloat16 if precision == "bf16" else torch.float32)
+        x = make_batches(cfg, 1, 2)[0][0].to(device)
+        tol = dict(rtol=0, atol=0) if device.type == "cpu" else (
+            dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=2 ** -7, atol=1e-2))
+        with torch.no_grad():
+            for _ in range(2):  # the first forward records the trace, the second reads ahead along it
+                torch.testing.assert_close(engine(x), reference(x), **tol)
+    finally:
+        engine.destroy()
