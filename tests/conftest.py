@@ -28,11 +28,12 @@ from helpers import BACKENDS
 
 def pytest_addoption(parser):
     parser.addoption("--cuda-suite-on-cpu", action="store_true",
-                     help="run the CUDA suite (tests/test_cuda_engine.py, _frameworks.py, _inference.py) with the "
-                          "CPU as its device: a dry check of its references where there is no GPU")
+                     help="run the CUDA suite (tests/test_cuda_engine.py, test_cuda_frameworks.py, "
+                          "test_cuda_inference.py) with the CPU as its device: a dry check of its references "
+                          "where there is no GPU")
 
 
-# -- the CUDA suite (tests/test_cuda_engine.py, _frameworks.py, _inference.py) ------------------------------------
+# -- the CUDA suite (its files: --cuda-suite-on-cpu above) ------------------------------------------------------
 
 @pytest.fixture
 def cuda_suite_device(request):
