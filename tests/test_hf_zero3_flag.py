@@ -206,8 +206,11 @@ def resolve(dotted: str):
 
 
 def test_every_deepspeed_name_transformers_uses_is_the_stand_ins_or_on_a_path_taken_instead():
-    # A new name in a new transformers fails here: decide whether the stand-in offers it.
-    assert deepspeed_names_in_transformers() == STAND_IN | set(TAKEN_INSTEAD)
+    # A new name in a new transformers fails here: decide whether the stand-in offers it. An older 5.x
+    # uses fewer of them (5.17: neither runtime.zero.partition_parameters nor accelerator.get_accelerator).
+    used = deepspeed_names_in_transformers()
+    assert used <= STAND_IN | set(TAKEN_INSTEAD), sorted(used - STAND_IN - set(TAKEN_INSTEAD))
+    assert STAND_IN <= used  # the stand-in offers nothing transformers no longer reaches for
     with zero.Init():
         assert resolve("zero.GatheredParameters") is zero.GatheredParameters
         assert resolve("zero.register_external_parameter")(torch.nn.Linear(1, 1), None) is None

@@ -15,7 +15,7 @@ ZeRO-3 branches. ``save_model`` writes what the Trainer writes under DeepSpeed
 (16-bit with ``stage3_gather_16bit_weights_on_model_save``, see its docstring);
 ``load_best_model_at_end`` loads the best checkpoint's engine checkpoint.
 ``ZeroSeq2SeqTrainer`` (hf_seq2seq.py) is the ``Seq2SeqTrainer`` on it. Tested
-with transformers 5.23 and 5.24 (accelerate 1.15).
+with transformers 5.17, 5.23 and 5.24 (accelerate 1.15).
 
 [Note: where the engine enters the Trainer]
 The Trainer's DeepSpeed path runs through accelerate's DeepSpeed plugin, which

@@ -2,7 +2,7 @@
 initialisation on partitioned parameters. ``Init`` installs the hooks on entry when transformers is
 imported; ``zero.hf.HfDeepSpeedConfig`` installs them and makes a stage-3 config apply to every
 ``from_pretrained`` and ``from_config`` while it lives (hf_zero3.py keeps the list of what is active).
-Tested with transformers 5.x (5.23, 5.24); other major versions are refused.
+Tested with transformers 5.x (5.17, 5.23, 5.24); other major versions are refused.
 
 [Note: which of transformers' paths we hook]
 transformers, told that ZeRO-3 is on (hf_zero3.py), builds a model under DeepSpeed's ``zero.Init``
@@ -62,7 +62,7 @@ def check_transformers_version(version: str) -> None:
     if not low <= _version_tuple(version) < high:
         raise ImportError(
             f"zero's from_pretrained support needs transformers >= {low[0]}.{low[1]}, < {high[0]}.{high[1]} "
-            f"(tested with 5.23); found {version}. Install a supported version "
+            f"(tested with 5.17, 5.23 and 5.24); found {version}. Install a supported version "
             f'(pip install "nvmeio[hf]") or load weights with zero.load_pretrained(model, path)')
 
 
