@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from bench import _gpu_lora
+from bench import _gpu_infer, _gpu_lora
 
 GiB = 1 << 30
 DEEPNVME = {"gpu": "DeepNVMe: GPU buffers about as fast as CPU buffers",
@@ -122,7 +122,8 @@ def _lora(st: dict) -> str:
     return "; ".join(parts) or st.get("error", "")
 
 
-SUMMARIES = {"install": _install, "tests": _tests, "disk": _disk, "aio": _aio, "train": _train, "lora": _lora}
+SUMMARIES = {"install": _install, "tests": _tests, "disk": _disk, "aio": _aio, "train": _train, "lora": _lora,
+             "infer": _gpu_infer.summary}
 
 
 # -- the document ----------------------------------------------------------------------------------
@@ -148,6 +149,7 @@ def markdown(record: dict) -> str:
     lines.append("")
     lines += _tests_details(stages.get("tests", {})) + _aio_details(stages.get("aio", {}))
     lines += _train_details(stages.get("train", {})) + _lora_details(stages.get("lora", {}))
+    lines += _gpu_infer.details(stages.get("infer", {}))
     lines += _install_details(stages.get("install", {}))
     return "\n".join(lines) + "\n"
 

@@ -8,7 +8,7 @@ trained with parameters and optimizer on NVMe, and aio_handle / gds_handle with 
 It writes gpu_check.json, gpu_check.md and gpu_check.log (every command's output) to --out.
 
 [Note: stages, budgets and what survives a failure]
-Six stages run in order (--stages picks some; install always runs), each within a time budget
+Seven stages run in order (--stages picks some; install always runs), each within a time budget
 of its own, all within --total-s (training has what is left but the later stages' budgets):
 ``install`` (the kit's wheels that are missing or older here, then nvmeio from this tree without
 build isolation or network, liburing from the kit so that the io_uring backend builds;
@@ -17,9 +17,10 @@ tests/test_gds_handle.py and the tests marked cuda elsewhere), ``disk`` (nvme_tu
 and write GiB/s: the disk's time for a byte count, fio being absent there; fio's own when it is
 on PATH, as a kit can carry it), ``aio`` (GiB/s of locked host buffers, CUDA tensors through
 aio_handle and through gds_handle), ``train`` (bench/io_bound.py's children: plain torch on the
-GPU in memory, and ours at k = 1, 4, 16 in fp32 and bf16) and ``lora`` (bench/lora.py's LoRA
+GPU in memory, and ours at k = 1, 4, 16 in fp32 and bf16), ``lora`` (bench/lora.py's LoRA
 stand-in without and with quantized frozen weights, then a wider model in fp32 whose quantized
-iteration stays I/O-bound, bench/_gpu_lora.py). Whatever imports torch
+iteration stays I/O-bound, bench/_gpu_lora.py) and ``infer`` (ZeRO-Inference: bench/inference.py's
+generate from NVMe at batch 1 and 32, bench/_gpu_infer.py). Whatever imports torch
 or nvmeio runs in a child process with a timeout, so a crash, a hang or a failed build ends one
 stage, recorded with its error, and the next stage runs; the JSON and the markdown are rewritten
 after every stage, so a run stopped from outside keeps what had finished.
@@ -48,13 +49,13 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
-from bench import _gpu_install, _gpu_lora, _gpu_report, harness, io_bound
+from bench import _gpu_infer, _gpu_install, _gpu_lora, _gpu_report, harness, io_bound
 from bench._gpu_install import Kit, find_kit
 from tools import fio
 
 ROOT = harness.ROOT
 GiB = harness.GiB
-STAGES = ("install", "tests", "disk", "aio", "train", "lora")
+STAGES = ("install", "tests", "disk", "aio", "train", "lora", "infer")
 NO_CUDA = "no CUDA: rehearsed on CPU"
 TINY_MODEL = dict(vocab=256, d_model=32, heads=2, layers=2, seq=16, tie=True)
 WIDE_LORA_MODEL = dict(vocab=8192, d_model=2048, heads=16, layers=8, seq=128, tie=True)  # 420M parameters
@@ -81,19 +82,24 @@ class Sizes:
     one_process_per_run: bool
     use_fio: bool
     lora_wide: Optional[dict] = None  # the lora stage's second model (bench/_gpu_lora.py [Note: the wide model])
+    infer_model: str = "medium"  # bench/inference.py's MODELS (bench/_gpu_infer.py [Note: what the infer stage measures])
+    infer_batches: tuple = (1, 32)
+    infer_prompt_len: int = 64
+    infer_new_tokens: int = 8
 
 
-REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 120, "disk": 45, "aio": 45, "lora": 170},
+REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 120, "disk": 45, "aio": 45, "lora": 170, "infer": 75},
              model=io_bound.MODEL,
              ks=(1, 4, 16), dtypes=("fp32", "bf16"), warmup=1, iters=2, torch_iters=3, min_run_s=30, run_cap_s=200,
              tune_io_size="1G", tune_budget_s=25, aio_bytes=1 * GiB, aio_rounds=3, one_process_per_run=True,
              use_fio=True, lora_wide=WIDE_LORA_MODEL)
-REHEARSAL = Sizes(total_s=240, budgets={"install": 60, "tests": 90, "disk": 40, "aio": 40, "lora": 40},
+REHEARSAL = Sizes(total_s=240, budgets={"install": 60, "tests": 90, "disk": 40, "aio": 40, "lora": 40, "infer": 40},
                   model=TINY_MODEL,
                   ks=(1, 4), dtypes=("fp32", "bf16"), warmup=1, iters=1, torch_iters=1, min_run_s=0, run_cap_s=120,
                   tune_io_size="8M", tune_budget_s=2, aio_bytes=8 << 20, aio_rounds=1, one_process_per_run=False,
                   use_fio=False,  # fio would reserve huge pages on a shared machine, for nothing a rehearsal needs
-                  lora_wide=dict(TINY_MODEL, d_model=64))
+                  lora_wide=dict(TINY_MODEL, d_model=64), infer_model="tiny", infer_batches=(1, 2),
+                  infer_prompt_len=8, infer_new_tokens=3)
 
 PROBE = """
 import json
@@ -581,7 +587,8 @@ def main(argv=None) -> int:
     run.say(f"{'rehearsal, ' if args.rehearse else ''}scratch {scratch} ({run.record['meta'].get('fstype')}), "
             f"kit {kit.path or 'none'}, out {args.out}")
     fns = {"install": stage_install, "tests": stage_tests, "disk": stage_disk, "aio": stage_aio,
-           "train": stage_train, "lora": lambda r, st: _gpu_lora.stage_lora(r, st, disk_reference)}
+           "train": stage_train, "lora": lambda r, st: _gpu_lora.stage_lora(r, st, disk_reference),
+           "infer": lambda r, st: _gpu_infer.stage_infer(r, st, disk_reference)}
     try:
         for name in stages:
             run_stage(run, name, fns[name])

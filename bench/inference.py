@@ -59,6 +59,10 @@ MODELS = {
                   num_key_value_heads=4, vocab_size=32000),
     "big": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000),
+    # bench/gpu_check.py's infer stage: 426M parameters, 1.59 GiB of fp32 weights, more than the 1.22 GiB
+    # of swap buffers (BUFFERS x 32000 x hidden), so that every forward reads them all, as the small one does
+    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=32, num_attention_heads=16,
+                   num_key_value_heads=4, vocab_size=32000),
 }
 AIO = {"block_size": 8388608, "queue_depth": 32, "intra_op_parallelism": 4, "single_submit": False,
        "overlap_events": True}
@@ -189,14 +193,15 @@ def load(contender: str, ckpt: str, nvme: str, shape: dict, drop_ckpt: bool):
     return llama, engine, swapped, lambda: store.read_wait_seconds if device == "nvme" else 0.0
 
 
-def generate_batch(llama, batch: int, prompt_len: int, new_tokens: int, swapped) -> dict:
+def generate_batch(llama, batch: int, prompt_len: int, new_tokens: int, swapped, device="cpu") -> dict:
     """One greedy ``generate`` of ``new_tokens`` tokens for ``batch`` prompts of ``prompt_len`` random
-    tokens: the seconds and bytes of each forward (a logits processor marks the end of each)."""
+    tokens on ``device`` (where the model computes): the seconds and bytes of each forward (a logits
+    processor marks the end of each)."""
     import torch
     import transformers
 
     g = torch.Generator().manual_seed(batch)
-    prompt = torch.randint(3, 32000, (batch, prompt_len), generator=g)
+    prompt = torch.randint(3, 32000, (batch, prompt_len), generator=g).to(device)
     marks = []  # (seconds, swapper bytes, /proc/self/io bytes) at the start and after each forward
 
     def mark():
@@ -234,11 +239,12 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, batches: li
     load_s = time.perf_counter() - t0
     load_hwm, load_anon = _vmhwm(), anon.stop()
     llama.eval()
+    device = getattr(keep, "device", "cpu")  # an engine's (on a GPU machine the GPU), else the CPU
     weights = weight_bytes(shape, contender)
-    warm = generate_batch(llama, 1, 8, 2, swapped)  # records the fetch trace: every batch below follows it
+    warm = generate_batch(llama, 1, 8, 2, swapped, device)  # records the fetch trace: every batch below follows it
     runs = {}
     for batch in batches:
-        r = generate_batch(llama, batch, prompt_len, new_tokens, swapped)
+        r = generate_batch(llama, batch, prompt_len, new_tokens, swapped, device)
         r["model_gib_per_s"] = weights / r["decode_s_per_step"] / 2 ** 30
         runs[str(batch)] = r
         print(f"    batch {batch}: prompt {r['prefill_s']:.2f} s, decode {r['decode_s_per_step']:.2f} s/step "
@@ -248,7 +254,7 @@ def child_generate(model: str, contender: str, ckpt: str, nvme: str, batches: li
     if hasattr(keep, "destroy"):  # our engine: its swap files go now
         keep.destroy()
     return {"load_s": load_s, "load_peak_rss": load_hwm, "load_peak_anon": load_anon, "weight_bytes": weights,
-            "swap_wait_s": swap_wait, "warmup_s": warm["generate_s"], "batches": runs}
+            "swap_wait_s": swap_wait, "warmup_s": warm["generate_s"], "device": str(device), "batches": runs}
 
 
 def run_child(*args: str, python=None) -> dict:

@@ -27,9 +27,10 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     record = json.loads((out / "gpu_check.json").read_text())
     assert list(record["stages"]) == list(gpu_check.STAGES)
     statuses = {name: st["status"] for name, st in record["stages"].items()}
-    assert statuses == {"install": "dry", "tests": "ok", "disk": "ok", "aio": "ok", "train": "ok", "lora": "ok"}, \
+    assert statuses == {"install": "dry", "tests": "ok", "disk": "ok", "aio": "ok", "train": "ok", "lora": "ok",
+                        "infer": "ok"}, \
         json.dumps(record["stages"], indent=1)[:4000]
-    for name in ("tests", "aio", "train", "lora"):  # the CUDA parts say they ran on the CPU
+    for name in ("tests", "aio", "train", "lora", "infer"):  # the CUDA parts say they ran on the CPU
         assert gpu_check.NO_CUDA in record["stages"][name]["note"]
     train = record["stages"]["train"]
     assert [(row["dtype"], row["k"]) for row in train["runs"]] == [(d, k) for d in gpu_check.REHEARSAL.dtypes
@@ -59,6 +60,13 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     for name in gpu_check.STAGES:
         assert f"| {name} | {statuses[name]} |" in md
     assert "wide fp32: bytes" in md and "| wide | fp32 | yes |" in md
+    infer = record["stages"]["infer"]  # bench/_gpu_infer.py: generate from NVMe at each batch size
+    assert [row["batch"] for row in infer["rows"]] == list(gpu_check.REHEARSAL.infer_batches)
+    first = infer["rows"][0]
+    for row in infer["rows"]:  # a decode forward reads the same bytes whatever the batch
+        assert row["read_bytes_per_forward"] == first["read_bytes_per_forward"] > 0
+        assert row["decode_s"] > 0 and row["disk_s"] > 0 and row["to_disk"] > 0
+    assert "## ZeRO-Inference" in md
     assert "[gpu_check" in r.stdout and (out / "gpu_check.log").stat().st_size > 0
 
 
@@ -71,7 +79,7 @@ def test_stages_picks_some_and_install_always_runs(tmp_path):
     assert list(json.loads((out / "gpu_check.json").read_text())["stages"]) == ["install", "disk"]
     bad = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--stages", "disk,lroa", "--out",
                        str(out)], timeout=60, cwd=REPO, env=env)
-    assert bad.returncode == 2 and "--stages takes install,tests,disk,aio,train,lora, got disk,lroa" in bad.stderr
+    assert bad.returncode == 2 and "--stages takes install,tests,disk,aio,train,lora,infer, got disk,lroa" in bad.stderr
 
 
 def test_a_stage_without_a_budget_leaves_the_later_stages_theirs(tmp_path):
@@ -84,7 +92,7 @@ def test_a_stage_without_a_budget_leaves_the_later_stages_theirs(tmp_path):
     run.record = {"meta": {}, "stages": {}}
     run.write = lambda: None
     gpu_check.run_stage(run, "train", record)
-    left = gpu_check.REAL.total_s - gpu_check.REAL.budgets["lora"]
+    left = gpu_check.REAL.total_s - gpu_check.REAL.budgets["lora"] - gpu_check.REAL.budgets["infer"]
     assert left - 5 < got["train"] <= left
     run.stages = ("install", "train")
     gpu_check.run_stage(run, "train", record)
