@@ -217,9 +217,12 @@ def test_the_trainer_saves_and_resumes_on_the_gpu_as_it_ran(tmp_path, device, hf
     resumed.zero_engine.destroy()
 
 
-def test_a_peft_lora_on_the_gpu_matches_the_plain_trainer_there(tmp_path, device, hf):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "gradient-checkpointing"])
+def test_a_peft_lora_on_the_gpu_matches_the_plain_trainer_there(tmp_path, device, hf, checkpointing):
     """peft's LoRA on GPT-2 (base frozen on NVMe, adapters trained on the GPU) through ZeroTrainer, as the
-    plain Trainer trains it on the same GPU; the base is never changed."""
+    plain Trainer trains it on the same GPU; the base is never changed. With ``gradient_checkpointing``
+    (non-reentrant) each layer's forward runs again in backward, CUDA's random state restored for its
+    dropout."""
     peft = pytest.importorskip("peft", reason="needs peft: pip install peft")
     from zero.hf import ZeroTrainer
 
@@ -235,6 +238,8 @@ def test_a_peft_lora_on_the_gpu_matches_the_plain_trainer_there(tmp_path, device
         return model
 
     args = dict(gradient_accumulation_steps=2)
+    if checkpointing:
+        args.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     plain = hf.Trainer(model=lora(), args=hf_args(hf, tmp_path / "plain", device, **args), train_dataset=gpt2_data())
     initial = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
     plain.train()
