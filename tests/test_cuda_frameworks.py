@@ -211,7 +211,7 @@ def test_the_trainer_saves_and_resumes_on_the_gpu_as_it_ran(tmp_path, device, hf
     assert resumed.state.global_step == 4 and resumed.zero_engine.device.type == device.type
     tol = tolerance(device)
     torch.testing.assert_close(hf_losses(resumed), hf_losses(whole), rtol=tol.loss_rtol, atol=0)
-    got = full_state_dict(resumed.model)
+    final, got = comparable(final, device), comparable(full_state_dict(resumed.model), device)
     for name, value in final.items():
         torch.testing.assert_close(got[name], value, rtol=tol.weight_rtol, atol=tol.weight_atol, msg=name)
     resumed.zero_engine.destroy()
@@ -364,3 +364,35 @@ def test_lightning_mixed_precision_on_the_gpu_equals_the_recipe_there(tmp_path, 
                          device,
                          precision={"bf16-mixed": "bf16", "16-mixed": "fp16"}[precision])
     engine.destroy()
+
+
+def test_lightning_on_the_gpu_saves_and_resumes_as_it_ran(tmp_path, device, pl):
+    """ZeroStrategy with everything on NVMe: one epoch, ``save_checkpoint``, then ``fit(ckpt_path=...)`` to
+    the second epoch's end, as the run that went on; the checkpoint converts to a file Lightning loads."""
+    from zero.lightning import convert_zero_checkpoint_to_fp32_state_dict
+
+    kw = dict(max_steps=-1)
+    whole = gpt_module(pl)
+    lightning_trainer(pl, device, nvme_strategy(nvme(tmp_path, "whole")), tmp_path, max_epochs=2, **kw).fit(
+        whole, lightning_data(2))
+    first = gpt_module(pl)
+    t = lightning_trainer(pl, device, nvme_strategy(nvme(tmp_path, "first")), tmp_path, max_epochs=1, **kw)
+    t.fit(first, lightning_data(2))
+    checkpoint = tmp_path / "epoch0.ckpt"
+    t.save_checkpoint(checkpoint)
+    resumed = gpt_module(pl)
+    strategy = nvme_strategy(nvme(tmp_path, "resumed"))
+    t2 = lightning_trainer(pl, device, strategy, tmp_path, max_epochs=2, **kw)
+    t2.fit(resumed, lightning_data(2), ckpt_path=str(checkpoint))
+    assert t2.global_step == 4 and strategy.engine.device.type == device.type
+    tol = tolerance(device)
+    torch.testing.assert_close(first.losses + resumed.losses, whole.losses, rtol=tol.loss_rtol, atol=0)
+    final, got = comparable(full_state_dict(whole.gpt), device), comparable(full_state_dict(resumed.gpt), device)
+    for name, value in final.items():
+        torch.testing.assert_close(got[name], value, rtol=tol.weight_rtol, atol=tol.weight_atol, msg=name)
+    written = convert_zero_checkpoint_to_fp32_state_dict(checkpoint, tmp_path / "model.ckpt")
+    assert written["global_step"] == 2
+    saved = full_state_dict(first.gpt)
+    assert {name.removeprefix("gpt.") for name in written["state_dict"]} == set(saved)
+    for name, value in written["state_dict"].items():
+        assert torch.equal(value.cpu(), saved[name.removeprefix("gpt.")]), name
