@@ -5,9 +5,10 @@ A Llama-shaped model (``Sizes.infer_model``: bench/inference.py's "medium", 426M
 1.59 GiB of fp32 weights, more than its swap buffers hold) is built under ``zero.Init`` and saved (the ``create`` child), then loaded
 with ``from_pretrained`` under ``zero.Init`` into NVMe partitions and served by greedy ``generate``
 at each of ``Sizes.infer_batches`` (the ``generate`` child, contender zero-nvme: the Hugging Face
-docs' ZeRO-Inference config, computing on the GPU). Every forward reads all the weights, and on a
-GPU its compute is small beside the reads, so a decode step's seconds over the disk's time for
-the bytes it read (the disk stage's read speed) says how close serving comes to the disk; and
+docs' ZeRO-Inference config, computing on the GPU). Every forward reads its swapped weights again
+(1.28 GiB: the attention matrices, under ``min_swap_bytes``, stay in host memory), and on a GPU its
+compute is small beside the reads, so a decode step's seconds over the disk's time for the bytes
+it read (the disk stage's read speed) says how close serving comes to the disk; and
 since a batch reads the weights once, batch 32 should make about 32 times the tokens a second of
 batch 1. On the CPU (bench/RESULTS.md, "ZeRO-Inference beyond memory") compute hid the disk.
 """

@@ -59,8 +59,9 @@ MODELS = {
                   num_key_value_heads=4, vocab_size=32000),
     "big": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000),
-    # bench/gpu_check.py's infer stage: 426M parameters, 1.59 GiB of fp32 weights, more than the 1.22 GiB
-    # of swap buffers (BUFFERS x 32000 x hidden), so that every forward reads them all, as the small one does
+    # bench/gpu_check.py's infer stage: 426M parameters, 1.59 GiB of fp32 weights, more than the 1.22 GiB of
+    # swap buffers (BUFFERS x 32000 x hidden), so that every forward reads its swapped weights again (1.28 GiB:
+    # the attention matrices, under min_swap_bytes, stay in host memory)
     "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=32, num_attention_heads=16,
                    num_key_value_heads=4, vocab_size=32000),
 }
