@@ -19,14 +19,9 @@ import shutil
 import tempfile
 import time
 
+from bench.inference_report import decode_read
+
 MODULE = "bench.inference"
-
-
-def decode_bytes(row: dict) -> float:
-    """The mean bytes the parameter swapper read in a decode forward (the forwards after the prompt's)."""
-    per_forward = row["swap_read_per_forward"]
-    decode = per_forward[1:] or per_forward
-    return sum(decode) / len(decode)
 
 
 def stage_infer(run, stage, disk_reference) -> dict:
@@ -57,7 +52,7 @@ def stage_infer(run, stage, disk_reference) -> dict:
     disk = run.record["stages"].get("disk", {})
     rows = []
     for batch, r in got["batches"].items():
-        read = decode_bytes(r)
+        read = decode_read(r, "swap")  # the mean of the forwards after the prompt's
         ref = disk_reference(run, disk, int(read), 0)
         rows.append({"batch": int(batch), "decode_s": r["decode_s_per_step"], "prefill_s": r["prefill_s"],
                      "decode_tokens_per_s": r["decode_tokens_per_s"], "tokens_per_s": r["tokens_per_s"],

@@ -18,7 +18,7 @@ import resource
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["HostMemory", "format_bytes", "PAGE_BYTES", "align_up"]
+__all__ = ["HostMemory", "format_bytes", "PAGE_BYTES", "align_up", "status_bytes"]
 
 _CAP_IPC_LOCK = 14
 PAGE_BYTES = 4096  # the page; every pool buffer and span starts on one (O_DIRECT)
@@ -49,6 +49,12 @@ def _proc_fields(path: str) -> dict:
     except OSError:
         pass
     return fields
+
+
+def status_bytes(field: str) -> Optional[int]:
+    """A ``/proc/self/status`` size in bytes (``RssAnon``, ``VmLck``, ...); None where there is none."""
+    value = _proc_fields("/proc/self/status").get(field)
+    return int(value.split()[0]) * 1024 if value else None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import ctypes
 import logging
 
 from nvmeio import env
+from swapper.host_memory import status_bytes
 
 from .malloc_trim import return_freed_heap
 
@@ -116,20 +117,9 @@ def step_ended() -> None:
     global _working_set
     if _holders == 0:
         return
-    now = _rss_anon_bytes()
+    now = status_bytes("RssAnon")
     if _working_set is None or now is None:
         _working_set = now
     elif now > _working_set + max(GROWTH_BYTES, _working_set // 4):
         return_freed_heap()
         _working_set = None
-
-
-def _rss_anon_bytes():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
