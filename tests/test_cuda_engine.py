@@ -140,6 +140,7 @@ CASES = [
     Case(0, "none", precision="bf16", k=2, window=True),
     Case(3, "none", "none", k=2, window=True, clip=1.0),
     Case(3, "cpu", "cpu", clip=1.0),
+    Case(3, "none", "cpu", precision="bf16", k=2),  # each step writes the shards from the device into host memory
     Case(3, "nvme", "nvme", in_backward=True),
     Case(3, "nvme", "nvme", k=2, window=True, in_backward=True),
     Case(3, "nvme", "cpu", precision="bf16", k=2, window=True, in_backward=True),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zero
-from helpers import make_engine, same_weights, train_engine, train_windows, weights
+from helpers import base_config, make_engine, same_weights, train_engine, train_windows, weights
 from swapper import PinnedBufferPool, SpanPool
 from zero.examples import GPTConfig, make_batches
 from zero.runtime.device_to_host import GradCrossing, fold_on_device
@@ -270,6 +270,62 @@ def test_a_copy_read_ahead_before_a_step_is_never_gathered_after_it(tmp_path, mo
     store.write(u.layout, torch.zeros(u.layout.shard_numel))  # a write drops the copy started before it
     with zero.GatheredParameters(u.params):
         assert all(bool((p == 0).all()) for p in u.params)
+
+
+def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_path, monkeypatch):
+    """zero/stores/param_store.py [Note: writes from the device land before a shard is read], the
+    CUDA event stood in for on the CPU: with the optimizer beside the compute and the parameters in
+    host memory, each step writes every shard back; no copy ahead and no gather reads a host shard
+    before the latest write's event was waited for, which happens once per step, and the
+    training equals the one without events."""
+    from zero.runtime.unit import ParamUnit
+    from zero.stores import param_store
+    from zero.stores.param_store import FlatParamStore
+
+    class Landing:
+        made, waits = [], 0
+
+        def __init__(self):
+            self.landed = False
+            Landing.made.append(self)
+
+        def synchronize(self):  # the copies run in order on one stream: the ones before landed too
+            for e in Landing.made[:Landing.made.index(self) + 1]:
+                e.landed = True
+            Landing.waits += 1
+
+    def ahead(shard, device):  # the copy stream starts reading the shard here
+        assert all(e.landed for e in Landing.made)
+        return SnapshotAhead(shard, device)
+
+    real_fetch = FlatParamStore.fetch
+
+    def fetch(self, layout, widen=False):
+        copied_ahead = layout.index in self._ahead
+        out = real_fetch(self, layout, widen)
+        assert copied_ahead or all(e.landed for e in Landing.made)  # else the caller reads the host shard
+        return out
+
+    steps = 3
+    batches = make_batches(GPTConfig(), steps, 4, seed=3)
+    monkeypatch.setattr(ParamUnit, "free_gather", lambda self: False)  # a host shard, a GPU's compute
+
+    def run(where, with_events):
+        engine = make_engine(tmp_path / where, config=base_config("cpu", "none", precision="bf16"))
+        store = engine.parts.param_store
+        assert isinstance(store, FlatParamStore) and not store.aliased  # every step writes the shards
+        store.copy_ahead = ahead
+        if with_events:
+            monkeypatch.setattr(param_store, "copy_landing", lambda source, dest: Landing())
+            monkeypatch.setattr(FlatParamStore, "fetch", fetch)
+        losses = train_engine(engine, batches, steps)
+        return losses, weights(engine.module)
+
+    plain_losses, plain_weights = run("plain", False)
+    losses, final = run("events", True)
+    assert losses == plain_losses and same_weights(final, plain_weights)
+    assert len(Landing.made) >= steps * 2 and all(e.landed for e in Landing.made)
+    assert Landing.waits == steps  # the next forward's (or the final gather's) first read, per step
 
 
 @pytest.mark.cuda

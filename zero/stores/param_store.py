@@ -40,6 +40,16 @@ yet taken hold at most ``stage3_prefetch_bucket_size`` elements' bytes of device
 DeepSpeed's prefetch buffer), besides the live-parameter bound that counts them. A copy not yet
 taken is dropped when its shard changes: :meth:`FlatParamStore.write`, and after a step or a
 load every one (the fp32 master the store may be is stepped in place, unseen by ``write``).
+
+[Note: writes from the device land before a shard is read]
+With the optimizer on the GPU (``offload_optimizer: none``), a step writes each shard back from
+the device into pinned host memory: an asynchronous copy on the compute stream, which the copy
+stream (the reads ahead, a gather's copy) and the CPU (a checkpoint reading the shards) do not
+wait for. So a write from the device records an event after its copy, and the store waits for
+the latest one (the stream runs the copies in order) before anything reads a host shard:
+:meth:`FlatParamStore.fetch` of a shard not copied ahead, :meth:`FlatParamStore.prefetch` and
+:meth:`FlatParamStore.flush`. That is one wait per step, where the next forward's first copy would
+wait for the step anyway.
 """
 from __future__ import annotations
 
@@ -243,6 +253,7 @@ class FlatParamStore(ParamStore):
                 flat = torch.empty(end, dtype=dtype, device=device)
         self.flat = flat
         self._packed: Dict[int, torch.Tensor] = {}  # unit index -> its quantized shard
+        self._writing = None  # the event after the latest write from the device still in flight (see the note)
 
     def close(self) -> None:
         if self._pinned is not None:
@@ -270,6 +281,8 @@ class FlatParamStore(ParamStore):
 
     def fetch(self, layout: UnitLayout, widen: bool = False) -> torch.Tensor:
         ahead = self._ahead.pop(layout.index, None)
+        if ahead is None:
+            self.flush()  # the caller reads the host shard
         stored = ahead[0].take() if ahead is not None else self._stored(layout)
         if self.frozen.packs(layout):
             return self.frozen.decode(layout, stored, torch.float32 if widen else self.dtype, self.compute_device)
@@ -284,6 +297,7 @@ class FlatParamStore(ParamStore):
         started = 0
         for layout in layouts:
             if layout.index not in self._ahead and layout.shard_numel > 0:
+                self.flush()  # the copy stream reads the host shard
                 self._ahead[layout.index] = (self.copy_ahead(self._stored(layout), self.compute_device),
                                              self.prefetch_cost(layout))
             started += 1
@@ -315,6 +329,25 @@ class FlatParamStore(ParamStore):
             if values.device != shard.device and values.dtype != shard.dtype:
                 values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
             shard.copy_(values, non_blocking=True)
+            landing = copy_landing(values, shard)
+            if landing is not None:
+                self._writing = landing
+
+    def flush(self) -> None:
+        if self._writing is not None:
+            self._writing.synchronize()
+            self._writing = None
+
+
+def copy_landing(source: torch.Tensor, dest: torch.Tensor):
+    """The event after an asynchronous copy from CUDA ``source`` into host ``dest`` just queued on
+    the current stream; None for any other copy (it has landed: see [Note: writes from the device
+    land before a shard is read])."""
+    if source.device.type != "cuda" or dest.device.type != "cpu":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(source.device))
+    return event
 
 
 def swap_buffer_count(offload, largest_shard: int, total_numel: int) -> int:
