@@ -272,6 +272,23 @@ def test_a_copy_read_ahead_before_a_step_is_never_gathered_after_it(tmp_path, mo
         assert all(bool((p == 0).all()) for p in u.params)
 
 
+def test_each_direction_has_a_copy_stream_of_its_own_on_each_device(monkeypatch):
+    """zero/runtime/host_to_device.py [Note: a copy stream per direction]: reads ahead onto a device
+    and copies off it (which first wait for the compute stream) never share a stream; each is
+    made once per device."""
+    from zero.runtime import host_to_device
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    monkeypatch.setattr(host_to_device, "_streams", {})
+    copy_stream = host_to_device.copy_stream
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    onto, off = copy_stream(d0), copy_stream(d0, to_host=True)
+    assert onto is not off and copy_stream(d0) is onto and copy_stream(d0, to_host=True) is off
+    assert copy_stream(d1) not in (onto, off) and copy_stream(d1, to_host=True) not in (onto, off)
+    assert made == [0, 0, 1, 1]
+
+
 def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_path, monkeypatch):
     """zero/stores/param_store.py [Note: writes from the device land before a shard is read], the
     CUDA event stood in for on the CPU: with the optimizer beside the compute and the parameters in

@@ -20,7 +20,7 @@ held by someone else anyway; a leaf is handed back as itself, so that an alias
 re-pointed at its unit's data by the gather before backward is read there.
 
 On the CPU a kept storage is the activation's own (no copy); on CUDA it is
-copied to host memory on the copy stream, not waited for when saved: a spill to
+copied to host memory on the outbound copy stream, not waited for when saved: a spill to
 NVMe waits for that copy alone, a return to the device is ordered after it on
 the device (the CUDA-only branches below, marked). Past the budget
 the *oldest* kept storages are written to the window's swap file
@@ -122,7 +122,7 @@ def _to_host_async(t: torch.Tensor):
 
     whole = _whole_storage(t)
     host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
-    stream = copy_stream(t.device)
+    stream = copy_stream(t.device, to_host=True)
     stream.wait_stream(torch.cuda.current_stream(t.device))
     with torch.cuda.stream(stream):
         host.copy_(whole, non_blocking=True)

@@ -6,7 +6,7 @@ PCIe. A blocking copy per parameter stops the CPU from queueing kernels until th
 everything before it, once per parameter. Instead (:class:`GradCrossing`) each parameter's
 gradient is made ready on the device as it arrives (a window's k summed there when that moves
 fewer bytes: grad_reducer.py [Note: gradients cross to the host once]); when the unit's last
-gradient is in, its payloads are packed into one device buffer and copied, on the copy stream, to
+gradient is in, its payloads are packed into one device buffer and copied, on the outbound copy stream, to
 host memory registered with CUDA, in their own dtype (a 16-bit gradient crosses in 2 bytes; a unit
 above 64 MiB crosses in several copies of element ranges, which bounds the staging memory); the
 host lands them (copies or adds them into the partition, widening on the fly) only when the
@@ -175,7 +175,7 @@ class GradCrossing:
         return self._slab(nbytes)
 
     def _send_batch(self) -> None:
-        """The open batch crosses: on CUDA one copy on the copy stream (its event is recorded)."""
+        """The open batch crosses: on CUDA one copy on the outbound copy stream (its event is recorded)."""
         batch, self._batch = self._batch, None
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._land_oldest()
@@ -184,7 +184,7 @@ class GradCrossing:
             from .host_to_device import copy_stream
 
             slab = self._slab(batch.used)
-            stream = copy_stream(self.device)
+            stream = copy_stream(self.device, to_host=True)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 slab[:batch.used].copy_(batch.staging[:batch.used], non_blocking=True)

@@ -10,6 +10,15 @@ result is marked as used by the compute stream for the caching allocator, and th
 for that event alone before it hands the host buffer back. From memory registered with CUDA
 (the swap pools are, swapper.StagingPool.register_with_cuda) the copy is a DMA of its own, so
 it also overlaps kernels still running.
+
+[Note: a copy stream per direction]
+Copies to the host (gradients crossing, activations spilled) first make their stream wait for
+the compute stream, up to the work that produced what they copy. On the stream of the reads
+ahead onto the device, that wait would hold every read queued after it until the GPU reached
+that point, and the two directions, which a GPU runs on copy engines of their own at once,
+would take turns. So each direction has its stream; what one direction's copy needs of the
+other's is ordered by events (activation_spill.py: a spilled tensor's copy back waits for the
+event of its copy out).
 """
 from __future__ import annotations
 
@@ -18,17 +27,18 @@ from typing import Dict, Tuple
 
 import torch
 
-_streams: Dict[int, "torch.cuda.Stream"] = {}
+_streams: Dict[Tuple[int, bool], "torch.cuda.Stream"] = {}
 _lock = threading.Lock()
 
 
-def copy_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The device's copy stream (one per device and process)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def copy_stream(device: torch.device, to_host: bool = False) -> "torch.cuda.Stream":
+    """The device's copy stream for copies onto it, or with ``to_host`` for copies off it (one per
+    device, direction and process: see [Note: a copy stream per direction])."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), to_host)
     with _lock:
-        stream = _streams.get(index)
+        stream = _streams.get(key)
         if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=index)
+            stream = _streams[key] = torch.cuda.Stream(device=key[0])
         return stream
 
 
