@@ -290,7 +290,7 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
          enospc_nth_max: int = 200, ranks: int = 1, pg_timeout: float = 30.0, bound: float = 0.0,
          start_kills: float = 0.1) -> dict:
     """The uninterrupted reference, then a run killed ``kills`` times; what happened. With
-    ``enospc`` > 0 that fraction of lives instead gets ENOSPC at a random write (nvmeio.faults):
+    ``enospc`` > 0 that fraction of lives (one at least) instead gets ENOSPC at a random write (nvmeio.faults):
     it must fail with an error naming the file, and the next life resume from ``latest``
     (the Nth write under ``root``, N uniform in 1 .. ``enospc_nth_max``). With ``ranks`` > 1 a
     life is that many gloo ranks; one (at random) is killed or gets the ENOSPC, and every other
@@ -316,7 +316,11 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
         faults, kill, victim = {}, None, rng.randrange(ranks)
         if _trained(work, steps):
             pass  # a life from the last step only loads and ends: it runs out, and the training starts over
-        elif enospc and rng.random() < enospc and sum(phases.values()) < kills:
+        # ENOSPC lives: a fraction ``enospc``, and with one kill left and none failed by ENOSPC yet, each
+        # until one has: which lives draw one depends on the machine's speed (a life that runs out before
+        # its kill starts the training over), and with ~20 lives all could miss it.
+        elif (enospc and (rng.random() < enospc or not full and sum(phases.values()) == kills - 1)
+              and sum(phases.values()) < kills):
             faults[victim] = f"fail_nth={rng.randint(1, enospc_nth_max)},errno=ENOSPC,op=write,path_contains={root}"
         elif sum(phases.values()) < kills:
             # a fraction ``start_kills`` from the start (start-up); the others at a uniform instant

@@ -425,7 +425,9 @@ def overlaps(a, b):
 
 def test_write_copies_the_next_chunk_while_this_one_goes_to_the_file(nvme_dir):
     log = []
-    eng, backend = engine(8192, 2, delay=0.02, file_delay=0.06, log=log)
+    # Chunk 0's write must start within one copy's delay of its copy ending (the copier runs on):
+    # 50 ms, which a loaded machine's scheduler leaves to spare where 20 ms may not be.
+    eng, backend = engine(8192, 2, delay=0.05, file_delay=0.15, log=log)
     src = torch.from_numpy(random_bytes(4 * 8192))
     eng.submit(True, device_buffer(src), str(nvme_dir / "w.bin"), 0)
     assert eng.drain() == (1, None)
@@ -441,7 +443,9 @@ def test_read_reads_the_next_chunk_while_this_one_is_copied_to_the_device(nvme_d
     src = random_bytes(4 * 8192)
     (nvme_dir / "r.bin").write_bytes(src.tobytes())
     log = []
-    eng, backend = engine(8192, 2, delay=0.06, file_delay=0.02, log=log)
+    # Chunk 2's copy must start within one file op's delay of being queued (the last read waits out
+    # that delay meanwhile): 50 ms, which a loaded machine's scheduler leaves to spare where 20 ms may not be.
+    eng, backend = engine(8192, 2, delay=0.15, file_delay=0.05, log=log)
     dst = torch.zeros(4 * 8192, dtype=torch.uint8)
     eng.submit(False, device_buffer(dst), str(nvme_dir / "r.bin"), 0)
     assert eng.drain() == (1, None)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import nvmeio
 import test_aio_roundtrip as single  # its strategies: the single-path patterns
 from helpers import make_engine, random_bytes, train_engine
-from nvmeio import StripedFile
+from nvmeio import StripedFile, faults
 from nvmeio.striping import stripe_unit
 from swapper import InsufficientSwapSpaceError, PartitionedParamSwapper, SwapDirectory
 from swapper._param_swapper import swap_file_name
@@ -135,9 +135,12 @@ def test_async_ops_on_several_striped_files_complete_in_one_wait(tmp_path):
         h.async_pwrite(d, f, 4096)
     assert h.wait() == 3
     back = [np.zeros_like(d) for d in data]
-    for b, f in zip(back, files):
-        h.async_pread(b, f, 4096)
-    assert h.pending() >= 1 and h.wait() == 3
+    # Reads may all land before pending() is asked (a quick disk): f0's one request is held 0.5 s.
+    with faults.inject(delay_us=500_000, op="read", path_contains=os.sep + "f0") as fired:
+        for b, f in zip(back, files):
+            h.async_pread(b, f, 4096)
+        assert h.pending() >= 1 and h.wait() == 3
+    assert fired()["delayed"] == 1
     assert all(np.array_equal(a, b) for a, b in zip(data, back))
 
 

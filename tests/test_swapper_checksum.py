@@ -132,10 +132,18 @@ def test_a_landed_batch_of_reads_is_hashed_together_each_region_once(tmp_path, m
             _flip_byte(path.parts[0] if drives > 1 else path, 1234)
         hashed = []
         digest = ChecksumTable.digest
+        helper_began = threading.Event()
 
         def watched(table, data):
-            hashed.append((threading.current_thread().name, data.numel() * data.element_size()))
-            time.sleep(0.05)  # (as a large region takes: the helpers have started by then)
+            name = threading.current_thread().name
+            hashed.append((name, data.numel() * data.element_size()))
+            if name.startswith("nvmeio-verify"):
+                helper_began.set()
+            # The waiting thread waits for a helper to begin: helpers run at SCHED_IDLE, which a busy machine
+            # may leave without a core for longer than the sleeps (none within 20 s: the assert below fails).
+            elif not helper_began.wait(timeout=20):
+                helper_began.set()
+            time.sleep(0.05)  # (as a large region takes)
             return digest(table, data)
 
         monkeypatch.setattr(ChecksumTable, "digest", watched)
