@@ -333,7 +333,7 @@ def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_p
         assert isinstance(store, FlatParamStore) and not store.aliased  # every step writes the shards
         store.copy_ahead = ahead
         if with_events:
-            monkeypatch.setattr(param_store, "copy_landing", lambda source, dest: Landing())
+            monkeypatch.setattr(param_store, "copy_landing", lambda source, dest, after: Landing())
             monkeypatch.setattr(FlatParamStore, "fetch", fetch)
         losses = train_engine(engine, batches, steps)
         return losses, weights(engine.module)
@@ -347,14 +347,20 @@ def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_p
 
 @pytest.mark.cuda
 @needs_gpu
-def test_on_cuda_pinned_host_shards_are_read_ahead_and_unpinned_ones_are_not(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_cuda_pinned_host_shards_are_read_ahead_and_unpinned_ones_are_not(tmp_path, precision):
+    """fp32 shards live in the optimizer's master, pinned as its pin_memory says; bf16 ones in the
+    parameter store's own memory, pinned as offload_param's says."""
     from zero.runtime.host_to_device import AheadCopy
 
-    for pinned in (True, False):
-        engine = make_engine(tmp_path / str(pinned), "cpu", overrides={
-            "compute_device": "cuda", "zero_optimization": {"offload_param": {"pin_memory": pinned}}})
+    for param_pin, optimizer_pin in ((True, False), (False, True), (True, True), (False, False)):
+        engine = make_engine(tmp_path / f"{param_pin}-{optimizer_pin}", "cpu", precision=precision, overrides={
+            "compute_device": "cuda", "zero_optimization": {"offload_param": {"pin_memory": param_pin},
+                                                            "offload_optimizer": {"pin_memory": optimizer_pin}}})
         try:
             store = engine.parts.param_store
+            assert store.aliased == (precision == "fp32")
+            pinned = optimizer_pin if store.aliased else param_pin
             assert (store.copy_ahead is AheadCopy) == pinned and store.reads_ahead == pinned
             batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 2, 4, seed=1)]
             losses = train_engine(engine, batches, 2)

@@ -341,10 +341,11 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
     else:
         home = _param_home(config, device)
         alias = opt_store.master if isinstance(opt_store, FlatOptimizerStore) and opt_store.holds_params else None
-        # pageable memory would make each copy a blocking one: read ahead only from pinned memory
-        pinned = home.type == "cpu" and device.type == "cuda" and offload.pin_memory
-        ahead = host_to_device.AheadCopy if pinned else None
-        store = FlatParamStore(rank_layout, dtype, home, offload.pin_memory and device.type == "cuda", flat=alias,
+        # pageable memory would make each copy a blocking one: read ahead only from pinned memory, which
+        # for shards in the optimizer's master is the optimizer's pin_memory
+        pin_memory = device.type == "cuda" and (offload.pin_memory if alias is None else opt_store.pinned)
+        ahead = host_to_device.AheadCopy if home.type == "cpu" and pin_memory else None
+        store = FlatParamStore(rank_layout, dtype, home, pin_memory and alias is None, flat=alias,
                                frozen=frozen, compute_device=device, copy_ahead=ahead,
                                ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize)
     release.callback(store.close)

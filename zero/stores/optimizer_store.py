@@ -184,6 +184,11 @@ class FlatOptimizerStore(OptimizerStore):
         self.states = {name: _host_or_device(n, device, self._pinned, zero=True) for name in self.state_names}
         self.grads = _host_or_device(n, device, self._pinned)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the tensors are host memory registered with CUDA (pinned_host.py)."""
+        return self._pinned is not None and self.master.device.type == "cpu"
+
     def close(self) -> None:
         if self._pinned is not None:
             self._pinned.close()

@@ -240,7 +240,7 @@ class FlatParamStore(ParamStore):
         self.compute_device = compute_device or device  # where quantized shards are dequantized
         self.aliased = flat is not None
         self._ranges = {u.index: rank_layout.unit_range(u.index) for u in rank_layout.units}
-        self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" else None
+        self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" and flat is None else None
         if flat is None:
             end, self._ranges = 0, {}
             for u in rank_layout.units:
@@ -322,6 +322,8 @@ class FlatParamStore(ParamStore):
 
     def write(self, layout: UnitLayout, values: torch.Tensor) -> None:
         self._ahead.pop(layout.index, None)  # a copy started before this write holds the old values
+        if values.device.type != self.compute_device.type:
+            self.flush()  # a write from the device still in flight would land over these host values
         if self.frozen.packs(layout):
             self._packed[layout.index] = self.frozen.encode(layout, values).to(self.flat.device)
         elif self._writes_own(layout):
@@ -329,7 +331,7 @@ class FlatParamStore(ParamStore):
             if values.device != shard.device and values.dtype != shard.dtype:
                 values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
             shard.copy_(values, non_blocking=True)
-            landing = copy_landing(values, shard)
+            landing = copy_landing(values, shard, after=self._writing)
             if landing is not None:
                 self._writing = landing
 
@@ -339,14 +341,18 @@ class FlatParamStore(ParamStore):
             self._writing = None
 
 
-def copy_landing(source: torch.Tensor, dest: torch.Tensor):
+def copy_landing(source: torch.Tensor, dest: torch.Tensor, after=None):
     """The event after an asynchronous copy from CUDA ``source`` into host ``dest`` just queued on
-    the current stream; None for any other copy (it has landed: see [Note: writes from the device
-    land before a shard is read])."""
+    the current stream, and after the event ``after`` (so the latest event stands for every write,
+    from whichever stream); None for any other copy (it has landed: see [Note: writes from the
+    device land before a shard is read])."""
     if source.device.type != "cuda" or dest.device.type != "cpu":
         return None
+    stream = torch.cuda.current_stream(source.device)
+    if after is not None:
+        stream.wait_event(after)
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(source.device))
+    event.record(stream)
     return event
 
 
