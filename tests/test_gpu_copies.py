@@ -182,7 +182,7 @@ class SnapshotAhead:
 
     started = taken = 0
 
-    def __init__(self, shard, device):
+    def __init__(self, shard, device, after=None):
         type(self).started += 1
         self.values = shard.clone()
 
@@ -292,9 +292,9 @@ def test_each_direction_has_a_copy_stream_of_its_own_on_each_device(monkeypatch)
 def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_path, monkeypatch):
     """zero/stores/param_store.py [Note: writes from the device land before a shard is read], the
     CUDA event stood in for on the CPU: with the optimizer beside the compute and the parameters in
-    host memory, each step writes every shard back; no copy ahead and no gather reads a host shard
-    before the latest write's event was waited for, which happens once per step, and the
-    training equals the one without events."""
+    host memory, each step writes every shard back; a copy ahead starts after the latest write's
+    event, and no gather reads a host shard before the CPU waited for it (at most once a step);
+    the training equals the one without events."""
     from zero.runtime.unit import ParamUnit
     from zero.stores import param_store
     from zero.stores.param_store import FlatParamStore
@@ -311,8 +311,8 @@ def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_p
                 e.landed = True
             Landing.waits += 1
 
-    def ahead(shard, device):  # the copy stream starts reading the shard here
-        assert all(e.landed for e in Landing.made)
+    def ahead(shard, device, after=None):  # the copy stream reads the shard once ``after`` landed
+        assert all(e.landed for e in Landing.made) or after is Landing.made[-1]
         return SnapshotAhead(shard, device)
 
     real_fetch = FlatParamStore.fetch
@@ -342,7 +342,7 @@ def test_a_host_shard_is_read_only_after_the_writes_from_the_device_landed(tmp_p
     losses, final = run("events", True)
     assert losses == plain_losses and same_weights(final, plain_weights)
     assert len(Landing.made) >= steps * 2 and all(e.landed for e in Landing.made)
-    assert Landing.waits == steps  # the next forward's (or the final gather's) first read, per step
+    assert Landing.waits <= steps  # the CPU waits at most once a step (the copies ahead wait on the device)
 
 
 @pytest.mark.cuda

@@ -42,10 +42,13 @@ def copy_stream(device: torch.device, to_host: bool = False) -> "torch.cuda.Stre
         return stream
 
 
-def start_copy(shard: torch.Tensor, device: torch.device) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
-    """``shard`` (host memory) copied to CUDA ``device`` on the copy stream: the copy and the event
-    that says when it is done. Nothing waits for it yet."""
+def start_copy(shard: torch.Tensor, device: torch.device, after=None) -> Tuple[torch.Tensor, "torch.cuda.Event"]:
+    """``shard`` (host memory) copied to CUDA ``device`` on the copy stream, after the event
+    ``after`` if one is given: the copy and the event that says when it is done. Nothing waits
+    for it yet."""
     stream = copy_stream(device)
+    if after is not None:
+        stream.wait_event(after)
     with torch.cuda.stream(stream):
         out = torch.empty(shard.shape, dtype=shard.dtype, device=device)
         out.copy_(shard, non_blocking=True)
@@ -74,8 +77,8 @@ class AheadCopy:
     read-ahead: stores/param_store.py FlatParamStore): the compute stream waits for it only when
     :meth:`take` hands it over, not when it starts."""
 
-    def __init__(self, shard: torch.Tensor, device: torch.device):
-        self._out, self._done = start_copy(shard, device)
+    def __init__(self, shard: torch.Tensor, device: torch.device, after=None):
+        self._out, self._done = start_copy(shard, device, after)
 
     def take(self) -> torch.Tensor:
         return ready_for_current_stream(self._out, self._done)

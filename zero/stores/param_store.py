@@ -46,10 +46,10 @@ With the optimizer on the GPU (``offload_optimizer: none``), a step writes each 
 the device into pinned host memory: an asynchronous copy on the compute stream, which the copy
 stream (the reads ahead, a gather's copy) and the CPU (a checkpoint reading the shards) do not
 wait for. So a write from the device records an event after its copy, and the store waits for
-the latest one (the stream runs the copies in order) before anything reads a host shard:
-:meth:`FlatParamStore.fetch` of a shard not copied ahead, :meth:`FlatParamStore.prefetch` and
-:meth:`FlatParamStore.flush`. That is one wait per step, where the next forward's first copy would
-wait for the step anyway.
+the latest one (each event follows the one before it) before anything reads a host shard: the
+copy stream, on the device, for a copy ahead (:meth:`FlatParamStore.prefetch`), so the CPU goes
+on queueing the next forward while the step's copies run; the CPU in :meth:`FlatParamStore.fetch`
+of a shard not copied ahead and in :meth:`FlatParamStore.flush`.
 """
 from __future__ import annotations
 
@@ -230,8 +230,9 @@ class FlatParamStore(ParamStore):
                  frozen: FrozenShards = NOT_QUANTIZED, compute_device: Optional[torch.device] = None,
                  copy_ahead=None, ahead_bytes: int = 0):
         self.rank_layout = rank_layout
-        # copy_ahead(shard, device): an object whose take() is the shard on the compute device (see
-        # the note on read-ahead); None where the shards need no copy to be computed on.
+        # copy_ahead(shard, device, after=event): an object whose take() is the shard on the compute
+        # device, copied after the event (see the notes on read-ahead and on writes from the device);
+        # None where the shards need no copy to be computed on.
         self.copy_ahead = copy_ahead
         self.ahead_bytes = ahead_bytes  # the most the copies not yet taken may hold
         self._ahead: Dict[int, Tuple[object, int]] = {}  # unit index -> (its copy started ahead, bytes)
@@ -297,9 +298,9 @@ class FlatParamStore(ParamStore):
         started = 0
         for layout in layouts:
             if layout.index not in self._ahead and layout.shard_numel > 0:
-                self.flush()  # the copy stream reads the host shard
-                self._ahead[layout.index] = (self.copy_ahead(self._stored(layout), self.compute_device),
-                                             self.prefetch_cost(layout))
+                # the copy stream reads the host shard once the writes from the device landed (see the note)
+                self._ahead[layout.index] = (self.copy_ahead(self._stored(layout), self.compute_device,
+                                                             after=self._writing), self.prefetch_cost(layout))
             started += 1
         return started
 
