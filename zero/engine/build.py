@@ -345,7 +345,7 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         # for shards in the optimizer's master is the optimizer's pin_memory
         pin_memory = device.type == "cuda" and (offload.pin_memory if alias is None else opt_store.pinned)
         ahead = host_to_device.AheadCopy if home.type == "cpu" and pin_memory else None
-        store = FlatParamStore(rank_layout, dtype, home, pin_memory and alias is None, flat=alias,
+        store = FlatParamStore(rank_layout, dtype, home, pin_memory, flat=alias,
                                frozen=frozen, compute_device=device, copy_ahead=ahead,
                                ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize)
     release.callback(store.close)

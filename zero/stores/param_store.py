@@ -241,6 +241,7 @@ class FlatParamStore(ParamStore):
         self.compute_device = compute_device or device  # where quantized shards are dequantized
         self.aliased = flat is not None
         self._ranges = {u.index: rank_layout.unit_range(u.index) for u in rank_layout.units}
+        # pin_memory: for a flat tensor of its own (a given one is the optimizer's master, pinned by it)
         self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" and flat is None else None
         if flat is None:
             end, self._ranges = 0, {}
