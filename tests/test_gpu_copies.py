@@ -181,6 +181,7 @@ class SnapshotAhead:
     (a copy started before a change must not show it), counted when started and when taken."""
 
     started = taken = 0
+    last = None  # the tensor the latest take() handed over
 
     def __init__(self, shard, device, after=None):
         type(self).started += 1
@@ -188,6 +189,7 @@ class SnapshotAhead:
 
     def take(self):
         type(self).taken += 1
+        type(self).last = self.values
         return self.values
 
 
@@ -197,7 +199,8 @@ def test_host_resident_shards_read_ahead_onto_the_device_train_as_gathered_ones(
     CPU: units gathered from copies started ahead (as on a GPU, where a host shard is never free
     to view) train bit-identically to units copied when gathered, across steps that change the
     shards (the fp32 master stepped in place) and a load of new weights; most gathers after the
-    first iteration take a copy started ahead, and none outlives a change of its shard."""
+    first iteration take a copy started ahead, and none outlives a change of its shard; on one rank
+    a unit gathered from a copy is that copy (not copied once more)."""
     from zero.examples import GPT, add_lora
     from zero.runtime.unit import ParamUnit
 
@@ -227,9 +230,21 @@ def test_host_resident_shards_read_ahead_onto_the_device_train_as_gathered_ones(
     direct_losses, direct_weights = run("direct", None)
     SnapshotAhead.started = SnapshotAhead.taken = 0
     real_gather = ParamUnit.gather
-    monkeypatch.setattr(ParamUnit, "gather", lambda self, *a, **kw: (gathers.append(self), real_gather(self, *a, **kw))[1])
+    copied_again = []
+
+    def gather(self, *args, **kwargs):
+        gathers.append(self)
+        taken = SnapshotAhead.taken
+        out = real_gather(self, *args, **kwargs)
+        quantized = self.store.frozen.packs(self.layout)  # the unit is its dequantized copy
+        if SnapshotAhead.taken > taken and not quantized and self.full is not SnapshotAhead.last:
+            copied_again.append(self.layout.index)
+        return out
+
+    monkeypatch.setattr(ParamUnit, "gather", gather)
     losses, ahead_weights = run("ahead", SnapshotAhead)
     assert losses == direct_losses
+    assert not copied_again, copied_again
     assert same_weights(ahead_weights, direct_weights)
     # the trace is recorded by then: nearly every gather of the iterations after the load finds its copy
     taken = after_load["trained_taken"] - after_load["taken"]
@@ -367,6 +382,51 @@ def test_on_cuda_pinned_host_shards_are_read_ahead_and_unpinned_ones_are_not(tmp
             assert all(torch.isfinite(torch.tensor(losses)))
         finally:
             engine.destroy()
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_one_gpu_a_unit_copied_from_host_memory_is_that_copy(tmp_path, monkeypatch, offload, precision):
+    """zero/runtime/unit.py: a shard copied onto the GPU for a gather (read ahead from host memory, or
+    from a swap pool when gathered) is the unit's buffer on one rank, never copied once more."""
+    from zero.runtime.comm import Comm
+
+    engine = make_engine(tmp_path / offload, offload, precision=precision, overrides={"compute_device": "cuda"})
+    copies = []
+    real = Comm.all_gather_into
+    monkeypatch.setattr(Comm, "all_gather_into", lambda self, *a, **kw: (copies.append(1), real(self, *a, **kw))[1])
+    try:
+        batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 2, 4, seed=1)]
+        losses = train_engine(engine, batches, 2)
+    finally:
+        engine.destroy()
+    assert all(torch.isfinite(torch.tensor(losses))) and copies == []
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("optimizer,precision,pinned,staged", [
+    ("nvme", "fp32", True, True), ("cpu", "bf16", True, True), ("cpu", "fp32", False, True),
+    ("cpu", "fp32", True, False)])
+def test_on_cuda_a_steps_write_back_is_staged_unless_registered_in_the_shards_dtype(
+        tmp_path, optimizer, precision, pinned, staged):
+    """zero/runtime/write_back.py [Note: a write-back goes through registered staging]: shards on the
+    GPU, the optimizer on the host or NVMe; only a pinned fp32 master is copied from as it is."""
+    config = base_config("none", optimizer, tmp_path, precision=precision)
+    config["zero_optimization"]["offload_optimizer"]["pin_memory"] = pinned
+    config["compute_device"] = "cuda"
+    engine = make_engine(tmp_path, config=config)
+    try:
+        writes = engine.parts.param_store.staged_writes
+        assert writes is not None
+        batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 2, 4, seed=1)]
+        losses = train_engine(engine, batches, 2)
+        assert all(torch.isfinite(torch.tensor(losses)))
+        assert (writes.copies > 0) == staged
+    finally:
+        engine.destroy()
 
 
 @pytest.mark.parametrize("dtypes,add,on_device", [

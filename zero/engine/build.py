@@ -61,6 +61,7 @@ from ..stores import memory_check
 from ..runtime.grad_stash import NO_STASH, GradStash
 from ..runtime.grad_reducer import GradReducer
 from ..runtime import host_to_device
+from ..runtime.write_back import StagedWrites
 from ..runtime.activation_spill import SavedActivations
 from ..stores.malloc_trim import return_freed_heap
 from ..stores import malloc_settings
@@ -345,9 +346,12 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         # for shards in the optimizer's master is the optimizer's pin_memory
         pin_memory = device.type == "cuda" and (offload.pin_memory if alias is None else opt_store.pinned)
         ahead = host_to_device.AheadCopy if home.type == "cpu" and pin_memory else None
+        # a step on the host writes shards on the GPU through registered staging (runtime/write_back.py)
+        staged = StagedWrites(for_gpu_copies(True)) if home.type == "cuda" else None
         store = FlatParamStore(rank_layout, dtype, home, pin_memory, flat=alias,
                                frozen=frozen, compute_device=device, copy_ahead=ahead,
-                               ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize)
+                               ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize,
+                               staged_writes=staged)
     release.callback(store.close)
     store.check_free_space()
     if opt_store is not None:

@@ -179,13 +179,10 @@ class ParamUnit:
                 raise
             self.comm.defer(error)
             shard = None
-        lent = (shard is not None and lend and self.comm.world_size == 1 and shard.device == self.device
-                and shard.dtype == self.dtype and shard.numel() == self.layout.padded_numel
-                and self.store.lend(self.layout))
-        # A quantized shard is dequantized into a tensor of its own: on one rank it is the unit.
-        own = (shard is not None and not lent and self.comm.world_size == 1 and self.store.frozen.packs(self.layout)
-               and shard.device == self.device and shard.dtype == self.dtype
-               and shard.numel() == self.layout.padded_numel)
+        lent = shard is not None and lend and self._is_whole(shard) and self.store.lend(self.layout)
+        # A copy made for this gather alone (a dequantized shard, a copy read ahead onto the
+        # device): on one rank it is the unit, not copied once more.
+        own = (shard is not None and not lent and self.store.fetched_a_copy(self.layout) and self._is_whole(shard))
         try:
             if shard is None:  # this rank's read failed: zeros, so the others' all_gather completes
                 full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
@@ -194,15 +191,18 @@ class ParamUnit:
             elif self.free or lent or own:
                 full = shard
             else:
-                full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
                 copied = None
                 if shard.device != self.device:
                     if self.device.type == "cuda":
                         shard, copied = host_to_device.to_device(shard, self.device)
                     else:
                         shard = shard.to(self.device)
-                async_op = not wait and self.store.resident
-                work = self.comm.all_gather_into(full, shard, async_op=async_op)
+                if copied is not None and self._is_whole(shard):
+                    full = shard  # the copy just made onto the device is the unit on one rank
+                else:
+                    full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+                    async_op = not wait and self.store.resident
+                    work = self.comm.all_gather_into(full, shard, async_op=async_op)
                 if copied is not None and not self.store.resident:
                     copied.synchronize()  # the pool buffer is reused next: its copy alone is waited for
         finally:
@@ -212,6 +212,12 @@ class ParamUnit:
         self.lent = lent
         self._state = ParamState.AVAILABLE
         return work
+
+    def _is_whole(self, shard: torch.Tensor) -> bool:
+        """Whether ``shard`` can be the unit's buffer as it is: one rank, and the shard on the
+        compute device, in the compute dtype, of the unit's padded size."""
+        return (self.comm.world_size == 1 and shard.device == self.device and shard.dtype == self.dtype
+                and shard.numel() == self.layout.padded_numel)
 
     def unlend(self) -> None:
         """View a copy instead of the store's tensor, which goes back to the store now (something

@@ -167,6 +167,12 @@ class ParamStore(abc.ABC):
     def fetched(self, layout: UnitLayout) -> None:
         """The caller is done with the tensor :meth:`fetch` returned."""
 
+    def fetched_a_copy(self, layout: UnitLayout) -> bool:
+        """Whether the tensor :meth:`fetch` just returned is a copy made for the caller alone (a
+        dequantized shard, a copy read ahead onto the device), which one rank may keep as its
+        unit's buffer instead of copying it once more."""
+        return self.frozen.packs(layout)
+
     def lend(self, layout: UnitLayout) -> bool:
         """Whether the caller may go on viewing the tensor :meth:`fetch` just returned until it
         calls :meth:`fetched` (instead of copying it first); True records the loan."""
@@ -228,8 +234,11 @@ class FlatParamStore(ParamStore):
     def __init__(self, rank_layout: RankLayout, dtype: torch.dtype, device: torch.device,
                  pin_memory: bool = False, flat: Optional[torch.Tensor] = None,
                  frozen: FrozenShards = NOT_QUANTIZED, compute_device: Optional[torch.device] = None,
-                 copy_ahead=None, ahead_bytes: int = 0):
+                 copy_ahead=None, ahead_bytes: int = 0, staged_writes=None):
         self.rank_layout = rank_layout
+        # staged_writes: runtime/write_back.py StagedWrites, for shards on the GPU written from host
+        # values (a host or NVMe optimizer's step); None where the shards are not on a GPU.
+        self.staged_writes = staged_writes
         # copy_ahead(shard, device, after=event): an object whose take() is the shard on the compute
         # device, copied after the event (see the notes on read-ahead and on writes from the device);
         # None where the shards need no copy to be computed on.
@@ -256,10 +265,13 @@ class FlatParamStore(ParamStore):
         self.flat = flat
         self._packed: Dict[int, torch.Tensor] = {}  # unit index -> its quantized shard
         self._writing = None  # the event after the latest write from the device still in flight (see the note)
+        self._taken: set = set()  # units whose last fetch took a copy made ahead (fetched_a_copy)
 
     def close(self) -> None:
         if self._pinned is not None:
             self._pinned.close()
+        if self.staged_writes is not None:
+            self.staged_writes.close()
 
     def shard(self, layout: UnitLayout) -> torch.Tensor:
         start, stop = self._ranges[layout.index]
@@ -285,10 +297,16 @@ class FlatParamStore(ParamStore):
         ahead = self._ahead.pop(layout.index, None)
         if ahead is None:
             self.flush()  # the caller reads the host shard
+            self._taken.discard(layout.index)
+        else:
+            self._taken.add(layout.index)
         stored = ahead[0].take() if ahead is not None else self._stored(layout)
         if self.frozen.packs(layout):
             return self.frozen.decode(layout, stored, torch.float32 if widen else self.dtype, self.compute_device)
         return stored
+
+    def fetched_a_copy(self, layout: UnitLayout) -> bool:
+        return layout.index in self._taken or super().fetched_a_copy(layout)
 
     # -- read-ahead onto the compute device (see the note) -----------------------------------------
     @property
@@ -330,6 +348,9 @@ class FlatParamStore(ParamStore):
             self._packed[layout.index] = self.frozen.encode(layout, values).to(self.flat.device)
         elif self._writes_own(layout):
             shard = self.shard(layout)
+            if self.staged_writes is not None and self.staged_writes.takes(values, shard):
+                self.staged_writes.write(shard, values)  # runtime/write_back.py [Note: a write-back goes through registered staging]
+                return
             if values.device != shard.device and values.dtype != shard.dtype:
                 values = values.to(shard.dtype)  # cast where the values are: 16-bit shards cross in 2 bytes
             shard.copy_(values, non_blocking=True)
