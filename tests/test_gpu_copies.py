@@ -429,6 +429,29 @@ def test_on_cuda_a_steps_write_back_is_staged_unless_registered_in_the_shards_dt
         engine.destroy()
 
 
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_staged_writes_queued_behind_kernels_land_exactly(dtype):
+    """A small ring, its copies held back by a kernel queued before them: the ring wraps onto
+    copies not yet run, waits for them, and every shard gets its values bit for bit."""
+    from nvmeio import RegisteredHost
+    from zero.runtime.write_back import StagedWrites
+
+    torch.manual_seed(0)
+    writes = StagedWrites(RegisteredHost(), ring_bytes=8192)
+    sizes = [1, 100, 1000, 1500, 3000, 17, 512] * 4  # some over half the ring: in pieces
+    values = [torch.randn(n) for n in sizes]
+    dests = [torch.zeros(n, dtype=dtype, device="cuda") for n in sizes]
+    torch.cuda._sleep(10 ** 8)  # tens of milliseconds of GPU time before the first copy
+    for dest, value in zip(dests, values):
+        writes.write(dest, value)
+    assert writes.waits > 0
+    writes.close()
+    for dest, value in zip(dests, values):
+        assert torch.equal(dest.cpu(), value.to(dtype))
+
+
 @pytest.mark.parametrize("dtypes,add,on_device", [
     ([torch.bfloat16], False, False), ([torch.float32], False, False),  # one crossing either way
     ([torch.bfloat16], True, False),  # 2 bytes over and added there, not 4 over, 4 back

@@ -89,6 +89,11 @@ def test_a_write_of_the_wrong_size_is_refused():
         writes.write(torch.zeros(4), torch.zeros(5))
 
 
+def test_a_ring_too_small_for_two_regions_is_refused():
+    with pytest.raises(ValueError, match="a staging ring of 64 bytes; it needs at least 128"):
+        StagedWrites(Host(), ring_bytes=64)
+
+
 def test_only_host_values_into_a_gpu_shard_are_staged_and_not_registered_ones_in_its_dtype(monkeypatch):
     shard = torch.empty(4, device="meta")  # stands in for a CUDA tensor by its device type
     monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0) if t.is_meta

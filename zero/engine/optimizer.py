@@ -252,7 +252,9 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure; call engine.step()")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # copies in flight to and from pinned host memory are done
+            # copies in flight to and from pinned host memory are done (the master stepped in place
+            # below was the source of the last write-back: runtime/write_back.py [Note])
+            torch.cuda.synchronize()
         if self._pending is None:
             coef = self._prepare()
             if coef is False:

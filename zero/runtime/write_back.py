@@ -18,8 +18,15 @@ when the copies not yet run hold the whole ring. A unit larger than half the rin
 pieces of that size, so one piece is filled while the one before it crosses.
 
 Values already in registered memory and in the shard's dtype (the host optimizer's pinned fp32
-master) are copied directly, as before: nothing changes them before the next step, whose
-gradients come from kernels queued after the copy.
+master, the only such source) are copied directly, as before. Nothing changes them before that
+copy has run: the next step starts with a device synchronize (engine/optimizer.py ``step``), a
+write of the master from the device (``GatheredParameters``) is a blocking copy queued after it,
+and a checkpoint load that overwrites the master writes every shard again after it, on the same
+stream. A source that may change sooner must not be registered memory in the shard's dtype, or
+must go through the ring.
+
+Writes come from one thread at a time (the main one, or autograd's while the main one waits in
+``backward``): the ring takes no lock.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ _ALIGN = 64  # each region starts on a cache line (and any dtype's alignment)
 def _copy_on_current_stream(dest: torch.Tensor, src: torch.Tensor):
     """``dest.copy_(src)`` queued on the current stream; the event after it."""
     dest.copy_(src, non_blocking=True)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event(blocking=True)  # a wait for it yields the CPU
     done.record(torch.cuda.current_stream(dest.device))
     return done
 
@@ -50,6 +57,8 @@ class StagedWrites:
 
     def __init__(self, host, ring_bytes: int = RING_BYTES,
                  copy: Callable[[torch.Tensor, torch.Tensor], object] = _copy_on_current_stream):
+        if ring_bytes < 2 * _ALIGN:
+            raise ValueError(f"a staging ring of {ring_bytes} bytes; it needs at least {2 * _ALIGN}")
         self._host = host
         self._ring_bytes = ring_bytes
         self._copy = copy
@@ -107,5 +116,7 @@ class StagedWrites:
 
     def close(self) -> None:
         """The ring's registration ends (after the copies that read it)."""
-        self.synchronize()
-        self._host.close()
+        try:
+            self.synchronize()
+        finally:
+            self._host.close()

@@ -359,6 +359,8 @@ class FlatParamStore(ParamStore):
                 self._writing = landing
 
     def flush(self) -> None:
+        """Writes from the device into host shards have landed (see the note). Writes into shards
+        on the device need no wait: what reads them is queued after them on the same stream."""
         if self._writing is not None:
             self._writing.synchronize()
             self._writing = None
