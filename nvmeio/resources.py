@@ -10,10 +10,12 @@ was not given back.
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["Resources", "snapshot", "grown"]
+__all__ = ["Resources", "snapshot", "grown", "grown_since"]
 
 
 @dataclass(frozen=True)
@@ -47,3 +49,18 @@ def grown(before: Resources, after: Resources) -> dict:
     """The resources that grew from ``before`` to ``after``, by how much ({} when none did)."""
     b, a = asdict(before), asdict(after)
     return {k: a[k] - b[k] for k in a if a[k] > b[k]}
+
+
+def grown_since(before: Resources, settle_s: float = 2.0) -> dict:
+    """:func:`grown` from ``before`` to now, after a garbage collection (finalizers give their
+    resources back). A thread joined a moment ago may still be listed under /proc/self/task: the
+    kernel wakes the joiner before it unlists the exiting thread, and on a busy machine that
+    thread can wait for a core in between. So while threads are all that grew, this looks again
+    for up to ``settle_s`` seconds; a thread left running stays listed."""
+    gc.collect()
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = grown(before, snapshot())
+        if set(now) != {"threads"} or time.monotonic() >= deadline:
+            return now
+        time.sleep(0.01)

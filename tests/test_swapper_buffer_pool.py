@@ -49,7 +49,7 @@ def test_a_pool_pinned_through_a_handle_of_its_own_ends_that_handle_at_close():
     before = resources.snapshot()
     with PinnedBufferPool(2, 4096, torch.uint8, pin_memory=True) as pool:
         assert resources.snapshot().threads > before.threads
-    assert pool.closed and resources.grown(before, resources.snapshot()) == {}
+    assert pool.closed and resources.grown_since(before) == {}
 
 
 def test_asking_for_more_buffers_than_exist_errors_at_once_even_when_waiting():

@@ -94,6 +94,6 @@ def test_a_failed_construction_ends_the_handles_threads_at_once(tmp_path, fails)
         with pytest.raises(InsufficientHostMemoryError) as failed:
             PartitionedParamSwapper(tmp_path, None, buffer_size=1 << 50, pin_memory=False, job_id="other")
     assert failed.value.__traceback__ is not None  # alive, with its frames: nothing was left to them
-    assert resources.grown(before, resources.snapshot()) == {}
+    assert resources.grown_since(before) == {}
     first.cleanup()
     assert os.listdir(tmp_path) == []

@@ -6,7 +6,6 @@ import gc
 import os
 import shutil
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -72,8 +71,8 @@ def lost(actual: bytes, expected: bytes) -> int:
 
 
 def settled_snapshot() -> resources.Resources:
+    """A case's "before": after garbage collection (its "after" is resources.grown_since)."""
     gc.collect()
-    time.sleep(0.05)   # threads that were joined have left /proc/self/task
     return resources.snapshot()
 
 

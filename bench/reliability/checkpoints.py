@@ -191,6 +191,6 @@ def section_checkpoints(ctx):
         before = settled_snapshot()
         error = run_guarded(lambda: box.setdefault("n", fn(d)))
         s.rows.append(Row(name, cases=box.get("n") or 1, failed=1 if error else 0,
-                            leaks=resources.grown(before, settled_snapshot()),
+                            leaks=resources.grown_since(before),
                             detail=error or "refused or recovered, as expected"))
     return s

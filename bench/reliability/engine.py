@@ -374,7 +374,7 @@ def section_engine(ctx):
         row = Row(name, cases=1)
         before = settled_snapshot()
         error = run_guarded(lambda: case(d, row, reference))
-        row.leaks = resources.grown(before, settled_snapshot())
+        row.leaks = resources.grown_since(before)
         row.failed = 1 if error else 0
         row.detail = error or "clear error; no partly updated state used; same losses and weights"
         s.rows.append(row)

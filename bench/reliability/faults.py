@@ -236,7 +236,7 @@ def section_faults(ctx: Context) -> Section:
             before = settled_snapshot()
             error = run_guarded(lambda: fn(backend, d, row))
             faults.disarm()
-            grown = resources.grown(before, settled_snapshot())
+            grown = resources.grown_since(before)
             row.cases += 1
             if error or grown:
                 row.failed += 1

@@ -36,7 +36,7 @@ def section_model(ctx: Context) -> Section:
 
     before = settled_snapshot()
     error = run_guarded(run)
-    grown = resources.grown(before, settled_snapshot())
+    grown = resources.grown_since(before)
     row = Row("random read/write sequences vs an in-memory model", cases=totals["examples"],
               failed=1 if error else 0, bytes_lost=totals["bytes_lost"], leaks=grown,
               detail=(error or (first[0] if first else
@@ -59,7 +59,7 @@ def section_config(ctx: Context) -> Section:
     d = ctx.fresh_dir("config")
     before = settled_snapshot()
     result = fuzz(cases=cases, seed=14, scratch=d)
-    grown = resources.grown(before, settled_snapshot())
+    grown = resources.grown_since(before)
     row = Row("mutated configs and damaged JSON files", cases=result.cases,
               failed=len(result.findings), leaks=grown,
               detail=("; ".join(result.findings[:5]) or

@@ -223,7 +223,7 @@ def section_security(ctx: Context) -> Section:
         box = {}
         before = settled_snapshot()
         error = run_guarded(lambda: box.setdefault("n", fn(ctx, d)))
-        grown = resources.grown(before, settled_snapshot())
+        grown = resources.grown_since(before)
         s.rows.append(Row(name, cases=box.get("n", 1), failed=1 if error else 0, leaks=grown,
                           detail=error or "refused or contained, as expected"))
     return s

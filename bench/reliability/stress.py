@@ -123,7 +123,7 @@ def section_stress(ctx: Context) -> Section:
         totals["bytes_checked"] += region
     for h in shared_handles:
         h.close()
-    grown = resources.grown(before, settled_snapshot())
+    grown = resources.grown_since(before)
     row = Row(f"{threads} threads x {ops:,} mixed ops", cases=totals["ops"],
               failed=len(totals["errors"]) + (threads * ops - totals["ops"]),
               bytes_lost=totals["bytes_lost"], leaks=grown,
@@ -214,8 +214,8 @@ def section_leaks(ctx: Context) -> Section:
         before = settled_snapshot()
         error = run_guarded(lambda: fn(ctx, d))
         faults.disarm()
-        after = settled_snapshot()
-        grown = resources.grown(before, after)
+        grown = resources.grown_since(before)
+        after = resources.snapshot()
         s.rows.append(Row(name, cases=1, failed=1 if error else 0, leaks=grown,
                           detail=error or f"after: {after.fds} fds, {after.threads} threads, "
                                           f"{after.vmlck_kib} KiB locked, {after.aio_contexts} AIO contexts"))
