@@ -346,8 +346,10 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         # for shards in the optimizer's master is the optimizer's pin_memory
         pin_memory = device.type == "cuda" and (offload.pin_memory if alias is None else opt_store.pinned)
         ahead = host_to_device.AheadCopy if home.type == "cpu" and pin_memory else None
-        # a step on the host writes shards on the GPU through registered staging (runtime/write_back.py)
-        staged = StagedWrites(for_gpu_copies(True)) if home.type == "cuda" else None
+        # a step on the host writes shards on the GPU through registered staging (runtime/write_back.py),
+        # pinned memory as the optimizer's pin_memory allows
+        staged = (StagedWrites(for_gpu_copies(True)) if home.type == "cuda" and opt_store is not None
+                  and config.zero_optimization.offload_optimizer.pin_memory else None)
         store = FlatParamStore(rank_layout, dtype, home, pin_memory, flat=alias,
                                frozen=frozen, compute_device=device, copy_ahead=ahead,
                                ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize,

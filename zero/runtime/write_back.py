@@ -15,7 +15,9 @@ asynchronous copy on the current stream, where the kernels after it (the next fo
 shard in order and the kernels before it (the backward that read the old values) have run. A
 region of the ring is reused only after the event of the copy that read it: the CPU waits only
 when the copies not yet run hold the whole ring. A unit larger than half the ring goes in
-pieces of that size, so one piece is filled while the one before it crosses.
+pieces of that size, so one piece is filled while the one before it crosses. The ring is pinned
+memory, made only where ``offload_optimizer.pin_memory`` allows it (engine/build.py); without it
+the copies are the driver's, as asked.
 
 Values already in registered memory and in the shard's dtype (the host optimizer's pinned fp32
 master, the only such source) are copied directly, as before. Nothing changes them before that
