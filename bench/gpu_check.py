@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -270,10 +271,12 @@ def stage_tests(run: Run, stage: Stage) -> dict:
     runs = []
     for title, args in pytest_runs(os.path.join(ROOT, "tests"), whole_files=run.cuda):
         xml = os.path.join(run.scratch, f"junit-{len(runs)}.xml")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
+        # -v: each test's outcome is in the log as it ends, so a run stopped at the budget (no JUnit
+        # file then) still says which tests passed and failed
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
         step = run.command(f"pytest: {title}", cmd, stage.left())
-        step.pop("output")
-        step.update(title=title, **junit_counts(xml))
+        output = step.pop("output")
+        step.update(title=title, **(junit_counts(xml) if os.path.exists(xml) else outcome_counts(output)))
         runs.append(step)
     failed = sum(r.get("failed", 0) + r.get("errors", 0) for r in runs)
     out = {"runs": runs, **{k: sum(r.get(k, 0) for r in runs) for k in ("passed", "failed", "errors", "skipped")}}
@@ -307,6 +310,23 @@ def pytest_runs(tests_dir: str, whole_files: bool) -> list:
     others = [os.path.join(rel, f) for f in files if f not in CUDA_FILES]
     return [(" and ".join(CUDA_FILES) + ", whole", [os.path.join(rel, f) for f in CUDA_FILES]),
             ("the tests marked cuda in the other files", ["-m", "cuda", *others])]
+
+
+_OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b", re.M)
+
+
+def outcome_counts(output: str) -> dict:
+    """Passed, failed, errors and skipped from the lines ``pytest -v`` printed as each test ended
+    (a run stopped before its JUnit file was written), and the failed tests' names."""
+    out = {"report": "pytest -v's lines: it did not finish", "passed": 0, "failed": 0, "errors": 0,
+           "skipped": 0, "failures": []}
+    kinds = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed", "ERROR": "errors", "SKIPPED": "skipped",
+             "XFAIL": "skipped"}
+    for test, outcome in _OUTCOME.findall(output):
+        out[kinds[outcome]] += 1
+        if outcome in ("FAILED", "ERROR"):
+            out["failures"].append({"test": test, "kind": outcome.lower(), "message": ""})
+    return out
 
 
 def junit_counts(path: str) -> dict:

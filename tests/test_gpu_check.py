@@ -165,3 +165,20 @@ def test_junit_counts_passed_failed_errors_skipped(tmp_path):
     assert got["failures"] == [{"test": "t::b", "kind": "failure", "message": "assert 1 == 2"},
                                {"test": "t::d", "kind": "error", "message": "fixture broke"}]
     assert gpu_check.junit_counts(str(tmp_path / "none.xml")) == {"report": "none: pytest did not finish"}
+
+
+def test_a_tests_run_stopped_before_its_junit_file_is_counted_from_its_verbose_lines():
+    output = "\n".join([
+        "tests/test_cuda_engine.py::test_training_equals_plain_torch_on_the_same_device[3-nvme-nvme] PASSED [  1%]",
+        "tests/test_cuda_engine.py::test_gathered_parameters_modified_on_rank_0_in_training FAILED [  2%]",
+        "tests/test_gpu_copies.py::test_on_cuda_staged_writes_queued_behind_kernels_land_exactly[dtype0] SKIPPED (x) [ 3%]",
+        "tests/test_cuda_paths.py::test_staging ERROR [  4%]",
+        "some captured line that mentions PASSED",
+        "timed out after 150 s"])
+    counts = gpu_check.outcome_counts(output)
+    assert {k: counts[k] for k in ("passed", "failed", "errors", "skipped")} == {
+        "passed": 1, "failed": 1, "errors": 1, "skipped": 1}
+    assert [f["test"] for f in counts["failures"]] == [
+        "tests/test_cuda_engine.py::test_gathered_parameters_modified_on_rank_0_in_training",
+        "tests/test_cuda_paths.py::test_staging"]
+    assert "did not finish" in counts["report"]
