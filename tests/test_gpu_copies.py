@@ -444,6 +444,8 @@ def test_on_cuda_staged_writes_queued_behind_kernels_land_exactly(dtype):
     sizes = [1, 100, 1000, 1500, 3000, 17, 512] * 4  # some over half the ring: in pieces
     values = [torch.randn(n) for n in sizes]
     dests = [torch.zeros(n, dtype=dtype, device="cuda") for n in sizes]
+    writes.write(torch.empty(1, dtype=dtype, device="cuda"), torch.zeros(1))  # the ring made and registered
+    writes.synchronize()
     torch.cuda._sleep(10 ** 8)  # tens of milliseconds of GPU time before the first copy
     for dest, value in zip(dests, values):
         writes.write(dest, value)

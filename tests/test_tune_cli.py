@@ -306,12 +306,16 @@ def test_on_a_gpu_the_sweep_moves_gpu_memory_and_prints_a_handle_config(dirs, sw
     if flag == "--gds" and nvmeio.gds_unavailable_reason():
         pytest.skip(f"--gds: {nvmeio.gds_unavailable_reason()}")
     nvme, logs = dirs
-    r = tune("--nvme_dir", nvme, "--io_size", "4M", "--sweep_config", sweep_file, "--backend", BACKEND,
+    gds = flag == "--gds"  # no backend to choose there: cuFile's (nvme_tune refuses --backend with --gds)
+    backend = [] if gds else ["--backend", BACKEND]
+    r = tune("--nvme_dir", nvme, "--io_size", "4M", "--sweep_config", sweep_file, *backend,
              "--log_dir", logs, "--json", flag, timeout=300)
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
-    assert list(result["aio"]) == AIO_KEYS and result["read_gbps"] > 0 and result["write_gbps"] > 0
-    nvmeio.aio_handle(**result["aio"])
+    keys = AIO_KEYS[:-1] + ["use_gds"] if gds else AIO_KEYS  # the aio block of a gds_handle
+    assert list(result["aio"]) == keys and result["read_gbps"] > 0 and result["write_gbps"] > 0
+    handle = nvmeio.new_handle(result["aio"])  # the handle a ZeRO config with this block makes
+    assert isinstance(handle, nvmeio.gds_handle if gds else nvmeio.aio_handle)
     records = [json.loads(line) for line in (logs / os.path.basename(result["log"])).read_text().splitlines()]
     assert records[0]["event"] == "start" and records[0]["device"] == "cuda"
     runs = [rec for rec in records if rec["event"] == "measure"]
