@@ -2,7 +2,7 @@
 optimizer states on NVMe, checkpointing every few steps, and is SIGKILLed at random
 instants, restarting from ``latest`` each time.
 
-    result = soak(str(tmp_path), kills=20, max_delay=1.0)      # tests/test_crash_soak.py
+    result = soak(str(tmp_path), kills=12, max_delay=1.0)      # tests/test_crash_soak.py
     python -m bench.crash_soak --kills 200                     # the long soak, bench/RELIABILITY.md
 
 Each kill lands in a phase the worker last recorded (start-up, load_checkpoint,
@@ -45,7 +45,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Tuple
 
 PHASES = ("start", "load", "forward", "backward", "step", "save", "end")
 
@@ -199,6 +199,7 @@ class Life:
     first: Optional[int] = None  # the rank that died first (killed, or exited with an error)
     survivor_s: dict = field(default_factory=dict)  # other rank -> seconds from that death to its exit
     hung: list = field(default_factory=list)  # ranks still running ``bound`` s after it: stopped
+    trained_s: Optional[float] = None  # from every rank leaving "start" to the last exit
 
 
 def run_life(procs: list, work: str, kill: Optional[tuple], bound: float, timeout: float, suspect: int = 0) -> Life:
@@ -209,10 +210,12 @@ def run_life(procs: list, work: str, kill: Optional[tuple], bound: float, timeou
     dead in the same poll: the death is ``suspect``'s (the one given a fault)."""
     t0 = time.monotonic()
     started = None if kill and kill[0] else t0
-    exited, life, death = {}, Life(codes=[], logs=[]), None
+    exited, life, death, left_start = {}, Life(codes=[], logs=[]), None, None
     order = sorted(range(len(procs)), key=lambda r: r != suspect)
     while len(exited) < len(procs):
         now = time.monotonic()
+        if left_start is None and all(_phase(work, r) != "start" for r in range(len(procs))):
+            left_start = now
         for rank in order:
             p = procs[rank]
             if rank not in exited and p.poll() is not None:
@@ -234,6 +237,8 @@ def run_life(procs: list, work: str, kill: Optional[tuple], bound: float, timeou
         time.sleep(0.01)
     if death is not None:
         life.survivor_s = {r: round(t - death, 3) for r, t in exited.items() if r != life.first}
+    if left_start is not None and exited:
+        life.trained_s = max(exited.values()) - left_start
     life.codes = [p.returncode for p in procs]
     for rank in range(len(procs)):
         with open(os.path.join(work, f"rank{rank}.log")) as f:
@@ -273,8 +278,8 @@ def _results(work: str, ranks: int) -> Optional[list]:
     return out
 
 
-def reference(root: str, job: Job, timeout: float) -> list:
-    """Each rank's result of an uninterrupted run."""
+def reference(root: str, job: Job, timeout: float) -> Tuple[list, float]:
+    """Each rank's result of an uninterrupted run, and how long its training took (s)."""
     work, nvme = os.path.join(root, "reference"), os.path.join(root, "reference-nvme")
     os.makedirs(work)
     os.makedirs(nvme)
@@ -282,7 +287,7 @@ def reference(root: str, job: Job, timeout: float) -> list:
     if any(life.codes):
         logs = "\n".join(log[-3000:] for log in life.logs)
         raise RuntimeError(f"the uninterrupted run failed ({life.codes}):\n{logs}")
-    return _results(work, job.ranks)
+    return _results(work, job.ranks), life.trained_s or 0.0
 
 
 def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: int = 2, d_model: int = 32,
@@ -304,7 +309,11 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
     # one jittered backoff (c10d ExponentialBackoffWithJitter: up to 1.5 x 60 s) and tries
     # once more before it raises: the peer's imports + the timeout + up to 90 s.
     bound = bound or pg_timeout + 120.0
-    ref = reference(root, job, timeout)
+    ref, ref_s = reference(root, job, timeout)
+    # [Note: kills reach a checkpoint] A kill lands within ``max_delay`` s of the training's start,
+    # or within twice the reference's time for ``save_every`` steps where that is longer: on a
+    # slow or busy machine lives killed before their first save would all start over, none load.
+    reach = max(max_delay, 2.0 * ref_s * save_every / steps)
     work, nvme = os.path.join(root, "soak"), os.path.join(root, "soak-nvme")
     os.makedirs(work)
     os.makedirs(nvme)
@@ -325,7 +334,7 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
         elif sum(phases.values()) < kills:
             # a fraction ``start_kills`` from the start (start-up); the others at a uniform instant
             # of the training
-            delay = rng.uniform(0.0, max_delay)
+            delay = rng.uniform(0.0, reach)
             kill = (rng.random() >= start_kills, delay, victim)
         life = run_life(job.spawn(work, nvme, faults), work, kill, bound, timeout, suspect=victim)
         lives += 1
@@ -355,7 +364,8 @@ def soak(root: str, kills: int, steps: int = 12, save_every: int = 3, layers: in
     result = _check(work, nvme, ref, saved, live, failures, job)
     result.update(kills=sum(phases.values()), phases=dict(phases), lives=lives, loads=loads, enospc_failures=full,
                   checkpoints_completed=len(set(saved)), seconds=round(time.perf_counter() - t0, 1), ranks=ranks,
-                  survivor_fail_s=survivor_s, survivor_errors=dict(survivor_errors), bound_s=bound)
+                  survivor_fail_s=survivor_s, survivor_errors=dict(survivor_errors), bound_s=bound,
+                  kill_reach_s=round(reach, 2), reference_s=round(ref_s, 2))
     live["close"]()
     return result
 
