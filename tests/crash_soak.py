@@ -223,7 +223,7 @@ def run_life(procs: list, work: str, kill: Optional[tuple], bound: float, timeou
                 if p.returncode != 0 and death is None:
                     life.first, death = rank, now
         if kill and death is None:
-            if started is None and (exited or all(_phase(work, r) != "start" for r in range(len(procs)))):
+            if started is None and (exited or left_start is not None):
                 started = now
             if started is not None and now >= started + kill[1]:
                 if not exited:

@@ -191,13 +191,13 @@ class ParamUnit:
             elif self.free or lent or own:
                 full = shard
             else:
-                copied = None
-                if shard.device != self.device:
+                copied, made_here = None, shard.device != self.device
+                if made_here:
                     if self.device.type == "cuda":
                         shard, copied = host_to_device.to_device(shard, self.device)
                     else:
                         shard = shard.to(self.device)
-                if copied is not None and self._is_whole(shard):
+                if made_here and self._is_whole(shard):
                     full = shard  # the copy just made onto the device is the unit on one rank
                 else:
                     full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)

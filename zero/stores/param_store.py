@@ -265,7 +265,7 @@ class FlatParamStore(ParamStore):
         self.flat = flat
         self._packed: Dict[int, torch.Tensor] = {}  # unit index -> its quantized shard
         self._writing = None  # the event after the latest write from the device still in flight (see the note)
-        self._taken: set = set()  # units whose last fetch took a copy made ahead (fetched_a_copy)
+        self._took_copy: Optional[int] = None  # the unit whose copy made ahead the last fetch took (fetched_a_copy)
 
     def close(self) -> None:
         if self._pinned is not None:
@@ -297,16 +297,14 @@ class FlatParamStore(ParamStore):
         ahead = self._ahead.pop(layout.index, None)
         if ahead is None:
             self.flush()  # the caller reads the host shard
-            self._taken.discard(layout.index)
-        else:
-            self._taken.add(layout.index)
+        self._took_copy = None if ahead is None else layout.index
         stored = ahead[0].take() if ahead is not None else self._stored(layout)
         if self.frozen.packs(layout):
             return self.frozen.decode(layout, stored, torch.float32 if widen else self.dtype, self.compute_device)
         return stored
 
     def fetched_a_copy(self, layout: UnitLayout) -> bool:
-        return layout.index in self._taken or super().fetched_a_copy(layout)
+        return self._took_copy == layout.index or super().fetched_a_copy(layout)
 
     # -- read-ahead onto the compute device (see the note) -----------------------------------------
     @property
