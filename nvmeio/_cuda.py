@@ -187,6 +187,16 @@ class RegisteredHost:
         self.register(t)
         return t.view(dtype)
 
+    def release(self, t: Any) -> None:
+        """Unregisters ``t`` (a tensor from :meth:`empty`, or given to :meth:`register`) and stops
+        keeping it, so its memory goes when its last view does. The caller knows no copy still
+        uses it (its copy's event was waited for); a tensor not registered here is ignored."""
+        ptr = t.data_ptr()
+        if ptr in self._ptrs:
+            self._ptrs.remove(ptr)
+            self._backend.unpin_host(ptr)
+        self._kept[:] = [k for k in self._kept if k.data_ptr() != ptr]
+
     def close(self) -> None:
         """Unregisters everything (the memory stays valid for whoever still views it)."""
         if self._ptrs:

@@ -631,3 +631,63 @@ def test_two_ranks_reduced_shards_through_the_crossing_equal_the_direct_path(tmp
     for r in results:
         assert "error" not in r["direct"] and "error" not in r["crossed"], r
         assert r["crossed"] == r["direct"]
+
+
+class SlabHost:
+    """nvmeio.RegisteredHost's part that GradCrossing uses, counting the slabs it holds."""
+
+    def __init__(self):
+        self.live, self.made, self.most = {}, 0, 0
+
+    def empty(self, nbytes):
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        self.live[t.data_ptr()] = nbytes
+        self.made += 1
+        self.most = max(self.most, sum(self.live.values()))
+        return t
+
+    def release(self, t):
+        del self.live[t.data_ptr()]
+
+
+def test_the_crossings_host_slabs_are_at_most_two_of_the_largest_copy_and_stop_growing(monkeypatch):
+    """Units of growing sizes each need a larger slab: a free one too small is given back before
+    a larger one is made, so the crossing never holds more than MAX_IN_FLIGHT slabs; slabs only
+    grow, so once both are as large as the largest copy (here in the second step) nothing more is
+    allocated. Sums land as in the loop."""
+    from zero.runtime import device_to_host
+
+    mib = 1 << 20
+    monkeypatch.setattr(device_to_host, "BATCH_BYTES", 1)  # every unit crosses on its own
+    host = SlabHost()
+    crossing = GradCrossing(torch.device("cpu"), host)
+    gen = torch.Generator().manual_seed(8)
+    sizes = [n * mib // 4 for n in (1, 2, 3, 5, 8, 2, 13)]  # fp32 elements: 1 ... 13 MiB
+    made = []
+    for step in range(4):
+        dsts = [torch.randn(n, generator=gen) for n in sizes]
+        grads = [[torch.randn(n, generator=gen)] for n in sizes]
+        expected = [in_loop_order(d, g, add=False) for d, g in zip(dsts, grads)]
+        for u, (d, g) in enumerate(zip(dsts, grads)):
+            crossing.put(u, d, g, add=False)
+            crossing.send(u)
+            assert len(host.live) <= device_to_host.MAX_IN_FLIGHT
+        crossing.flush()
+        assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
+        made.append(host.made)
+    assert host.most <= device_to_host.MAX_IN_FLIGHT * 13 * mib
+    assert len(host.live) == 2 and max(host.live.values()) == 13 * mib
+    assert made == [6, 8, 8, 8]  # two grown in the second step, then reused
+
+
+def test_registered_host_releases_one_tensor_and_keeps_the_others():
+    from nvmeio import RegisteredHost
+
+    backend = RecordingBackend()
+    host = RegisteredHost(backend)
+    a, b = host.empty(4096), host.empty(8192)
+    host.release(a)
+    assert backend.unpinned == [a.data_ptr()]
+    host.release(torch.empty(3))  # not registered here: ignored
+    host.close()
+    assert backend.unpinned == [a.data_ptr(), b.data_ptr()]

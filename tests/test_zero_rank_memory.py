@@ -14,6 +14,13 @@ W = 2
 STATES = 2  # Adam: exp_avg, exp_avg_sq
 
 
+def crossing_slab(largest_shard):
+    """A slab of the gradient crossing: the largest shard's payloads (8 bytes an element at most),
+    4 MiB at least, in whole MiB, 64 MiB at most (zero/runtime/device_to_host.py)."""
+    mib = 1 << 20
+    return min(64 * mib, -(-max(4 * mib, 8 * largest_shard) // mib) * mib)
+
+
 def expected(stage, offload, P, L, b, world, sub_group_size=10**9):
     """(host, device, nvme) bytes per rank, written out from the accounting: ``offload`` is
     offload_optimizer's device, and offload_param's too at stage 3; computing on CUDA."""
@@ -43,6 +50,8 @@ def expected(stage, offload, P, L, b, world, sub_group_size=10**9):
             host += b * S
         else:
             device += b * S
+    if opt != "none":  # the gradient crossing's two host slabs (pin_memory's default, false: no ring)
+        host += 2 * crossing_slab(Ls)
     free = world == 1 and param == "none"
     if not free:
         device += b * P  # stages 0-2: every unit whole; stage 3: up to max_live (1e9) elements, the model
@@ -73,9 +82,10 @@ def test_below_stage_3_the_parameters_are_whole_on_every_rank_and_the_states_par
     P = 10**9
     one = zero.estimate_rank_bytes(P, stage, "none", "cpu", "bf16", world_size=1)
     eight = zero.estimate_rank_bytes(P, stage, "none", "cpu", "bf16", world_size=8)
-    assert one.device_bytes == 2 * P and one.host_bytes == 16 * P
+    slabs = 2 * crossing_slab(0)  # the gradient crossing's host slabs (no largest layer given: their least)
+    assert one.device_bytes == 2 * P and one.host_bytes == 16 * P + slabs
     assert eight.device_bytes == 2 * P + 2 * P // 8  # whole parameters + this rank's partition
-    assert eight.host_bytes == 16 * P // 8  # fp32 master, exp_avg, exp_avg_sq and gradient: 4·P/W each
+    assert eight.host_bytes == 16 * P // 8 + slabs  # fp32 master, exp_avg, exp_avg_sq and gradient: 4·P/W each
     assert zero.estimate_rank_bytes(P, stage, world_size=8, dtype="fp32").device_bytes == 4 * P + 16 * P // 8
 
 
@@ -91,8 +101,10 @@ def test_on_a_cpu_machine_the_compute_devices_bytes_are_host_memory(stage, offlo
     param = offload if stage == 3 else "none"
     cuda = zero.estimate_rank_bytes(model, stage, param, offload, "bf16", W)
     cpu = zero.estimate_rank_bytes(model, stage, param, offload, "bf16", W, compute_device="cpu")
+    crossing = sum(p.nbytes for p in cuda.parts if "crossing" in p.what)
+    assert crossing == (0 if offload == "none" else 2 * crossing_slab(-(-model_sizes(model)[1] // W)))
     assert cpu.device_bytes == 0
-    assert cpu.host_bytes == cuda.host_bytes + cuda.device_bytes
+    assert cpu.host_bytes == cuda.host_bytes - crossing + cuda.device_bytes  # no copies to stage on a CPU
     assert cpu.nvme_bytes == cuda.nvme_bytes
 
 
@@ -178,3 +190,24 @@ def test_two_ranks_hold_what_the_formula_says(tmp_path):
         assert "error" not in r["measure"], r["measure"]["error"]
         for held, case in zip(r["measure"], TWO_RANKS):
             _check(held, *case, W)
+
+
+@pytest.mark.parametrize("compute,pin_memory,ring", [("cuda", True, True), ("cuda", False, False),
+                                                      ("cpu", True, False)])
+def test_a_gpus_write_back_ring_is_counted_where_the_engine_makes_it(compute, pin_memory, ring):
+    """Parameters on the GPU and a pinned host optimizer: the step's values reach the shards
+    through the 64 MiB registered ring (zero/runtime/write_back.py), host memory the check counts."""
+    from zero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
+    from zero.runtime.write_back import RING_BYTES
+    from zero.stores.rank_memory import RankSizes, rank_memory_parts
+
+    parts = rank_memory_parts(RankSizes.of_counts(10**6, 10**5, 1, 10**9), stage=2,
+                              offload_param=OffloadParamConfig.model_construct(device="none"),
+                              offload_optimizer=OffloadOptimizerConfig.model_construct(device="cpu",
+                                                                                       pin_memory=pin_memory),
+                              itemsize=2, compute_device=compute)
+    rings = [p for p in parts if "ring" in p.what]
+    assert [(p.nbytes, p.where, p.setting) for p in rings] == (
+        [(RING_BYTES, "host", "zero_optimization.offload_optimizer.pin_memory")] if ring else [])
+    crossing = [p.nbytes for p in parts if "crossing" in p.what]
+    assert crossing == ([] if compute == "cpu" else [2 * crossing_slab(10**5)])

@@ -34,8 +34,11 @@ from nvmeio.host_sum import sum_series
 
 _ALIGN = 64  # each payload starts on a cache line of the host slab (and any dtype's alignment)
 MAX_IN_FLIGHT = 2
-SLAB_BYTES = 64 << 20  # the most one copy stages: host memory of the crossing <= 3 slabs
+SLAB_BYTES = 64 << 20  # the most one copy stages: host memory of the crossing <= MAX_IN_FLIGHT slabs
 BATCH_BYTES = 4 << 20  # units under this cross together (see the note)
+# Most bytes an element's payloads take: two fp32 values (fold_on_device sends the gradients as they
+# are only while they take no more than an fp32 sum and the host's partial sum would)
+MAX_PAYLOAD_BYTES = 8
 
 
 class _Payload(NamedTuple):
@@ -48,6 +51,12 @@ class _Landing(NamedTuple):
     dst: torch.Tensor  # the host slice
     payloads: List[_Payload]
     add: bool  # add every payload to dst, else the first replaces it
+
+
+def slab_bytes(nbytes: int) -> int:
+    """The host slab made for a copy of ``nbytes``: whole MiB (so units of close sizes share slabs),
+    at most :data:`SLAB_BYTES`."""
+    return min(SLAB_BYTES, -(-nbytes // (1 << 20)) << 20)
 
 
 def fold_on_device(grads: List[torch.Tensor], add: bool) -> bool:
@@ -83,8 +92,7 @@ def land(dst: torch.Tensor, parts: List[torch.Tensor], add: bool) -> None:
 
 
 class _Batch:
-    """Units' payloads packed into ``staging`` (device memory on CUDA, else the host slab itself)
-    until they cross together (see [Note: small units cross together])."""
+    """Units' payloads packed into ``staging`` (compute-device memory) until they cross together (see [Note: small units cross together])."""
 
     def __init__(self, staging: torch.Tensor):
         self.staging = staging
@@ -138,7 +146,7 @@ class GradCrossing:
             if self._batch is not None and (total > self._batch.room() or total >= BATCH_BYTES):
                 self._send_batch()
             if self._batch is None:
-                self._batch = _Batch(self._staging(max(total, BATCH_BYTES)))
+                self._batch = _Batch(self._staging(max(total, min(BATCH_BYTES, SLAB_BYTES))))
             self._batch.add(flats, landings, total)
             if total >= BATCH_BYTES:
                 self._send_batch()
@@ -170,20 +178,20 @@ class GradCrossing:
             yield flats, landings, total
 
     def _staging(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._slab(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _send_batch(self) -> None:
-        """The open batch crosses: on CUDA one copy on the outbound copy stream (its event is recorded)."""
+        """The open batch crosses: one copy into a host slab, on CUDA on the outbound copy stream
+        (its event is recorded)."""
         batch, self._batch = self._batch, None
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._land_oldest()
-        event, slab = None, batch.staging
-        if self.device.type == "cuda":
+        event, slab = None, self._slab(batch.used)
+        if self.device.type != "cuda":
+            slab[:batch.used].copy_(batch.staging[:batch.used])  # (the arithmetic's tests, on the CPU)
+        else:
             from .host_to_device import copy_stream
 
-            slab = self._slab(batch.used)
             stream = copy_stream(self.device, to_host=True)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -195,10 +203,20 @@ class GradCrossing:
         self._in_flight.append((event, slab, batch.landings))
 
     def _slab(self, nbytes: int) -> torch.Tensor:
-        for i, slab in enumerate(self._free):
-            if slab.numel() >= nbytes:
-                return self._free.pop(i)
-        nbytes = min(SLAB_BYTES, -(-nbytes // (1 << 20)) << 20)  # whole MiB, so slabs are reused across units
+        """The smallest free slab of at least ``nbytes``; else a new one, after giving back a free one that is
+        too small where keeping it would make more slabs than can be in use at once
+        (:data:`MAX_IN_FLIGHT`: one may be in flight when another is taken). Slabs only grow, so once
+        they are as large as the copies need nothing more is allocated, and the crossing's host
+        memory is at most MAX_IN_FLIGHT slabs of the largest copy (rank_memory.py counts them)."""
+        fits = [i for i, slab in enumerate(self._free) if slab.numel() >= nbytes]
+        if fits:  # the smallest that fits, keeping larger ones for larger copies
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        if self._free and len(self._free) + len(self._in_flight) >= MAX_IN_FLIGHT:
+            smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+            old = self._free.pop(smallest)  # landed: its copy's event was waited for
+            if self._pinned is not None:
+                self._pinned.release(old)
+        nbytes = slab_bytes(nbytes)
         if self._pinned is not None:
             return self._pinned.empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -221,9 +239,7 @@ class GradCrossing:
     def abandon(self) -> None:
         """A backward raised: nothing pending lands; copies in flight finish, their slabs return."""
         self._pending.clear()
-        batch, self._batch = self._batch, None
-        if batch is not None and self.device.type != "cuda":
-            self._free.append(batch.staging)  # (a device buffer goes back in the compute stream's order)
+        self._batch = None  # its device buffer goes back in the compute stream's order
         while self._in_flight:
             event, slab, _ = self._in_flight.popleft()
             if event is not None:

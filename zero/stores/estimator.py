@@ -238,7 +238,8 @@ def estimate_rank_bytes(model: Union[nn.Module, int], stage: int = 3, offload_pa
     ``"fp16"``, ``"bf16"`` or a torch dtype. ``model`` is a module (its sizes
     read as by the stage-3 table) or a parameter count; with a count,
     ``largest_layer_params`` (stage 3's smallest gathered set and its NVMe swap
-    buffers) is 0 unless given, which leaves those buffers out.
+    buffers, and the size of a GPU's gradient crossing slabs) is 0 unless given, which
+    leaves those buffers out and counts the slabs at their least.
     ``trainable_params``: the parameters with a master and optimizer states (a LoRA
     model's adapters); by default, of a module those of its modules owning a
     parameter that requires grad (as the engine counts them), of a count all.

@@ -30,7 +30,10 @@ size ``W``) and ``S`` this rank's partition (``P/W``):
 On a CPU machine the compute device's memory is host memory, so a part on
 the compute device is counted as host memory there. Working memory (a unit's
 gradient before it is reduced, activations) is not a part: it is what the
-check's headroom leaves (memory_check.py :func:`headroom_bytes`).
+check's headroom leaves (memory_check.py :func:`headroom_bytes`); but for the
+host memory a GPU's copies stage through, bounded by design: the gradient
+crossing's slabs (runtime/device_to_host.py) and the write-back ring
+(runtime/write_back.py).
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from swapper import ActivationSwapper
 from swapper.host_memory import align_up
 from swapper.host_memory import format_bytes
 
+from ..runtime.device_to_host import BATCH_BYTES, MAX_IN_FLIGHT, MAX_PAYLOAD_BYTES, slab_bytes
+from ..runtime.write_back import RING_BYTES
 from .layouts import RankLayout
 from .optimizer_store import nvme_buffer_count
 from .quantized import packed_nbytes
@@ -212,6 +217,18 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
             add("fp32 master weights, optimizer states and gradients on the compute device "
                 "(offload_optimizer.device none)", states, setting, compute,
                 fix=_STAGE_0_OPTIMIZER_FIX if stage == 0 else None)
+
+    if has_optimizer and not on_cpu and opt_home != compute:
+        # the working memory of a GPU's copies to and from the host-side optimizer (runtime notes)
+        slab = slab_bytes(max(BATCH_BYTES, MAX_PAYLOAD_BYTES * sizes.largest_shard))
+        add(f"gradient crossing's host slabs ({MAX_IN_FLIGHT} x {format_bytes(slab)})", MAX_IN_FLIGHT * slab,
+            "zero_optimization.offload_optimizer.device", HOST,
+            fix="set zero_optimization.offload_optimizer.device to 'none' (gradients then stay on the GPU)")
+        if param_home == compute and opt.pin_memory:
+            add(f"write-back staging ring ({format_bytes(RING_BYTES)})", RING_BYTES,
+                "zero_optimization.offload_optimizer.pin_memory", HOST,
+                fix="set zero_optimization.offload_optimizer.pin_memory to false (each write-back then waits "
+                    "for its copy)")
 
     if activation_spill is not None:
         count, size = ActivationSwapper.BUFFER_COUNT, ActivationSwapper.BUFFER_BYTES
