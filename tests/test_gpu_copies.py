@@ -17,6 +17,7 @@ from helpers import base_config, make_engine, same_weights, train_engine, train_
 from swapper import PinnedBufferPool, SpanPool
 from zero.examples import GPTConfig, make_batches
 from zero.runtime.device_to_host import GradCrossing, fold_on_device
+from zero.stores.pinned_host import MAX_IN_FLIGHT
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -671,11 +672,11 @@ def test_the_crossings_host_slabs_are_at_most_two_of_the_largest_copy_and_stop_g
         for u, (d, g) in enumerate(zip(dsts, grads)):
             crossing.put(u, d, g, add=False)
             crossing.send(u)
-            assert len(host.live) <= device_to_host.MAX_IN_FLIGHT
+            assert len(host.live) <= MAX_IN_FLIGHT
         crossing.flush()
         assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
         made.append(host.made)
-    assert host.most <= device_to_host.MAX_IN_FLIGHT * 13 * mib
+    assert host.most <= MAX_IN_FLIGHT * 13 * mib
     assert len(host.live) == 2 and max(host.live.values()) == 13 * mib
     assert made == [6, 8, 8, 8]  # two grown in the second step, then reused
 

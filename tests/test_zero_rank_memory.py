@@ -198,7 +198,7 @@ def test_a_gpus_write_back_ring_is_counted_where_the_engine_makes_it(compute, pi
     """Parameters on the GPU and a pinned host optimizer: the step's values reach the shards
     through the 64 MiB registered ring (zero/runtime/write_back.py), host memory the check counts."""
     from zero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
-    from zero.runtime.write_back import RING_BYTES
+    from zero.stores.pinned_host import RING_BYTES
     from zero.stores.rank_memory import RankSizes, rank_memory_parts
 
     parts = rank_memory_parts(RankSizes.of_counts(10**6, 10**5, 1, 10**9), stage=2,

@@ -32,13 +32,9 @@ import torch
 
 from nvmeio.host_sum import sum_series
 
+from ..stores.pinned_host import BATCH_BYTES, MAX_IN_FLIGHT, SLAB_BYTES, slab_bytes  # the sizes (see there)
+
 _ALIGN = 64  # each payload starts on a cache line of the host slab (and any dtype's alignment)
-MAX_IN_FLIGHT = 2
-SLAB_BYTES = 64 << 20  # the most one copy stages: host memory of the crossing <= MAX_IN_FLIGHT slabs
-BATCH_BYTES = 4 << 20  # units under this cross together (see the note)
-# Most bytes an element's payloads take: two fp32 values (fold_on_device sends the gradients as they
-# are only while they take no more than an fp32 sum and the host's partial sum would)
-MAX_PAYLOAD_BYTES = 8
 
 
 class _Payload(NamedTuple):
@@ -51,12 +47,6 @@ class _Landing(NamedTuple):
     dst: torch.Tensor  # the host slice
     payloads: List[_Payload]
     add: bool  # add every payload to dst, else the first replaces it
-
-
-def slab_bytes(nbytes: int) -> int:
-    """The host slab made for a copy of ``nbytes``: whole MiB (so units of close sizes share slabs),
-    at most :data:`SLAB_BYTES`."""
-    return min(SLAB_BYTES, -(-nbytes // (1 << 20)) << 20)
 
 
 def fold_on_device(grads: List[torch.Tensor], add: bool) -> bool:
@@ -207,7 +197,7 @@ class GradCrossing:
         too small where keeping it would make more slabs than can be in use at once
         (:data:`MAX_IN_FLIGHT`: one may be in flight when another is taken). Slabs only grow, so once
         they are as large as the copies need nothing more is allocated, and the crossing's host
-        memory is at most MAX_IN_FLIGHT slabs of the largest copy (rank_memory.py counts them)."""
+        memory is at most MAX_IN_FLIGHT slabs of the largest copy (stores/rank_memory.py counts them)."""
         fits = [i for i, slab in enumerate(self._free) if slab.numel() >= nbytes]
         if fits:  # the smallest that fits, keeping larger ones for larger copies
             return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
@@ -216,7 +206,7 @@ class GradCrossing:
             old = self._free.pop(smallest)  # landed: its copy's event was waited for
             if self._pinned is not None:
                 self._pinned.release(old)
-        nbytes = slab_bytes(nbytes)
+        nbytes = slab_bytes(nbytes, SLAB_BYTES)
         if self._pinned is not None:
             return self._pinned.empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)

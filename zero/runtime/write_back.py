@@ -37,7 +37,7 @@ from typing import Callable, Deque, Optional, Tuple
 
 import torch
 
-RING_BYTES = 64 << 20
+from ..stores.pinned_host import RING_BYTES  # its size (counted by the memory check)
 _ALIGN = 64  # each region starts on a cache line (and any dtype's alignment)
 
 

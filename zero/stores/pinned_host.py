@@ -29,3 +29,21 @@ def for_gpu_copies(pin_memory: bool, backend=None) -> Optional[RegisteredHost]:
     if not (pin_memory and torch.cuda.is_available()):
         return None
     return RegisteredHost(backend, on_refused=_warn)
+
+
+# The host memory a GPU's copies stage through, bounded by design: the runtime's gradient crossing
+# (runtime/device_to_host.py) and write-back ring (runtime/write_back.py) are made of these sizes,
+# and rank_memory.py counts them.
+SLAB_BYTES = 64 << 20  # the most one crossing copy stages
+MAX_IN_FLIGHT = 2  # crossing copies in flight at once, and so the most slabs held
+BATCH_BYTES = 4 << 20  # units under this cross together
+# Most bytes an element's payloads take: two fp32 values (fold_on_device sends the gradients as they
+# are only while they take no more than an fp32 sum and the host's partial sum would)
+MAX_PAYLOAD_BYTES = 8
+RING_BYTES = 64 << 20  # the write-back ring
+
+
+def slab_bytes(nbytes: int, most: int = SLAB_BYTES) -> int:
+    """The host slab made for a crossing copy of ``nbytes``: whole MiB (so units of close sizes
+    share slabs), at most ``most``."""
+    return min(most, -(-nbytes // (1 << 20)) << 20)

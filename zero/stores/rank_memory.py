@@ -44,12 +44,11 @@ from swapper import ActivationSwapper
 from swapper.host_memory import align_up
 from swapper.host_memory import format_bytes
 
-from ..runtime.device_to_host import BATCH_BYTES, MAX_IN_FLIGHT, MAX_PAYLOAD_BYTES, slab_bytes
-from ..runtime.write_back import RING_BYTES
 from .layouts import RankLayout
 from .optimizer_store import nvme_buffer_count
 from .quantized import packed_nbytes
 from .param_store import several_drives, swap_buffer_count
+from .pinned_host import BATCH_BYTES, MAX_IN_FLIGHT, MAX_PAYLOAD_BYTES, RING_BYTES, slab_bytes
 
 HOST, DEVICE, NVME = "host", "device", "nvme"  # where a part lives; DEVICE: the compute device
 
