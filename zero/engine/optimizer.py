@@ -171,6 +171,13 @@ class ZeroOptimizer(Optimizer):
             reducer.hold = False  # the torch optimizer reads .grad views of the flat partition
             self.inner = self._build_inner(torch_optimizer_type, torch_defaults or {}, group_ranges)
 
+    def add_param_group(self, param_group: dict) -> None:
+        # torch's is wrapped in torch._disable_dynamo, whose first call imports torch._dynamo: 2.3 s
+        # of every process that builds an engine (each rank, each launch), for a call dynamo never
+        # traces. The method itself, unwrapped, does the same checks.
+        add = Optimizer.add_param_group
+        getattr(add, "__wrapped__", add)(self, param_group)
+
     # -- DeepSpeed-compatible attributes -----------------------------------------------------------
     @property
     def loss_scale(self) -> float:
