@@ -91,7 +91,9 @@ class CudaBackend:
     def unpin_host(self, ptr: int) -> None:
         import torch
 
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostUnregister(ptr)) != 0:
+            _clear_last_error(cudart)  # else torch's next kernel launch raises it (see _clear_last_error)
 
 
 def _loaded_cudart() -> Optional[str]:
@@ -160,7 +162,10 @@ class RegisteredHost:
         self._finalizer = weakref.finalize(self, _unpin_all, self._backend, self._ptrs)
 
     def register(self, t: Any) -> Optional[str]:
-        """Registers the memory of host tensor ``t`` (contiguous); returns why not, or None."""
+        """Registers the memory of host tensor ``t`` (contiguous); returns why not, or None. After
+        :meth:`close` nothing is registered (no finalizer is left to unregister it)."""
+        if not self._finalizer.alive:
+            return "closed"
         if self.refused is None:
             why = self._backend.pin_host(t.data_ptr(), t.numel() * t.element_size())
             if why is None:

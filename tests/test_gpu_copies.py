@@ -549,6 +549,21 @@ def test_no_stream_or_device_synchronize_per_unit_on_cuda(tmp_path, monkeypatch,
     assert syncs.count("device") <= 2 * steps < units, syncs
 
 
+@pytest.mark.cuda
+@needs_gpu
+def test_with_everything_on_the_gpu_a_step_synchronizes_nothing(tmp_path, monkeypatch):
+    """The step's device synchronize is for copies to and from host memory: with parameters and
+    optimizer on the GPU the stream orders everything, and the CPU keeps queueing."""
+    engine = make_engine(tmp_path, "none", overrides={"compute_device": "cuda"})
+    batches = [(x.cuda(), y.cuda()) for x, y in make_batches(GPTConfig(), 3, 4, seed=1)]
+    syncs = []
+    real_device_sync = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize",
+                        lambda device=None: (syncs.append("device"), real_device_sync(device))[1])
+    train_engine(engine, batches, 3)
+    assert syncs == []
+
+
 def test_registered_host_tensors_are_their_size_registered_once_each_and_released_at_close():
     from nvmeio import RegisteredHost
 
@@ -692,3 +707,31 @@ def test_registered_host_releases_one_tensor_and_keeps_the_others():
     host.release(torch.empty(3))  # not registered here: ignored
     host.close()
     assert backend.unpinned == [a.data_ptr(), b.data_ptr()]
+
+
+def test_a_closed_registered_host_registers_nothing_more():
+    """Its finalizer has run: a registration made after close would outlive its memory."""
+    from nvmeio import RegisteredHost
+
+    backend = RecordingBackend()
+    host = RegisteredHost(backend)
+    host.empty(4096)
+    host.close()
+    t = host.empty(8192)
+    assert t.numel() == 8192 and len(backend.pinned) == 1 and host.register(t) == "closed"
+
+
+def test_a_failed_unregistration_clears_cudas_last_error(monkeypatch):
+    from nvmeio import CudaBackend
+    from nvmeio import _cuda
+
+    cleared = []
+
+    class Runtime:
+        def cudaHostUnregister(self, ptr):
+            return 712  # cudaErrorHostMemoryNotRegistered
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(_cuda, "_clear_last_error", cleared.append)
+    CudaBackend().unpin_host(1234)
+    assert len(cleared) == 1 and isinstance(cleared[0], Runtime)

@@ -166,6 +166,8 @@ class ZeroOptimizer(Optimizer):
         unit_ranges = [rank_layout.unit_range(u.index) for u in rank_layout.units]
         self._stepped_units = {u.index for u, (lo, hi) in zip(rank_layout.units, unit_ranges)
                                if any(lo <= a < hi for a, _ in self._norm_ranges)}
+        # A step on the GPU is ordered by its stream; one on the host must wait for the copies (step())
+        self._steps_on_host = not (isinstance(store, FlatOptimizerStore) and store.master.device.type == "cuda")
         self.inner: Optional[Optimizer] = None
         if torch_optimizer_type is not None:
             reducer.hold = False  # the torch optimizer reads .grad views of the flat partition
@@ -258,7 +260,7 @@ class ZeroOptimizer(Optimizer):
         same clip coefficient; sub-groups updated already are only written back again)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure; call engine.step()")
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self._steps_on_host and torch.cuda.is_initialized():
             # copies in flight to and from pinned host memory are done (the master stepped in place
             # below was the source of the last write-back: runtime/write_back.py [Note])
             torch.cuda.synchronize()

@@ -186,7 +186,7 @@ class GradCrossing:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 slab[:batch.used].copy_(batch.staging[:batch.used], non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(blocking=True)  # the host waits for it asleep: I/O threads need the cores
                 event.record(stream)
             batch.staging.record_stream(stream)  # not reused before the copy stream is done with it
         self.copies += 1

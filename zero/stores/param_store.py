@@ -250,8 +250,9 @@ class FlatParamStore(ParamStore):
         self.compute_device = compute_device or device  # where quantized shards are dequantized
         self.aliased = flat is not None
         self._ranges = {u.index: rank_layout.unit_range(u.index) for u in rank_layout.units}
-        # pin_memory: for a flat tensor of its own (a given one is the optimizer's master, pinned by it)
-        self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" and flat is None else None
+        # pin_memory: host memory registered for the flat tensor of its own (a given one is the
+        # optimizer's master, pinned by it) and for the quantized shards, which are read ahead too
+        self._pinned = for_gpu_copies(pin_memory) if device.type == "cpu" else None
         if flat is None:
             end, self._ranges = 0, {}
             for u in rank_layout.units:
@@ -343,7 +344,7 @@ class FlatParamStore(ParamStore):
         if values.device.type != self.compute_device.type:
             self.flush()  # a write from the device still in flight would land over these host values
         if self.frozen.packs(layout):
-            self._packed[layout.index] = self.frozen.encode(layout, values).to(self.flat.device)
+            self._packed[layout.index] = self._pack(layout, values)
         elif self._writes_own(layout):
             shard = self.shard(layout)
             if self.staged_writes is not None and self.staged_writes.takes(values, shard):
@@ -355,6 +356,18 @@ class FlatParamStore(ParamStore):
             landing = copy_landing(values, shard, after=self._writing)
             if landing is not None:
                 self._writing = landing
+
+    def _pack(self, layout: UnitLayout, values: torch.Tensor) -> torch.Tensor:
+        """A frozen unit's int8 shard. With ``pin_memory``, in registered host memory: its read-ahead
+        from pageable memory would be a copy the driver stages while the CPU waits. A rewrite
+        (a checkpoint load) goes into the same bytes, as the flat shards' do."""
+        encoded = self.frozen.encode(layout, values)
+        if self._pinned is None:
+            return encoded.to(self.flat.device)
+        kept = self._packed.get(layout.index)
+        if kept is None or kept.shape != encoded.shape or kept.dtype != encoded.dtype:
+            kept = self._pinned.empty(encoded.numel(), encoded.dtype).view(encoded.shape)
+        return kept.copy_(encoded)
 
     def flush(self) -> None:
         """Writes from the device into host shards have landed (see the note). Writes into shards
