@@ -772,3 +772,18 @@ def dequantized_base(model: torch.nn.Module) -> torch.nn.Module:
                 p.copy_(values[at:at + p.numel()].view(p.shape))
                 at += p.numel()
     return model
+
+
+class RecordingBackend:
+    """A CUDA backend stand-in for nvmeio.RegisteredHost and the swap pools' registration: what was
+    registered (address, bytes) and unregistered (address), in order."""
+
+    def __init__(self):
+        self.pinned, self.unpinned = [], []
+
+    def pin_host(self, ptr, nbytes):
+        self.pinned.append((ptr, nbytes))
+        return None
+
+    def unpin_host(self, ptr):
+        self.unpinned.append(ptr)

@@ -42,6 +42,8 @@ def test_the_optimizers_param_groups_are_still_checked_as_torchs_are():
             optimizer.add_param_group({"params": {torch.nn.Parameter(torch.ones(2))}})
         with pytest.raises(TypeError, match="param_group must be a dict"):
             optimizer.add_param_group([torch.nn.Parameter(torch.ones(2))])
-        assert optimizer.param_groups[0]["lr"] == engine.get_lr()[0]
+        with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
+            optimizer.add_param_group({"params": [torch.ones(2, requires_grad=True) * 2]})
+        assert len(optimizer.param_groups) == 1  # nothing refused was added
     finally:
         engine.destroy()

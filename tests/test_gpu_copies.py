@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import zero
-from helpers import base_config, make_engine, same_weights, train_engine, train_windows, weights
+from helpers import (RecordingBackend, base_config, make_engine, same_weights, train_engine, train_windows,
+                     weights)
 from swapper import PinnedBufferPool, SpanPool
 from zero.examples import GPTConfig, make_batches
 from zero.runtime.device_to_host import GradCrossing, fold_on_device
@@ -466,18 +467,6 @@ def test_the_sum_is_made_where_fewer_bytes_cross(dtypes, add, on_device):
     assert fold_on_device([torch.zeros(1, dtype=d) for d in dtypes], add) is on_device
 
 
-class RecordingBackend:
-    def __init__(self):
-        self.pinned, self.unpinned = [], []
-
-    def pin_host(self, ptr, nbytes):
-        self.pinned.append((ptr, nbytes))
-        return None
-
-    def unpin_host(self, ptr):
-        self.unpinned.append(ptr)
-
-
 class RefusingBackend(RecordingBackend):
     def __init__(self, why: str):
         super().__init__()
@@ -560,7 +549,11 @@ def test_with_everything_on_the_gpu_a_step_synchronizes_nothing(tmp_path, monkey
     real_device_sync = torch.cuda.synchronize
     monkeypatch.setattr(torch.cuda, "synchronize",
                         lambda device=None: (syncs.append("device"), real_device_sync(device))[1])
-    train_engine(engine, batches, 3)
+    try:
+        train_engine(engine, batches, 3)
+    finally:
+        monkeypatch.undo()
+        engine.destroy()
     assert syncs == []
 
 
@@ -691,9 +684,34 @@ def test_the_crossings_host_slabs_are_at_most_two_of_the_largest_copy_and_stop_g
         crossing.flush()
         assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
         made.append(host.made)
-    assert host.most <= MAX_IN_FLIGHT * 13 * mib
-    assert len(host.live) == 2 and max(host.live.values()) == 13 * mib
+    assert host.most <= MAX_IN_FLIGHT * 14 * mib
+    assert len(host.live) == 2 and max(host.live.values()) == 14 * mib  # whole huge pages
     assert made == [6, 8, 8, 8]  # two grown in the second step, then reused
+
+
+def test_slabs_planned_for_the_largest_shard_are_made_once_and_never_grow(monkeypatch):
+    """The engine plans the slabs for its largest trained shard (stores/pinned_host.py
+    crossing_slab_bytes): two slabs of that size, made at the first copies, then only reused."""
+    from zero.runtime import device_to_host
+    from zero.stores.pinned_host import crossing_slab_bytes
+
+    monkeypatch.setattr(device_to_host, "BATCH_BYTES", 1)  # every unit crosses on its own
+    sizes = [n * (1 << 20) // 8 for n in (1, 2, 3, 5, 8, 2, 13)]  # at 8 bytes an element at most: 1 ... 13 MiB
+    planned = crossing_slab_bytes(max(sizes))
+    host = SlabHost()
+    crossing = GradCrossing(torch.device("cpu"), host, planned)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(3):
+        dsts = [torch.randn(n, generator=gen) for n in sizes]
+        grads = [[torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)] for n in sizes]
+        expected = [in_loop_order(d, g, add=False) for d, g in zip(dsts, grads)]
+        for u, (d, g) in enumerate(zip(dsts, grads)):
+            crossing.put(u, d, g, add=False)
+            crossing.send(u)
+        crossing.flush()
+        assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
+    assert host.made == MAX_IN_FLIGHT and sorted(host.live.values()) == [planned] * MAX_IN_FLIGHT
+    assert planned == 14 << 20  # 13 MiB of payloads and their alignment's room, in whole huge pages
 
 
 def test_registered_host_releases_one_tensor_and_keeps_the_others():

@@ -10,7 +10,7 @@ import torch
 
 from helpers import _STACK_DUMP_S, run_process, run_ranks
 
-TIMEOUT = 10.0  # forked ranks print at once; only the barrier waits
+TIMEOUT = 10.0  # the ranks print at their start (forked here, no CUDA); only the barrier waits
 SLACK = 30.0  # process start, fork, gloo set-up, the stack dumps
 
 

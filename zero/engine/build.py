@@ -71,7 +71,7 @@ from ..runtime.timers import Timers, log_rank0
 from .loss_scaler import make_loss_scaler
 from .optimizer import AdamKind, ZeroOptimizer, stash_norm_ranges, step_in_backward_blocker
 from ..stores.optimizer_store import FlatOptimizerStore, NvmeOptimizerStore, OptimizerStore
-from ..stores.pinned_host import for_gpu_copies
+from ..stores.pinned_host import for_gpu_copies, makes_write_back_ring
 from ..stores.param_store import FlatParamStore, NvmeParamStore, ParamStore, swap_checksum
 from ..stores.quantized import GROUP_SIZE, NOT_QUANTIZED, FrozenShards
 from ..stores.layouts import RankLayout, build_rank_layout
@@ -348,8 +348,9 @@ def _make_param_store(config, rank_layout, dtype, opt_store, aio, job_id, comm, 
         ahead = host_to_device.AheadCopy if home.type == "cpu" and pin_memory else None
         # a step on the host writes shards on the GPU through registered staging (runtime/write_back.py),
         # pinned memory as the optimizer's pin_memory allows
-        staged = (StagedWrites(for_gpu_copies(True)) if home.type == "cuda" and opt_store is not None
-                  and config.zero_optimization.offload_optimizer.pin_memory else None)
+        zc = config.zero_optimization
+        staged = (StagedWrites(for_gpu_copies(True)) if opt_store is not None and makes_write_back_ring(
+            zc.offload_param, zc.offload_optimizer, device.type == "cuda") else None)
         store = FlatParamStore(rank_layout, dtype, home, pin_memory, flat=alias,
                                frozen=frozen, compute_device=device, copy_ahead=ahead,
                                ahead_bytes=config.zero_optimization.stage3_prefetch_bucket_size * dtype.itemsize,
@@ -420,7 +421,7 @@ def _make_optimizer(config, spec, rank_layout, units, opt_store, param_store, co
     zc = config.zero_optimization
     pinned = None
     if device.type == "cuda" and zc.offload_optimizer.device != "none":
-        pinned = for_gpu_copies(True)  # two units' staging at most, whatever pin_memory says of the states
+        pinned = for_gpu_copies(True)  # the crossing's two slabs, whatever pin_memory says of the states
         if pinned is not None:
             release.callback(pinned.close)
     reducer = GradReducer(rank_layout, opt_store.grads, comm, device, dtype, comm_dtype,

@@ -336,6 +336,10 @@ class ZeroEngine(nn.Module):
 
     def load_parameters(self, sub_group, master: torch.Tensor) -> None:
         """The parameters of ``sub_group``'s units from its loaded fp32 master."""
+        if torch.cuda.is_initialized():
+            # work queued before the load (a forward whose output was never read) may still be
+            # copying host shards this overwrites; a load is rare, so wait for all of it
+            torch.cuda.synchronize()
         layout = self.parts.rank_layout
         for index in sub_group.units:
             start, stop = layout.unit_range(index)

@@ -106,9 +106,10 @@ class GradCrossing:
     (see the notes).
     ``pinned``: registered host memory for the slabs (nvmeio.RegisteredHost), else plain."""
 
-    def __init__(self, device: torch.device, pinned=None):
+    def __init__(self, device: torch.device, pinned=None, slab_bytes: int = 0):
         self.device = device
         self._pinned = pinned
+        self.slab_bytes = slab_bytes  # the planned size of each slab (stores/pinned_host.py crossing_slab_bytes)
         self._pending: Dict[int, List[Tuple[torch.Tensor, List[torch.Tensor], bool]]] = {}
         self._in_flight: Deque[Tuple[Optional["torch.cuda.Event"], torch.Tensor, List[_Landing]]] = deque()
         self._free: List[torch.Tensor] = []  # host slabs not in flight
@@ -193,11 +194,12 @@ class GradCrossing:
         self._in_flight.append((event, slab, batch.landings))
 
     def _slab(self, nbytes: int) -> torch.Tensor:
-        """The smallest free slab of at least ``nbytes``; else a new one, after giving back a free one that is
-        too small where keeping it would make more slabs than can be in use at once
-        (:data:`MAX_IN_FLIGHT`: one may be in flight when another is taken). Slabs only grow, so once
-        they are as large as the copies need nothing more is allocated, and the crossing's host
-        memory is at most MAX_IN_FLIGHT slabs of the largest copy (stores/rank_memory.py counts them)."""
+        """The smallest free slab of at least ``nbytes``; else a new one of the planned size (or the
+        copy's, if larger), after giving back a free one that is too small where keeping it would
+        make more slabs than can be in use at once (:data:`MAX_IN_FLIGHT`: one may be in flight when
+        another is taken). Planned for the rank's largest trained shard, no slab grows: the
+        crossing's host memory is MAX_IN_FLIGHT planned slabs (stores/rank_memory.py counts them),
+        made and registered once, at the first backward's first copies."""
         fits = [i for i, slab in enumerate(self._free) if slab.numel() >= nbytes]
         if fits:  # the smallest that fits, keeping larger ones for larger copies
             return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
@@ -206,7 +208,8 @@ class GradCrossing:
             old = self._free.pop(smallest)  # landed: its copy's event was waited for
             if self._pinned is not None:
                 self._pinned.release(old)
-        nbytes = slab_bytes(nbytes, SLAB_BYTES)
+            del old  # its memory goes before the larger slab's is mapped
+        nbytes = max(self.slab_bytes, slab_bytes(nbytes, SLAB_BYTES))
         if self._pinned is not None:
             return self._pinned.empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)

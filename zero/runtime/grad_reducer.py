@@ -55,6 +55,7 @@ import torch
 from nvmeio.host_sum import sum_series
 
 from .comm import Comm
+from ..stores.pinned_host import crossing_slab_bytes
 from .device_to_host import GradCrossing
 from .grad_stash import NO_STASH, GradStash, NoStash
 from ..stores.layouts import RankLayout
@@ -103,7 +104,9 @@ class GradReducer:
         self._in_flight: Deque[Tuple[object, torch.Tensor, torch.Tensor, int]] = deque()  # work, shard, buf, unit
         self._in_flight_numel = 0
         self.peak_in_flight_numel = 0  # most elements in flight at once (tests)
-        self.crossing = GradCrossing(device, pinned)  # device gradients into a host partition
+        trained = max((u.shard_numel for u in rank_layout.units if u.index not in rank_layout.frozen), default=0)
+        # device gradients into a host partition, through host slabs planned for the largest trained shard
+        self.crossing = GradCrossing(device, pinned, crossing_slab_bytes(trained))
 
     # -- during backward -----------------------------------------------------------------------
     def _target(self, unit_index: int) -> torch.Tensor:

@@ -65,11 +65,15 @@ import torch
 
 from nvmeio import AioSettings
 
+from swapper.host_memory import align_up
+
 from ..config import ConfigError, Problem
 from ..config.offload import min_swap_bytes
 from .layouts import RankLayout, SubGroup, UnitLayout
 from .pinned_host import for_gpu_copies
 from .quantized import NOT_QUANTIZED, FrozenShards
+
+_PACKED_ALIGN = 64  # each quantized shard's place in the registered block starts on a cache line
 
 
 def swap_checksum(setting: str):
@@ -265,6 +269,15 @@ class FlatParamStore(ParamStore):
                 flat = torch.empty(end, dtype=dtype, device=device)
         self.flat = flat
         self._packed: Dict[int, torch.Tensor] = {}  # unit index -> its quantized shard
+        # with pin_memory, the quantized shards' places in one registered block (see _pack)
+        self._packed_places: Dict[int, torch.Tensor] = {}
+        packs = [u for u in rank_layout.units if frozen.packs(u)]
+        if self._pinned is not None and packs:
+            sizes = [align_up(frozen.nbytes(u), _PACKED_ALIGN) for u in packs]
+            block, start = self._pinned.empty(sum(sizes)), 0
+            for u, size in zip(packs, sizes):
+                self._packed_places[u.index] = block[start:start + frozen.nbytes(u)]
+                start += size
         self._writing = None  # the event after the latest write from the device still in flight (see the note)
         self._took_copy: Optional[int] = None  # the unit whose copy made ahead the last fetch took (fetched_a_copy)
 
@@ -358,16 +371,15 @@ class FlatParamStore(ParamStore):
                 self._writing = landing
 
     def _pack(self, layout: UnitLayout, values: torch.Tensor) -> torch.Tensor:
-        """A frozen unit's int8 shard. With ``pin_memory``, in registered host memory: its read-ahead
-        from pageable memory would be a copy the driver stages while the CPU waits. A rewrite
-        (a checkpoint load) goes into the same bytes, as the flat shards' do."""
+        """A frozen unit's int8 shard. With ``pin_memory``, in its place in one registered block:
+        its read-ahead from pageable memory would be a copy the driver stages while the CPU waits,
+        and one registration per unit would map each on whole pages. A rewrite (a checkpoint load)
+        goes into the same bytes, as the flat shards' do."""
         encoded = self.frozen.encode(layout, values)
-        if self._pinned is None:
+        place = self._packed_places.get(layout.index)
+        if place is None:
             return encoded.to(self.flat.device)
-        kept = self._packed.get(layout.index)
-        if kept is None or kept.shape != encoded.shape or kept.dtype != encoded.dtype:
-            kept = self._pinned.empty(encoded.numel(), encoded.dtype).view(encoded.shape)
-        return kept.copy_(encoded)
+        return place.copy_(encoded)
 
     def flush(self) -> None:
         """Writes from the device into host shards have landed (see the note). Writes into shards

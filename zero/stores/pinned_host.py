@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from nvmeio import RegisteredHost
+from swapper.host_memory import align_up
 
 
 def _warn(why: str) -> None:
@@ -41,9 +42,26 @@ BATCH_BYTES = 4 << 20  # units under this cross together
 # are only while they take no more than an fp32 sum and the host's partial sum would)
 MAX_PAYLOAD_BYTES = 8
 RING_BYTES = 64 << 20  # the write-back ring
+HUGE_PAGE_BYTES = 2 << 20
+PAYLOAD_ALIGNMENT_ROOM = 256 << 10  # 64 bytes for each of 4096 payloads
 
 
 def slab_bytes(nbytes: int, most: int = SLAB_BYTES) -> int:
-    """The host slab made for a crossing copy of ``nbytes``: whole MiB (so units of close sizes
-    share slabs), at most ``most``."""
-    return min(most, -(-nbytes // (1 << 20)) << 20)
+    """The host slab made for a crossing copy of ``nbytes``: whole huge pages (2 MiB, as
+    nvmeio's huge_page_tensor maps it), at most ``most``."""
+    return min(most, align_up(nbytes, HUGE_PAGE_BYTES))
+
+
+def crossing_slab_bytes(largest_shard: int) -> int:
+    """Each crossing slab, planned for a rank whose largest shard that receives gradients has
+    ``largest_shard`` elements: its payloads, :data:`BATCH_BYTES` at least, and room for their
+    alignment (a copy that needs more makes a larger slab, at most SLAB_BYTES)."""
+    return slab_bytes(max(BATCH_BYTES, MAX_PAYLOAD_BYTES * largest_shard + PAYLOAD_ALIGNMENT_ROOM))
+
+
+def makes_write_back_ring(offload_param, offload_optimizer, on_gpu: bool) -> bool:
+    """Whether a step's values go from host memory into parameter shards on the GPU through the
+    ring (runtime/write_back.py): parameters on the GPU, the optimizer in host memory or on NVMe,
+    its ``pin_memory`` set (given an optimizer)."""
+    return (on_gpu and offload_param.device == "none" and offload_optimizer.device != "none"
+            and bool(offload_optimizer.pin_memory))

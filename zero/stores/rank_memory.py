@@ -48,7 +48,7 @@ from .layouts import RankLayout
 from .optimizer_store import nvme_buffer_count
 from .quantized import packed_nbytes
 from .param_store import several_drives, swap_buffer_count
-from .pinned_host import BATCH_BYTES, MAX_IN_FLIGHT, MAX_PAYLOAD_BYTES, RING_BYTES, slab_bytes
+from .pinned_host import MAX_IN_FLIGHT, RING_BYTES, crossing_slab_bytes, makes_write_back_ring
 
 HOST, DEVICE, NVME = "host", "device", "nvme"  # where a part lives; DEVICE: the compute device
 
@@ -81,6 +81,11 @@ class RankSizes:
     trainable: Optional[int] = None  # the optimizer's partition (layouts.py): None, all of ``shard``
     quantized: int = 0  # elements of ``shard`` stored int8 (stores/quantized.py)
     quantized_bytes: int = 0  # their packed bytes (codes and scales)
+    trained_shard: Optional[int] = None  # the largest shard of a unit that is not frozen: None, largest_shard
+
+    @property
+    def largest_trained_shard(self) -> int:
+        return self.largest_shard if self.trained_shard is None else self.trained_shard
 
     def param_bytes(self, itemsize: int) -> int:
         """The partition's parameters as stored: the quantized ones packed."""
@@ -102,7 +107,8 @@ class RankSizes:
                    max((u.shard_numel for u in units), default=0),
                    max((g.numel for g in rank_layout.trainable_sub_groups), default=0),
                    sum(u.shard_numel for u in units if u.shard_numel < small_below), rank_layout.trainable_numel,
-                   sum(packed), sum(packed_nbytes(n) for n in packed))
+                   sum(packed), sum(packed_nbytes(n) for n in packed),
+                   max((u.shard_numel for u in units if u.index not in rank_layout.frozen), default=0))
 
     @classmethod
     def of_counts(cls, total_params: int, largest_layer_params: int, world_size: int,
@@ -219,15 +225,15 @@ def rank_memory_parts(sizes: RankSizes, *, stage: int, offload_param, offload_op
 
     if has_optimizer and not on_cpu and opt_home != compute:
         # the working memory of a GPU's copies to and from the host-side optimizer (runtime notes)
-        slab = slab_bytes(max(BATCH_BYTES, MAX_PAYLOAD_BYTES * sizes.largest_shard))
+        slab = crossing_slab_bytes(sizes.largest_trained_shard)
         add(f"gradient crossing's host slabs ({MAX_IN_FLIGHT} x {format_bytes(slab)})", MAX_IN_FLIGHT * slab,
             "zero_optimization.offload_optimizer.device", HOST,
             fix="set zero_optimization.offload_optimizer.device to 'none' (gradients then stay on the GPU)")
-        if param_home == compute and opt.pin_memory:
-            add(f"write-back staging ring ({format_bytes(RING_BYTES)})", RING_BYTES,
-                "zero_optimization.offload_optimizer.pin_memory", HOST,
-                fix="set zero_optimization.offload_optimizer.pin_memory to false (each write-back then waits "
-                    "for its copy)")
+    if has_optimizer and makes_write_back_ring(par, opt, not on_cpu):
+        add(f"write-back staging ring ({format_bytes(RING_BYTES)})", RING_BYTES,
+            "zero_optimization.offload_optimizer.pin_memory", HOST,
+            fix="set zero_optimization.offload_optimizer.pin_memory to false (each write-back then waits "
+                "for its copy)")
 
     if activation_spill is not None:
         count, size = ActivationSwapper.BUFFER_COUNT, ActivationSwapper.BUFFER_BYTES
