@@ -690,7 +690,7 @@ def test_the_crossings_host_slabs_are_at_most_two_of_the_largest_copy_and_stop_g
 
 
 def test_slabs_planned_for_the_largest_shard_are_made_once_and_never_grow(monkeypatch):
-    """The engine plans the slabs for its largest trained shard (stores/pinned_host.py
+    """The engine plans the slabs for its largest trained shard (zero/stores/pinned_host.py
     crossing_slab_bytes): two slabs of that size, made at the first copies, then only reused."""
     from zero.runtime import device_to_host
     from zero.stores.pinned_host import crossing_slab_bytes

@@ -199,7 +199,7 @@ def test_two_ranks_hold_what_the_formula_says(tmp_path):
 def test_a_gpus_write_back_ring_is_counted_where_the_engine_makes_it(compute, optimizer, pin_memory, ring):
     """Parameters on the GPU and a pinned host optimizer: the step's values reach the shards
     through the 64 MiB registered ring (zero/runtime/write_back.py), host memory the check counts
-    (engine/build.py makes it by the same rule, stores/pinned_host.py makes_write_back_ring)."""
+    (zero/engine/build.py makes it by the same rule, zero/stores/pinned_host.py makes_write_back_ring)."""
     from zero.config.offload import OffloadOptimizerConfig, OffloadParamConfig
     from zero.stores.pinned_host import RING_BYTES
     from zero.stores.rank_memory import RankSizes, rank_memory_parts
