@@ -82,7 +82,8 @@ def land(dst: torch.Tensor, parts: List[torch.Tensor], add: bool) -> None:
 
 
 class _Batch:
-    """Units' payloads packed into ``staging`` (compute-device memory) until they cross together (see [Note: small units cross together])."""
+    """Units' payloads packed into ``staging`` (compute-device memory) until they cross together
+    (see [Note: small units cross together])."""
 
     def __init__(self, staging: torch.Tensor):
         self.staging = staging
