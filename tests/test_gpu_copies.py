@@ -457,6 +457,41 @@ def test_on_cuda_staged_writes_queued_behind_kernels_land_exactly(dtype):
         assert torch.equal(dest.cpu(), value.to(dtype))
 
 
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("planned", [0, 2 << 20], ids=["growing slabs", "planned slabs"])
+def test_on_cuda_gradients_queued_behind_kernels_cross_exactly(monkeypatch, planned):
+    """The crossing's copies held back by a kernel queued before the gradients they carry: the
+    outbound stream waits for the compute stream, the host lands a unit only after its copy's
+    event, and a slab is reused or released only once landed; every host slice gets the loop's
+    sums bit for bit, units over the slab limit in ranges."""
+    from nvmeio import RegisteredHost
+    from zero.runtime import device_to_host
+
+    monkeypatch.setattr(device_to_host, "SLAB_BYTES", 2 << 20)  # the 600k-element unit crosses in ranges
+    monkeypatch.setattr(device_to_host, "BATCH_BYTES", 1)  # every unit crosses on its own
+    gen = torch.Generator().manual_seed(11)
+    sizes = [1000, 600_000, 7, 70_000, 200_000, 5]
+    host = RegisteredHost()
+    crossing = GradCrossing(torch.device("cuda"), host, planned)
+    try:
+        for _ in range(2):
+            dsts = [torch.randn(n, generator=gen) for n in sizes]
+            grads = [[torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)] for n in sizes]
+            adds = [u % 2 == 1 for u in range(len(sizes))]
+            expected = [in_loop_order(d, g, a) for d, g, a in zip(dsts, grads, adds)]
+            on_gpu = [[g.cuda() for g in gs] for gs in grads]
+            torch.cuda._sleep(10 ** 8)  # tens of milliseconds before the gradients exist
+            for u, (d, gs, a) in enumerate(zip(dsts, on_gpu, adds)):
+                crossing.put(u, d, [g.clone() for g in gs], a)  # made behind the sleep
+                crossing.send(u)
+            crossing.flush()
+            assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
+        assert crossing.copies == 2 * (len(sizes) + 1)  # the large unit in two ranges
+    finally:
+        host.close()
+
+
 @pytest.mark.parametrize("dtypes,add,on_device", [
     ([torch.bfloat16], False, False), ([torch.float32], False, False),  # one crossing either way
     ([torch.bfloat16], True, False),  # 2 bytes over and added there, not 4 over, 4 back
