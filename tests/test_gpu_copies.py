@@ -34,6 +34,23 @@ def in_loop_order(dst: torch.Tensor, grads, add: bool) -> torch.Tensor:
     return out
 
 
+def window_of(sizes, gen, dtype=torch.float32, k=1, adds=None):
+    """One backward's host slices of ``sizes``, ``k`` gradients each, whether each adds, and the
+    loop's sums."""
+    adds = adds or [False] * len(sizes)
+    dsts = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [[torch.randn(n, generator=gen).to(dtype) for _ in range(k)] for n in sizes]
+    return dsts, grads, adds, [in_loop_order(d, g, a) for d, g, a in zip(dsts, grads, adds)]
+
+
+def cross_all(crossing, dsts, grads, adds) -> None:
+    """Each slice's gradients sent as a unit of its own, then all landed."""
+    for u, (d, g, a) in enumerate(zip(dsts, grads, adds)):
+        crossing.put(u, d, g, a)
+        crossing.send(u)
+    crossing.flush()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [1, 2, 3, 16])
 @pytest.mark.parametrize("add", [False, True])
@@ -476,16 +493,11 @@ def test_on_cuda_gradients_queued_behind_kernels_cross_exactly(monkeypatch, plan
     crossing = GradCrossing(torch.device("cuda"), host, planned)
     try:
         for _ in range(2):
-            dsts = [torch.randn(n, generator=gen) for n in sizes]
-            grads = [[torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)] for n in sizes]
-            adds = [u % 2 == 1 for u in range(len(sizes))]
-            expected = [in_loop_order(d, g, a) for d, g, a in zip(dsts, grads, adds)]
+            dsts, grads, adds, expected = window_of(sizes, gen, torch.bfloat16, 2,
+                                                    [u % 2 == 1 for u in range(len(sizes))])
             on_gpu = [[g.cuda() for g in gs] for gs in grads]
             torch.cuda._sleep(10 ** 8)  # tens of milliseconds before the gradients exist
-            for u, (d, gs, a) in enumerate(zip(dsts, on_gpu, adds)):
-                crossing.put(u, d, [g.clone() for g in gs], a)  # made behind the sleep
-                crossing.send(u)
-            crossing.flush()
+            cross_all(crossing, dsts, [[g.clone() for g in gs] for gs in on_gpu], adds)  # made behind the sleep
             assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
         assert crossing.copies == 2 * (len(sizes) + 1)  # the large unit in two ranges
     finally:
@@ -681,13 +693,14 @@ class SlabHost:
     """nvmeio.RegisteredHost's part that GradCrossing uses, counting the slabs it holds."""
 
     def __init__(self):
-        self.live, self.made, self.most = {}, 0, 0
+        self.live, self.made, self.most, self.most_slabs = {}, 0, 0, 0
 
     def empty(self, nbytes):
         t = torch.empty(nbytes, dtype=torch.uint8)
         self.live[t.data_ptr()] = nbytes
         self.made += 1
         self.most = max(self.most, sum(self.live.values()))
+        self.most_slabs = max(self.most_slabs, len(self.live))
         return t
 
     def release(self, t):
@@ -709,17 +722,11 @@ def test_the_crossings_host_slabs_are_at_most_two_of_the_largest_copy_and_stop_g
     sizes = [n * mib // 4 for n in (1, 2, 3, 5, 8, 2, 13)]  # fp32 elements: 1 ... 13 MiB
     made = []
     for step in range(4):
-        dsts = [torch.randn(n, generator=gen) for n in sizes]
-        grads = [[torch.randn(n, generator=gen)] for n in sizes]
-        expected = [in_loop_order(d, g, add=False) for d, g in zip(dsts, grads)]
-        for u, (d, g) in enumerate(zip(dsts, grads)):
-            crossing.put(u, d, g, add=False)
-            crossing.send(u)
-            assert len(host.live) <= MAX_IN_FLIGHT
-        crossing.flush()
+        dsts, grads, adds, expected = window_of(sizes, gen)
+        cross_all(crossing, dsts, grads, adds)
         assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
         made.append(host.made)
-    assert host.most <= MAX_IN_FLIGHT * 14 * mib
+    assert host.most_slabs == MAX_IN_FLIGHT and host.most <= MAX_IN_FLIGHT * 14 * mib
     assert len(host.live) == 2 and max(host.live.values()) == 14 * mib  # whole huge pages
     assert made == [6, 8, 8, 8]  # two grown in the second step, then reused
 
@@ -737,13 +744,8 @@ def test_slabs_planned_for_the_largest_shard_are_made_once_and_never_grow(monkey
     crossing = GradCrossing(torch.device("cpu"), host, planned)
     gen = torch.Generator().manual_seed(9)
     for step in range(3):
-        dsts = [torch.randn(n, generator=gen) for n in sizes]
-        grads = [[torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(2)] for n in sizes]
-        expected = [in_loop_order(d, g, add=False) for d, g in zip(dsts, grads)]
-        for u, (d, g) in enumerate(zip(dsts, grads)):
-            crossing.put(u, d, g, add=False)
-            crossing.send(u)
-        crossing.flush()
+        dsts, grads, adds, expected = window_of(sizes, gen, torch.bfloat16, 2)
+        cross_all(crossing, dsts, grads, adds)
         assert all(torch.equal(d, e) for d, e in zip(dsts, expected))
     assert host.made == MAX_IN_FLIGHT and sorted(host.live.values()) == [planned] * MAX_IN_FLIGHT
     assert planned == 14 << 20  # 13 MiB of payloads and their alignment's room, in whole huge pages

@@ -187,6 +187,7 @@ def _apply(engine, ds: DeepSpeedCheckpoint, plan: Dict[Tuple[int, int], str], ke
            hyper: Optional[dict], schedule: Optional[dict]) -> None:
     layout, rank = engine.rank_layout, engine.comm.rank
     store = engine.checkpointed_state
+    engine.begin_load()
     with torch.no_grad():
         for sg in layout.sub_groups:
             missing = [(i, s) for i in sg.units for s in range(len(layout.units[i].slots)) if (i, s) not in plan]

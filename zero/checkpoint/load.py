@@ -336,6 +336,7 @@ def _apply(engine, cio: CheckpointIO, reader: ShardReader, checkpoint: str, own_
            load_states: bool, state: dict, buffers: dict, load_optimizer_states: bool,
            load_lr_scheduler_states: bool, staged: dict) -> None:
     store = engine.checkpointed_state
+    engine.begin_load()
     with torch.no_grad():
         for sg in engine.rank_layout.sub_groups:
             if _absent(sg, own_shards, reader.excluded):

@@ -334,12 +334,15 @@ class ZeroEngine(nn.Module):
         with self.checkpointed_state.viewed(sub_group) as (master, _):
             return master.clone()
 
-    def load_parameters(self, sub_group, master: torch.Tensor) -> None:
-        """The parameters of ``sub_group``'s units from its loaded fp32 master."""
+    def begin_load(self) -> None:
+        """Before a load writes any sub-group (:meth:`load_parameters`, then :meth:`finish_load`)."""
         if torch.cuda.is_initialized():
             # work queued before the load (a forward whose output was never read) may still be
-            # copying host shards this overwrites; a load is rare, so wait for all of it
+            # copying host shards the load overwrites; a load is rare, so wait for all of it
             torch.cuda.synchronize()
+
+    def load_parameters(self, sub_group, master: torch.Tensor) -> None:
+        """The parameters of ``sub_group``'s units from its loaded fp32 master."""
         layout = self.parts.rank_layout
         for index in sub_group.units:
             start, stop = layout.unit_range(index)

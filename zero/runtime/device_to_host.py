@@ -138,7 +138,8 @@ class GradCrossing:
             if self._batch is not None and (total > self._batch.room() or total >= BATCH_BYTES):
                 self._send_batch()
             if self._batch is None:
-                self._batch = _Batch(self._staging(max(total, min(BATCH_BYTES, SLAB_BYTES))))
+                staging = torch.empty(max(total, min(BATCH_BYTES, SLAB_BYTES)), dtype=torch.uint8, device=self.device)
+                self._batch = _Batch(staging)
             self._batch.add(flats, landings, total)
             if total >= BATCH_BYTES:
                 self._send_batch()
@@ -168,9 +169,6 @@ class GradCrossing:
                 start = stop
         if flats:
             yield flats, landings, total
-
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _send_batch(self) -> None:
         """The open batch crosses: one copy into a host slab, on CUDA on the outbound copy stream

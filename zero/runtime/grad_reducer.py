@@ -104,9 +104,8 @@ class GradReducer:
         self._in_flight: Deque[Tuple[object, torch.Tensor, torch.Tensor, int]] = deque()  # work, shard, buf, unit
         self._in_flight_numel = 0
         self.peak_in_flight_numel = 0  # most elements in flight at once (tests)
-        trained = max((u.shard_numel for u in rank_layout.units if u.index not in rank_layout.frozen), default=0)
         # device gradients into a host partition, through host slabs planned for the largest trained shard
-        self.crossing = GradCrossing(device, pinned, crossing_slab_bytes(trained))
+        self.crossing = GradCrossing(device, pinned, crossing_slab_bytes(rank_layout.largest_trainable_shard))
 
     # -- during backward -----------------------------------------------------------------------
     def _target(self, unit_index: int) -> torch.Tensor:

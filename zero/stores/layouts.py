@@ -162,6 +162,11 @@ class RankLayout:
     def trainable_units(self) -> List[UnitLayout]:
         return [u for u in self.units if u.index not in self.frozen]
 
+    @functools.cached_property
+    def largest_trainable_shard(self) -> int:
+        """Elements of the largest trainable unit's shard: the most gradient one unit sends."""
+        return max((u.shard_numel for u in self.trainable_units()), default=0)
+
     def unit_range(self, unit_index: int) -> Tuple[int, int]:
         start = self.offsets[unit_index]
         return start, start + self.units[unit_index].shard_numel

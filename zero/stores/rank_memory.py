@@ -108,7 +108,7 @@ class RankSizes:
                    max((g.numel for g in rank_layout.trainable_sub_groups), default=0),
                    sum(u.shard_numel for u in units if u.shard_numel < small_below), rank_layout.trainable_numel,
                    sum(packed), sum(packed_nbytes(n) for n in packed),
-                   max((u.shard_numel for u in units if u.index not in rank_layout.frozen), default=0))
+                   rank_layout.largest_trainable_shard)
 
     @classmethod
     def of_counts(cls, total_params: int, largest_layer_params: int, world_size: int,
