@@ -95,6 +95,18 @@ class CudaBackend:
         if int(cudart.cudaHostUnregister(ptr)) != 0:
             _clear_last_error(cudart)  # else torch's next kernel launch raises it (see _clear_last_error)
 
+    def alloc_pinned(self, nbytes: int) -> Optional[Any]:
+        """``nbytes`` of page-locked host memory from torch's pinned allocator (cudaHostAlloc), or
+        None if CUDA refuses that too."""
+        import torch
+
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:
+            if torch.cuda.is_available():
+                _clear_last_error(torch.cuda.cudart())
+            return None
+
 
 def _loaded_cudart() -> Optional[str]:
     """The path of the CUDA runtime library this process has loaded (torch's), if any."""
@@ -151,7 +163,15 @@ class RegisteredHost:
 
     ``on_refused(why)``: called once, the first time registering fails (the memory still works,
     only its copies are slower); later tensors are not tried. ``backend``: CudaBackend unless a
-    test injects a stand-in with ``pin_host`` / ``unpin_host``."""
+    test injects a stand-in with ``pin_host`` / ``unpin_host`` / ``alloc_pinned``.
+
+    [Note: staging memory where CUDA refuses registration]
+    Some systems refuse ``cudaHostRegister`` but still give page-locked memory through
+    ``cudaHostAlloc`` (torch's pinned allocator). That allocator rounds each request up to a power
+    of two and caches it: fine for the small, bounded buffers that copies stage through
+    (``empty(..., staging=True)``: aio_handle's CUDA chunks, the engine's gradient crossing and
+    write-back ring), whose copies then stay asynchronous; not for a store's master and states,
+    which it could double, and which stay pageable there."""
 
     def __init__(self, backend: Any = None, on_refused: Optional[Callable[[str], None]] = None) -> None:
         self._backend = backend if backend is not None else CudaBackend()
@@ -177,9 +197,10 @@ class RegisteredHost:
                     self._on_refused(why)
         return self.refused
 
-    def empty(self, numel: int, dtype: Any = None) -> Any:
+    def empty(self, numel: int, dtype: Any = None, staging: bool = False) -> Any:
         """``numel`` elements of ``dtype`` (uint8 by default) of page-aligned host memory, on
-        transparent huge pages, exactly their size, registered."""
+        transparent huge pages, exactly their size, registered. ``staging``: a buffer that copies
+        stage through, from torch's pinned allocator where registering is refused (see the note)."""
         import torch
 
         from ._locked import huge_page_tensor
@@ -188,9 +209,16 @@ class RegisteredHost:
         nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
-        t = huge_page_tensor(nbytes)
-        self.register(t)
-        return t.view(dtype)
+        if self.refused is None:
+            t = huge_page_tensor(nbytes)
+            if self.register(t) is None or not staging or self.refused is None:  # registered, or closed
+                return t.view(dtype)
+            del t  # refused just now
+        if staging:
+            pinned = self._backend.alloc_pinned(nbytes)
+            if pinned is not None and pinned.data_ptr() % 4096 == 0:  # page-aligned, as O_DIRECT needs
+                return pinned.view(dtype)
+        return huge_page_tensor(nbytes).view(dtype)
 
     def release(self, t: Any) -> None:
         """Unregisters ``t`` (a tensor from :meth:`empty`, or given to :meth:`register`) and stops

@@ -648,6 +648,60 @@ def test_a_refused_registration_warns_once_and_still_gives_memory():
     assert backend.unpinned == []
 
 
+class PinningBackend(RefusingBackend):
+    """Refuses cudaHostRegister, gives torch's pinned memory (here plain memory, recorded)."""
+
+    def __init__(self, why, gives=True, offset=0):
+        super().__init__(why)
+        self.gives, self.offset, self.allocated = gives, offset, []
+
+    def alloc_pinned(self, nbytes):
+        self.allocated.append(nbytes)
+        if not self.gives:
+            return None
+        return torch.empty(nbytes + self.offset + 4096, dtype=torch.uint8)[self.offset:self.offset + nbytes]
+
+
+def test_where_registration_is_refused_staging_comes_from_torchs_pinned_allocator_and_the_rest_stays_pageable():
+    """[Note: staging memory where CUDA refuses registration]: the staging buffer asked for when the
+    refusal is found, and every one after it, are the pinned allocator's; other memory is not."""
+    from nvmeio import RegisteredHost
+
+    backend = PinningBackend("cudaHostRegister returned error 801")
+    host = RegisteredHost(backend, on_refused=lambda why: None)
+    first = host.empty(3000, staging=True)  # registration tried, refused: then the pinned allocator
+    assert host.refused == "cudaHostRegister returned error 801" and backend.allocated == [3000]
+    second = host.empty(500, torch.float32, staging=True)
+    store = host.empty(1000, torch.float32)  # a store's memory: pageable, not rounded by that allocator
+    assert backend.allocated == [3000, 2000]
+    assert (first.numel(), first.dtype, second.numel(), second.dtype) == (3000, torch.uint8, 500, torch.float32)
+    assert store.numel() == 1000 and store.data_ptr() % 4096 == 0
+    assert len({first.data_ptr(), second.data_ptr(), store.data_ptr()}) == 3
+    second.fill_(2.5)
+    assert torch.equal(second, torch.full((500,), 2.5))
+    host.close()
+    assert backend.unpinned == []
+
+
+@pytest.mark.parametrize("gives,offset", [(False, 0), (True, 64)], ids=["refused too", "not page-aligned"])
+def test_staging_is_plain_memory_where_the_pinned_allocator_fails_or_gives_unaligned_memory(gives, offset):
+    """O_DIRECT reads and writes aio_handle's chunks: a buffer off a page boundary is not taken."""
+    from nvmeio import RegisteredHost
+
+    backend = PinningBackend("cudaHostRegister returned error 801", gives=gives, offset=offset)
+    host = RegisteredHost(backend, on_refused=lambda why: None)
+    t = host.empty(8192, staging=True)
+    assert backend.allocated == [8192] and t.numel() == 8192 and t.data_ptr() % 4096 == 0
+
+
+def test_the_pinned_allocators_failure_is_none_not_an_error():
+    from nvmeio import CudaBackend
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU torch's pinned allocator succeeds: this is the CPU-only build's refusal")
+    assert CudaBackend().alloc_pinned(4096) is None  # a CPU-only torch refuses pin_memory
+
+
 def test_a_failed_registration_clears_cudas_last_error(monkeypatch):
     """Else torch's next kernel launch check raises it as that kernel's error (seen on an H200)."""
     from nvmeio import CudaBackend
@@ -695,7 +749,8 @@ class SlabHost:
     def __init__(self):
         self.live, self.made, self.most, self.most_slabs = {}, 0, 0, 0
 
-    def empty(self, nbytes):
+    def empty(self, nbytes, staging=False):
+        assert staging  # torch's pinned memory where CUDA refuses registration (nvmeio/_cuda.py)
         t = torch.empty(nbytes, dtype=torch.uint8)
         self.live[t.data_ptr()] = nbytes
         self.made += 1

@@ -15,7 +15,8 @@ class Host:
     def __init__(self):
         self.made, self.closed = [], False
 
-    def empty(self, nbytes):
+    def empty(self, nbytes, staging=False):
+        assert staging  # torch's pinned memory where CUDA refuses registration (nvmeio/_cuda.py)
         self.made.append(nbytes)
         return torch.full((nbytes,), 0xAB, dtype=torch.uint8)  # stale bytes, never sent
 

@@ -210,7 +210,7 @@ class GradCrossing:
             del old  # its memory goes before the larger slab's is mapped
         nbytes = max(self.slab_bytes, slab_bytes(nbytes, SLAB_BYTES))
         if self._pinned is not None:
-            return self._pinned.empty(nbytes)
+            return self._pinned.empty(nbytes, staging=True)
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def _land_oldest(self) -> None:

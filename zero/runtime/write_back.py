@@ -52,7 +52,7 @@ def _copy_on_current_stream(dest: torch.Tensor, src: torch.Tensor):
 class StagedWrites:
     """Host values into device tensors through a registered staging ring (see the note).
 
-    ``host`` makes the ring (``host.empty(nbytes)``) at the first write and unregisters it at
+    ``host`` makes the ring (``host.empty(nbytes, staging=True)``) at the first write and unregisters it at
     :meth:`close` (nvmeio.RegisteredHost); ``copy(dest, src)`` queues the asynchronous copy and
     returns an event: ``query()`` whether it ran, ``synchronize()`` waits for it (a test injects
     stand-ins for both)."""
@@ -98,7 +98,7 @@ class StagedWrites:
         for ``nbytes``; waits for the oldest copies while any of them holds a part of it (they
         run in order on one stream, so waiting for the oldest first waits for nothing extra)."""
         if self._ring is None:
-            self._ring = self._host.empty(self._ring_bytes)
+            self._ring = self._host.empty(self._ring_bytes, staging=True)
         size = -(-nbytes // _ALIGN) * _ALIGN
         if self._head + size > self._ring_bytes:
             self._head = 0
