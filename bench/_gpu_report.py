@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from bench import _gpu_infer, _gpu_lora
+from bench import _gpu_infer, _gpu_lora, _gpu_sanitize
 
 GiB = 1 << 30
 DEEPNVME = {"gpu": "DeepNVMe: GPU buffers about as fast as CPU buffers",
@@ -122,7 +122,7 @@ def _lora(st: dict) -> str:
     return "; ".join(parts) or st.get("error", "")
 
 
-SUMMARIES = {"install": _install, "tests": _tests, "disk": _disk, "aio": _aio, "train": _train, "lora": _lora,
+SUMMARIES = {"install": _install, "tests": _tests, "sanitize": _tests, "disk": _disk, "aio": _aio, "train": _train, "lora": _lora,
              "infer": _gpu_infer.summary}
 
 
@@ -147,17 +147,19 @@ def markdown(record: dict) -> str:
         lines.append(f"| {name} | {st['status']} | {st['seconds']} ({st['budget_s']}) | "
                      f"{(result + error + note).replace('|', '/')} |")
     lines.append("")
-    lines += _tests_details(stages.get("tests", {})) + _aio_details(stages.get("aio", {}))
+    lines += _tests_details(stages.get("tests", {}))
+    lines += _tests_details(stages.get("sanitize", {}), "Tests under the CUDA sanitizer")
+    lines += _gpu_sanitize.details(stages.get("sanitize", {})) + _aio_details(stages.get("aio", {}))
     lines += _train_details(stages.get("train", {})) + _lora_details(stages.get("lora", {}))
     lines += _gpu_infer.details(stages.get("infer", {}))
     lines += _install_details(stages.get("install", {}))
     return "\n".join(lines) + "\n"
 
 
-def _tests_details(st: dict) -> list:
+def _tests_details(st: dict, heading: str = "Tests") -> list:
     if not st.get("runs"):
         return []
-    out = ["## Tests", "", "| pytest run | passed | failed | errors | skipped | exit | s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [f"## {heading}", "", "| pytest run | passed | failed | errors | skipped | exit | s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in st["runs"]:
         out.append(f"| {r['title']} | {r.get('passed', '—')} | {r.get('failed', '—')} | {r.get('errors', '—')} | "
                    f"{r.get('skipped', '—')} | {r['returncode']} | {r['seconds']} |")

@@ -8,12 +8,13 @@ trained with parameters and optimizer on NVMe, and aio_handle / gds_handle with 
 It writes gpu_check.json, gpu_check.md and gpu_check.log (every command's output) to --out.
 
 [Note: stages, budgets and what survives a failure]
-Seven stages run in order (--stages picks some; install always runs), each within a time budget
+Eight stages run in order (--stages picks some; install always runs), each within a time budget
 of its own, all within --total-s (training has what is left but the later stages' budgets):
 ``install`` (the kit's wheels that are missing or older here, then nvmeio from this tree without
 build isolation or network, liburing from the kit so that the io_uring backend builds;
 tools/gpu_kit.sh makes the kit), ``tests`` (pytest on tests/test_cuda_paths.py,
-tests/test_gds_handle.py and the tests marked cuda elsewhere), ``disk`` (nvme_tune's best read
+tests/test_gds_handle.py and the tests marked cuda elsewhere), ``sanitize`` (the engine's CUDA
+tests again under torch's CUDA stream sanitizer, bench/_gpu_sanitize.py), ``disk`` (nvme_tune's best read
 and write GiB/s: the disk's time for a byte count, fio being absent there; fio's own when it is
 on PATH, as a kit can carry it), ``aio`` (GiB/s of locked host buffers, CUDA tensors through
 aio_handle and through gds_handle), ``train`` (bench/io_bound.py's children: plain torch on the
@@ -50,13 +51,13 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Optional
 
-from bench import _gpu_infer, _gpu_install, _gpu_lora, _gpu_report, harness, io_bound
+from bench import _gpu_infer, _gpu_install, _gpu_lora, _gpu_report, _gpu_sanitize, harness, io_bound
 from bench._gpu_install import Kit, find_kit
 from tools import fio
 
 ROOT = harness.ROOT
 GiB = harness.GiB
-STAGES = ("install", "tests", "disk", "aio", "train", "lora", "infer")
+STAGES = ("install", "tests", "sanitize", "disk", "aio", "train", "lora", "infer")
 NO_CUDA = "no CUDA: rehearsed on CPU"
 TINY_MODEL = dict(vocab=256, d_model=32, heads=2, layers=2, seq=16, tie=True)
 WIDE_LORA_MODEL = dict(vocab=8192, d_model=2048, heads=16, layers=8, seq=128, tie=True)  # 420M parameters
@@ -89,14 +90,14 @@ class Sizes:
     infer_new_tokens: int = 8
 
 
-REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 240, "disk": 45, "aio": 45, "lora": 170, "infer": 75},
+REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 240, "sanitize": 120, "disk": 45, "aio": 45, "lora": 170, "infer": 75},
              model=io_bound.MODEL,
              ks=(1, 4, 16), dtypes=("fp32", "bf16"), warmup=1, iters=2, torch_iters=3, min_run_s=30, run_cap_s=200,
              tune_io_size="1G", tune_budget_s=25, aio_bytes=1 * GiB, aio_rounds=3, one_process_per_run=True,
              use_fio=True, lora_wide=WIDE_LORA_MODEL)
 # The rehearsal's lora stage starts six children (about 33 s on a quiet 2-core machine, past 40 s on CI's),
 # so its budgets leave twice that.
-REHEARSAL = Sizes(total_s=330, budgets={"install": 60, "tests": 90, "disk": 40, "aio": 40, "lora": 90, "infer": 60},
+REHEARSAL = Sizes(total_s=330, budgets={"install": 60, "tests": 90, "sanitize": 60, "disk": 40, "aio": 40, "lora": 90, "infer": 60},
                   model=TINY_MODEL,
                   ks=(1, 4), dtypes=("fp32", "bf16"), warmup=1, iters=1, torch_iters=1, min_run_s=0, run_cap_s=120,
                   tune_io_size="8M", tune_budget_s=2, aio_bytes=8 << 20, aio_rounds=1, one_process_per_run=False,
@@ -167,14 +168,15 @@ class Run:
     def child(self, module: str, args: list, timeout: float) -> dict:
         return harness.run_child(module, [str(a) for a in args], None, round(max(1.0, timeout)), self.first_on_path)
 
-    def command(self, title: str, cmd: list, timeout: float, cwd: str = ROOT) -> dict:
-        """Runs ``cmd`` (its output into the log); returncode, seconds, and its last lines."""
+    def command(self, title: str, cmd: list, timeout: float, cwd: str = ROOT, env: Optional[dict] = None) -> dict:
+        """Runs ``cmd`` (its output into the log; ``env`` added to the children's environment):
+        returncode, seconds, and its last lines."""
         self.say(f"{title}: " + " ".join(a if "\n" not in a else "'...'" for a in cmd))
         t = time.monotonic()
         # A session of its own: on timeout its whole process group goes (pip's compilers, pytest's
         # children), and none is left holding the pipe that communicate() reads to its end.
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-                             env=self.env(), start_new_session=True)
+                             env={**self.env(), **(env or {})}, start_new_session=True)
         try:
             text, rc = p.communicate(timeout=max(1.0, timeout))[0], p.returncode
         except subprocess.TimeoutExpired:
@@ -268,15 +270,28 @@ def probe(run: Run, stage: Stage) -> dict:
 # -- tests -----------------------------------------------------------------------------------------
 
 def stage_tests(run: Run, stage: Stage) -> dict:
+    out = run_pytest(run, stage, pytest_runs(os.path.join(ROOT, "tests"), whole_files=run.cuda))
+    if not run.cuda:
+        out["note"] = f"{NO_CUDA}: the tests marked cuda, which skip without a GPU"
+    return out
+
+
+def run_pytest(run: Run, stage: Stage, pytest_args: list, env: Optional[dict] = None,
+               inspect: Optional[Callable[[str], dict]] = None) -> dict:
+    """Each (title, arguments) of ``pytest_args`` run by pytest, with ``env`` added to its
+    environment: the counts of every run and together, and the verdict. ``inspect(output)``: more
+    to keep of a run's output."""
     runs = []
-    for title, args in pytest_runs(os.path.join(ROOT, "tests"), whole_files=run.cuda):
-        xml = os.path.join(run.scratch, f"junit-{len(runs)}.xml")
+    for title, args in pytest_args:
+        xml = os.path.join(run.scratch, f"junit-{stage.name}-{len(runs)}.xml")
         # -v: each test's outcome is in the log as it ends, so a run stopped at the budget (no JUnit
         # file then) still says which tests passed and failed
         cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}", *args]
-        step = run.command(f"pytest: {title}", cmd, stage.left())
+        step = run.command(f"pytest: {title}", cmd, stage.left(), env=env)
         output = step.pop("output")
         step.update(title=title, **(junit_counts(xml) if os.path.exists(xml) else outcome_counts(output)))
+        if inspect is not None:
+            step.update(inspect(output))
         runs.append(step)
     failed = sum(r.get("failed", 0) + r.get("errors", 0) for r in runs)
     out = {"runs": runs, **{k: sum(r.get(k, 0) for r in runs) for k in ("passed", "failed", "errors", "skipped")}}
@@ -287,8 +302,6 @@ def stage_tests(run: Run, stage: Stage) -> dict:
         out["error"] = f"{failed} failed" if failed else f"pytest exit {[r['returncode'] for r in runs]}"
     else:
         out["status"] = "ok"
-    if not run.cuda:
-        out["note"] = f"{NO_CUDA}: the tests marked cuda, which skip without a GPU"
     return out
 
 
@@ -608,7 +621,9 @@ def main(argv=None) -> int:
                   "stages": {}}
     run.say(f"{'rehearsal, ' if args.rehearse else ''}scratch {scratch} ({run.record['meta'].get('fstype')}), "
             f"kit {kit.path or 'none'}, out {args.out}")
-    fns = {"install": stage_install, "tests": stage_tests, "disk": stage_disk, "aio": stage_aio,
+    fns = {"install": stage_install, "tests": stage_tests,
+           "sanitize": lambda r, st: _gpu_sanitize.stage_sanitize(r, st, run_pytest, "tests"),
+           "disk": stage_disk, "aio": stage_aio,
            "train": stage_train, "lora": lambda r, st: _gpu_lora.stage_lora(r, st, disk_reference),
            "infer": lambda r, st: _gpu_infer.stage_infer(r, st, disk_reference)}
     try:

@@ -12,7 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # bench/ and tools/ are not installed: the root goes after the installed packages (test_tools.py's reason).
 sys.path.append(REPO)
 
-from bench import gpu_check
+from bench import _gpu_report, gpu_check
 from bench._gpu_install import Kit, find_kit, fits, install_plan
 
 SCRIPT = os.path.join(REPO, "tools", "gpu_kit.sh")
@@ -27,12 +27,15 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     record = json.loads((out / "gpu_check.json").read_text())
     assert list(record["stages"]) == list(gpu_check.STAGES)
     statuses = {name: st["status"] for name, st in record["stages"].items()}
-    assert statuses == {"install": "dry", "tests": "ok", "disk": "ok", "aio": "ok", "train": "ok", "lora": "ok",
-                        "infer": "ok"}, \
+    assert statuses == {"install": "dry", "tests": "ok", "sanitize": "ok", "disk": "ok", "aio": "ok", "train": "ok",
+                        "lora": "ok", "infer": "ok"}, \
         json.dumps({name: {k: st.get(k) for k in ("status", "error", "seconds", "budget_s")}
                     for name, st in record["stages"].items()}, indent=1)
     for name in ("tests", "aio", "train", "lora", "infer"):  # the CUDA parts say they ran on the CPU
         assert gpu_check.NO_CUDA in record["stages"][name]["note"]
+    sanitize = record["stages"]["sanitize"]  # one CUDA-suite test, on the CPU, without the sanitizer (it needs CUDA)
+    assert (sanitize["passed"], sanitize["failed"], sanitize["skipped"]) == (1, 0, 0) and "sanitizer off" in sanitize["note"]
+    assert "TORCH_CUDA_SANITIZER" not in " ".join(sanitize["runs"][0]["command"])
     train = record["stages"]["train"]
     assert [(row["dtype"], row["k"]) for row in train["runs"]] == [(d, k) for d in gpu_check.REHEARSAL.dtypes
                                                                    for k in gpu_check.REHEARSAL.ks]
@@ -67,7 +70,7 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     for row in infer["rows"]:  # a decode forward reads the same bytes whatever the batch
         assert row["read_bytes_per_forward"] == first["read_bytes_per_forward"] > 0
         assert row["decode_s"] > 0 and row["disk_s"] > 0 and row["to_disk"] > 0
-    assert "## ZeRO-Inference" in md
+    assert "## ZeRO-Inference" in md and "## Tests under the CUDA sanitizer" in md
     assert "[gpu_check" in r.stdout and (out / "gpu_check.log").stat().st_size > 0
 
 
@@ -80,7 +83,7 @@ def test_stages_picks_some_and_install_always_runs(tmp_path):
     assert list(json.loads((out / "gpu_check.json").read_text())["stages"]) == ["install", "disk"]
     bad = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--stages", "disk,lroa", "--out",
                        str(out)], timeout=60, cwd=REPO, env=env)
-    assert bad.returncode == 2 and "--stages takes install,tests,disk,aio,train,lora,infer, got disk,lroa" in bad.stderr
+    assert bad.returncode == 2 and "--stages takes install,tests,sanitize,disk,aio,train,lora,infer, got disk,lroa" in bad.stderr
 
 
 def test_a_stage_without_a_budget_leaves_the_later_stages_theirs(tmp_path):
@@ -182,3 +185,51 @@ def test_a_tests_run_stopped_before_its_junit_file_is_counted_from_its_verbose_l
         "tests/test_cuda_engine.py::test_gathered_parameters_modified_on_rank_0_in_training",
         "tests/test_cuda_paths.py::test_staging"]
     assert "did not finish" in counts["report"]
+
+
+CSAN_OUTPUT = """tests/test_cuda_engine.py::test_x[a] PASSED
+============================
+CSAN detected a possible data race on tensor with data pointer 139823
+Access by stream 94 during kernel:
+aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor
+reading from argument(s) self
+With stack trace:
+  File "zero/runtime/unit.py", line 207, in gather
+
+Previous access by stream 0 during kernel:
+aten::copy_(Tensor(a!) self, Tensor src, bool non_blocking=False) -> Tensor(a!)
+writing to argument(s) self, and to the output
+tests/test_cuda_engine.py::test_x[b] FAILED
+"""
+
+
+def test_the_sanitizers_reports_are_kept_from_pytests_output_and_fail_the_stage(tmp_path):
+    from bench import _gpu_sanitize
+
+    found = _gpu_sanitize.races(CSAN_OUTPUT, lines=4)
+    assert found == ["CSAN detected a possible data race on tensor with data pointer 139823\n"
+                     "Access by stream 94 during kernel:\n"
+                     "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor\n"
+                     "reading from argument(s) self"]
+    assert _gpu_sanitize.races("tests/x.py::y PASSED\n") == []
+
+    class FakeRun:
+        cuda = True
+
+    calls = []
+
+    def run_pytest(run, stage, runs, env, inspect):
+        calls.append((runs, env))
+        step = {"title": runs[0][0], "returncode": 1, "seconds": 3.0, "passed": 1, "failed": 1, **inspect(CSAN_OUTPUT)}
+        return {"status": "failed", "runs": [step], "passed": 1, "failed": 1}
+
+    out = _gpu_sanitize.stage_sanitize(FakeRun(), None, run_pytest, "tests")
+    (runs, env), = calls
+    assert env == {"TORCH_CUDA_SANITIZER": "1"} and runs[0][1][:2] == ["-m", "cuda"]
+    assert [a for a in runs[0][1][2:]] == [f"tests/{f}" for f in _gpu_sanitize.FILES]
+    assert out["status"] == "failed" and "1 unordered access" in out["error"] and len(out["races"]) == 1
+    assert "races" not in out["runs"][0]
+    md = _gpu_report.markdown({"meta": {"started": "t", "commit": "c", "host": "h", "nproc": 1, "ram_bytes": 1 << 30,
+                                        "kernel": "k", "python": "3", "command": "x"},
+                               "stages": {"sanitize": {**out, "seconds": 1, "budget_s": 2, "skipped": 0, "errors": 0}}})
+    assert "## Sanitizer reports" in md and "CSAN detected a possible data race" in md

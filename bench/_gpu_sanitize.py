@@ -1,0 +1,69 @@
+"""bench/gpu_check.py's ``sanitize`` stage: the engine's CUDA tests under torch's CUDA stream sanitizer.
+
+[Note: what the sanitize stage looks for]
+The engine's copies run on streams of their own (zero/runtime/host_to_device.py,
+zero/runtime/device_to_host.py, zero/runtime/write_back.py, zero/runtime/activation_spill.py), ordered with the compute stream by events. A missing wait
+is a race that a comparison of weights catches only when the GPU happens to lose it, and a CPU
+catches never (there is no second stream there). torch's CUDA sanitizer (CSAN, switched on by
+the environment variable ``TORCH_CUDA_SANITIZER`` as torch is imported) records every kernel's
+reads and writes of device memory per stream, with the events recorded, waited for and
+synchronized, and raises at the first access not ordered after the last conflicting one: the
+race shows every time, with both accesses' stacks. It sees what runs under the dispatcher in a
+thread that has its mode (the main thread, autograd's device threads): copies made by nvmeio's
+own staging thread (aio_handle with CUDA tensors) are not checked, so those tests are not run
+here. Host memory is not tracked: the host-side waits (a slab read only after its copy's event)
+stay the CPU fakes' to check (tests/test_gpu_copies.py, tests/test_write_back.py).
+
+On the CPU (the rehearsal) the sanitizer cannot run (it asks torch for the current CUDA stream at
+every op); the stage runs one CUDA-suite test with the CPU as its device, plainly, to check the
+stage itself.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+FILES = ("test_gpu_copies.py", "test_activation_spill.py", "test_write_back.py", "test_cuda_engine.py")  # the protocol first
+REHEARSAL_TEST = "test_cuda_engine.py::test_training_equals_plain_torch_on_the_same_device[s0-o-none-fp32-k1-loop]"
+ENV = {"TORCH_CUDA_SANITIZER": "1"}
+_RACE = re.compile(r"^CSAN detected a possible data race", re.M)
+
+
+def pytest_runs(rel: str, cuda: bool) -> list:
+    """(title, pytest arguments) of the stage's one run; ``rel``: the tests' folder, from where pytest runs."""
+    if not cuda:
+        return [("one CUDA-suite test on the CPU, without the sanitizer", ["--cuda-suite-on-cpu",
+                                                                            os.path.join(rel, REHEARSAL_TEST)])]
+    return [("the engine's CUDA tests under TORCH_CUDA_SANITIZER=1",
+             ["-m", "cuda", *(os.path.join(rel, f) for f in FILES)])]
+
+
+def races(output: str, most: int = 5, lines: int = 30) -> list:
+    """The sanitizer's reports in pytest's output: the first ``lines`` lines of each, ``most`` of them."""
+    text = output.splitlines()
+    starts = [i for i, line in enumerate(text) if _RACE.match(line)]
+    return ["\n".join(text[i:i + lines]) for i in starts[:most]]
+
+
+def stage_sanitize(run, stage, run_pytest, tests_rel: str) -> dict:
+    """``run_pytest(run, stage, runs, env, inspect)`` is gpu_check's (the tests stage's counting and
+    verdict); ``tests_rel``: the tests' folder, from where pytest runs."""
+    out = run_pytest(run, stage, pytest_runs(tests_rel, run.cuda), ENV if run.cuda else None,
+                     lambda output: {"races": races(output)})
+    found = [r for step in out["runs"] for r in step.pop("races")]
+    if found:
+        out.update(races=found, status="failed",
+                   error=f"the sanitizer reported {len(found)} unordered access{'es' if len(found) > 1 else ''}")
+    if not run.cuda:
+        out["note"] = "no CUDA: one CUDA-suite test on the CPU, the sanitizer off (it needs CUDA)"
+    return out
+
+
+def details(st: dict) -> list:
+    """The markdown's section: the reports, verbatim."""
+    if not st.get("races"):
+        return []
+    out = ["## Sanitizer reports", ""]
+    for r in st["races"]:
+        out += ["```", r, "```", ""]
+    return out
