@@ -206,6 +206,12 @@ tests/test_cuda_engine.py::test_x[b] FAILED
 def test_the_sanitizers_reports_are_kept_from_pytests_output_and_fail_the_stage(tmp_path):
     from bench import _gpu_sanitize
 
+    tests = os.path.join(REPO, "tests")
+    for name in _gpu_sanitize.FILES + _gpu_sanitize.DELIBERATE + (_gpu_sanitize.REHEARSAL_TEST,):
+        file, _, test = name.partition("::")
+        assert os.path.exists(os.path.join(tests, file))
+        assert not test or f"def {test.split('[')[0]}(" in open(os.path.join(tests, file)).read()
+
     found = _gpu_sanitize.races(CSAN_OUTPUT, lines=4)
     assert found == ["CSAN detected a possible data race on tensor with data pointer 139823\n"
                      "Access by stream 94 during kernel:\n"
@@ -226,7 +232,8 @@ def test_the_sanitizers_reports_are_kept_from_pytests_output_and_fail_the_stage(
     out = _gpu_sanitize.stage_sanitize(FakeRun(), None, run_pytest, "tests")
     (runs, env), = calls
     assert env == {"TORCH_CUDA_SANITIZER": "1"} and runs[0][1][:2] == ["-m", "cuda"]
-    assert [a for a in runs[0][1][2:]] == [f"tests/{f}" for f in _gpu_sanitize.FILES]
+    assert runs[0][1][2:] == ["--deselect", f"tests/{_gpu_sanitize.DELIBERATE[0]}"] + [
+        f"tests/{f}" for f in _gpu_sanitize.FILES]
     assert out["status"] == "failed" and "1 unordered access" in out["error"] and len(out["races"]) == 1
     assert "races" not in out["runs"][0]
     md = _gpu_report.markdown({"meta": {"started": "t", "commit": "c", "host": "h", "nproc": 1, "ram_bytes": 1 << 30,
