@@ -8,7 +8,7 @@ trained with parameters and optimizer on NVMe, and aio_handle / gds_handle with 
 It writes gpu_check.json, gpu_check.md and gpu_check.log (every command's output) to --out.
 
 [Note: stages, budgets and what survives a failure]
-Eight stages run in order (--stages picks some; install always runs), each within a time budget
+Eight stages run in order (--stages picks some; install always runs; sanitize only when named), each within a time budget
 of its own, all within --total-s (training has what is left but the later stages' budgets):
 ``install`` (the kit's wheels that are missing or older here, then nvmeio from this tree without
 build isolation or network, liburing from the kit so that the io_uring backend builds;
@@ -58,6 +58,7 @@ from tools import fio
 ROOT = harness.ROOT
 GiB = harness.GiB
 STAGES = ("install", "tests", "sanitize", "disk", "aio", "train", "lora", "infer")
+DEFAULT_STAGES = tuple(n for n in STAGES if n != "sanitize")  # bench/_gpu_sanitize.py: only when named
 NO_CUDA = "no CUDA: rehearsed on CPU"
 TINY_MODEL = dict(vocab=256, d_model=32, heads=2, layers=2, seq=16, tie=True)
 WIDE_LORA_MODEL = dict(vocab=8192, d_model=2048, heads=16, layers=8, seq=128, tie=True)  # 420M parameters
@@ -583,8 +584,8 @@ def main(argv=None) -> int:
     p.add_argument("--total-s", type=float, help="seconds for all stages (default 470; --rehearse 330)")
     p.add_argument("--ks", help="micro-batches per iteration to train, comma-separated (default 1,4,16)")
     p.add_argument("--dtypes", help="fp32 and / or bf16, comma-separated (default both)")
-    p.add_argument("--stages", help=f"the stages to run, comma-separated, of {','.join(STAGES)} (default all; "
-                                    "install always runs: the others import what it built)")
+    p.add_argument("--stages", help=f"the stages to run, comma-separated, of {','.join(STAGES)} (default all but "
+                                    "sanitize; install always runs: the others import what it built)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -603,7 +604,7 @@ def main(argv=None) -> int:
         if not set(dtypes) <= {"fp32", "bf16"}:
             p.error(f"--dtypes takes fp32 and bf16, got {args.dtypes}")
         sizes = replace(sizes, dtypes=dtypes)
-    stages = STAGES
+    stages = DEFAULT_STAGES
     if args.stages:
         chosen = set(args.stages.split(","))
         if not chosen <= set(STAGES):

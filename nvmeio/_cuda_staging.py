@@ -290,12 +290,11 @@ class _HostChunks:
     def __init__(self, backend: Any, count: int, nbytes: int) -> None:
         def refused(why: str) -> None:
             warnings.warn(f"nvmeio: could not pin {nbytes} bytes of staging memory for CUDA "
-                          f"({why}); it comes from torch's pinned allocator instead, or where "
-                          "that is refused too, CUDA tensors still work but their copies do not "
-                          "overlap the file I/O", RuntimeWarning, stacklevel=4)
+                          f"({why}); CUDA tensors still work, but their copies do not overlap "
+                          "the file I/O", RuntimeWarning, stacklevel=4)
 
         self.host = RegisteredHost(backend, on_refused=refused)
-        self.tensors = [self.host.empty(nbytes, staging=True) for _ in range(count)]
+        self.tensors = [self.host.empty(nbytes) for _ in range(count)]
 
 
 class StagingEngine:

@@ -578,29 +578,6 @@ def test_host_chunks_are_pinned_once_and_unpinned_with_the_engine(nvme_dir):
     assert sorted(backend.unpinned) == sorted(pinned)
 
 
-def test_where_registration_is_refused_the_chunks_are_torchs_pinned_memory_and_bytes_still_round_trip(nvme_dir):
-    """nvmeio/_cuda.py [Note: staging memory where CUDA refuses registration]."""
-    eng, backend = engine(8192, 3)
-    allocated = []
-
-    def alloc_pinned(nbytes):
-        allocated.append(nbytes)
-        return torch.empty(nbytes + 4096, dtype=torch.uint8)[:nbytes]  # torch's pinned memory, here plain
-
-    backend.pin_host = lambda ptr, nbytes: "cudaHostRegister returned error 801"
-    backend.alloc_pinned = alloc_pinned
-    src = torch.from_numpy(random_bytes(30_000, 5))
-    with pytest.warns(RuntimeWarning, match="could not pin 8192 bytes .*error 801.*torch's pinned allocator"):
-        eng.submit(True, device_buffer(src), str(nvme_dir / "r.bin"), 0)
-        assert eng.drain() == (1, None)
-    back = torch.zeros(30_000, dtype=torch.uint8)
-    eng.submit(False, device_buffer(back), str(nvme_dir / "r.bin"), 0)
-    assert eng.drain() == (1, None)
-    assert torch.equal(back, src) and file_bytes(nvme_dir / "r.bin") == src.numpy().tobytes()
-    assert allocated == [8192] * 3 and backend.pinned == []
-    eng.close()
-
-
 # -- through aio_handle ---------------------------------------------------------------------------
 
 def test_every_method_moves_cuda_tensors(fake_cuda, nvme_dir):

@@ -21,8 +21,8 @@ SCRIPT = os.path.join(REPO, "tools", "gpu_kit.sh")
 def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # -m from the root finds bench/
-    r = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--out", str(out)], timeout=400,
-                    cwd=REPO, env=env)
+    r = run_process([sys.executable, "-m", "bench.gpu_check", "--rehearse", "--stages", ",".join(gpu_check.STAGES),
+                     "--out", str(out)], timeout=400, cwd=REPO, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     record = json.loads((out / "gpu_check.json").read_text())
     assert list(record["stages"]) == list(gpu_check.STAGES)
@@ -187,20 +187,26 @@ def test_a_tests_run_stopped_before_its_junit_file_is_counted_from_its_verbose_l
     assert "did not finish" in counts["report"]
 
 
-CSAN_OUTPUT = """tests/test_cuda_engine.py::test_x[a] PASSED
-============================
-CSAN detected a possible data race on tensor with data pointer 139823
-Access by stream 94 during kernel:
-aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor
-reading from argument(s) self
-With stack trace:
-  File "zero/runtime/unit.py", line 207, in gather
+def csan_output() -> str:
+    """pytest's output around a report printed by torch's own sanitizer class (its format): each stack
+    outermost first, pytest's frames and then ours."""
+    import traceback
 
-Previous access by stream 0 during kernel:
-aten::copy_(Tensor(a!) self, Tensor src, bool non_blocking=False) -> Tensor(a!)
-writing to argument(s) self, and to the output
-tests/test_cuda_engine.py::test_x[b] FAILED
-"""
+    from torch.cuda._sanitizer import Access, AccessType, UnsynchronizedAccessError
+
+    def stack(*ours):
+        frames = [("/usr/lib/python3.12/runpy.py", 198, "_run_module_as_main", "return _run_code(code)"),
+                  ("/usr/lib/python3/site-packages/_pytest/python.py", 159, "pytest_pyfunc_call", "result = f()")]
+        frames += [(f"/root/repo/{path}", line, name, code) for path, line, name, code in ours]
+        return traceback.StackSummary.from_list(
+            [traceback.FrameSummary(f, n, name, line=code) for f, n, name, code in frames])
+
+    now = Access(AccessType.READ, 9, 94, "aten::add.Tensor(Tensor self, Tensor other) -> Tensor", ["self"], False,
+                 stack(("zero/runtime/unit.py", 207, "gather", "out = shard + 0")))
+    before = Access(AccessType.WRITE, 8, 93, "aten::copy_(Tensor(a!) self, Tensor src) -> Tensor(a!)", ["self"], True,
+                    stack(("zero/runtime/host_to_device.py", 54, "start_copy", "out.copy_(shard, non_blocking=True)")))
+    report = str(UnsynchronizedAccessError(139823, None, now, before))
+    return "tests/test_cuda_engine.py::test_x[a] PASSED\n" + report + "\ntests/test_cuda_engine.py::test_x[b] FAILED\n"
 
 
 def test_the_sanitizers_reports_are_kept_from_pytests_output_and_fail_the_stage(tmp_path):
@@ -212,12 +218,20 @@ def test_the_sanitizers_reports_are_kept_from_pytests_output_and_fail_the_stage(
         assert os.path.exists(os.path.join(tests, file))
         assert not test or f"def {test.split('[')[0]}(" in open(os.path.join(tests, file)).read()
 
-    found = _gpu_sanitize.races(CSAN_OUTPUT, lines=4)
-    assert found == ["CSAN detected a possible data race on tensor with data pointer 139823\n"
-                     "Access by stream 94 during kernel:\n"
-                     "aten::add.Tensor(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor\n"
-                     "reading from argument(s) self"]
+    output = csan_output()
+    found = _gpu_sanitize.races(output + output)  # printed twice (as raised, and in pytest's summary): kept once
+    assert len(found) == 1
+    report = found[0].splitlines()
+    assert report[0] == "CSAN detected a possible data race on tensor with data pointer 139823"
+    for line in ("Access by stream 94 during kernel:", "reading from argument(s) self",
+                 '  File "/root/repo/zero/runtime/unit.py", line 207, in gather', "    out = shard + 0",
+                 "Previous access by stream 93 during kernel:", "writing to argument(s) self, and to the output",
+                 '  File "/root/repo/zero/runtime/host_to_device.py", line 54, in start_copy'):
+        assert line in report, (line, report)
+    assert not any("_pytest" in line or "runpy" in line or "return _run_code" in line for line in report), report
+    assert not any("::test_x" in line for line in report)
     assert _gpu_sanitize.races("tests/x.py::y PASSED\n") == []
+    assert "sanitize" in gpu_check.STAGES and "sanitize" not in gpu_check.DEFAULT_STAGES  # only when named
 
     class FakeRun:
         cuda = True
@@ -226,13 +240,13 @@ def test_the_sanitizers_reports_are_kept_from_pytests_output_and_fail_the_stage(
 
     def run_pytest(run, stage, runs, env, inspect):
         calls.append((runs, env))
-        step = {"title": runs[0][0], "returncode": 1, "seconds": 3.0, "passed": 1, "failed": 1, **inspect(CSAN_OUTPUT)}
+        step = {"title": runs[0][0], "returncode": 1, "seconds": 3.0, "passed": 1, "failed": 1, **inspect(output)}
         return {"status": "failed", "runs": [step], "passed": 1, "failed": 1}
 
     out = _gpu_sanitize.stage_sanitize(FakeRun(), None, run_pytest, "tests")
     (runs, env), = calls
     assert env == {"TORCH_CUDA_SANITIZER": "1"} and runs[0][1][:2] == ["-m", "cuda"]
-    assert runs[0][1][2:] == ["--deselect", f"tests/{_gpu_sanitize.DELIBERATE[0]}"] + [
+    assert runs[0][1][2:] == ["--capture=tee-sys", "--deselect", f"tests/{_gpu_sanitize.DELIBERATE[0]}"] + [
         f"tests/{f}" for f in _gpu_sanitize.FILES]
     assert out["status"] == "failed" and "1 unordered access" in out["error"] and len(out["races"]) == 1
     assert "races" not in out["runs"][0]

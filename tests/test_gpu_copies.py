@@ -465,7 +465,7 @@ def test_on_cuda_staged_writes_queued_behind_kernels_land_exactly(dtype):
     dests = [torch.zeros(n, dtype=dtype, device="cuda") for n in sizes]
     writes.write(torch.empty(1, dtype=dtype, device="cuda"), torch.zeros(1))  # the ring made and registered
     writes.synchronize()
-    torch.cuda._sleep(10 ** 8)  # tens of milliseconds of GPU time before the first copy
+    torch.cuda._sleep(10 ** 9)  # about half a second of GPU time before the first copy (time to queue them all)
     for dest, value in zip(dests, values):
         writes.write(dest, value)
     assert writes.waits > 0
@@ -653,13 +653,17 @@ class PinningBackend(RefusingBackend):
 
     def __init__(self, why, gives=True, offset=0):
         super().__init__(why)
-        self.gives, self.offset, self.allocated = gives, offset, []
+        self.gives, self.offset, self.allocated, self.given = gives, offset, [], []
 
     def alloc_pinned(self, nbytes):
         self.allocated.append(nbytes)
         if not self.gives:
             return None
-        return torch.empty(nbytes + self.offset + 4096, dtype=torch.uint8)[self.offset:self.offset + nbytes]
+        base = torch.empty(nbytes + 2 * 4096, dtype=torch.uint8)
+        start = -base.data_ptr() % 4096 + self.offset  # page-aligned, as cudaHostAlloc's is, unless offset
+        t = base[start:start + nbytes]
+        self.given.append(t.data_ptr())
+        return t
 
 
 def test_where_registration_is_refused_staging_comes_from_torchs_pinned_allocator_and_the_rest_stays_pageable():
@@ -673,7 +677,7 @@ def test_where_registration_is_refused_staging_comes_from_torchs_pinned_allocato
     assert host.refused == "cudaHostRegister returned error 801" and backend.allocated == [3000]
     second = host.empty(500, torch.float32, staging=True)
     store = host.empty(1000, torch.float32)  # a store's memory: pageable, not rounded by that allocator
-    assert backend.allocated == [3000, 2000]
+    assert backend.allocated == [3000, 2000] and [first.data_ptr(), second.data_ptr()] == backend.given
     assert (first.numel(), first.dtype, second.numel(), second.dtype) == (3000, torch.uint8, 500, torch.float32)
     assert store.numel() == 1000 and store.data_ptr() % 4096 == 0
     assert len({first.data_ptr(), second.data_ptr(), store.data_ptr()}) == 3
@@ -692,6 +696,7 @@ def test_staging_is_plain_memory_where_the_pinned_allocator_fails_or_gives_unali
     host = RegisteredHost(backend, on_refused=lambda why: None)
     t = host.empty(8192, staging=True)
     assert backend.allocated == [8192] and t.numel() == 8192 and t.data_ptr() % 4096 == 0
+    assert t.data_ptr() not in backend.given
 
 
 def test_the_pinned_allocators_failure_is_none_not_an_error():

@@ -207,7 +207,7 @@ class GradCrossing:
             old = self._free.pop(smallest)  # landed: its copy's event was waited for
             if self._pinned is not None:
                 self._pinned.release(old)
-            del old  # its memory goes before the larger slab's is mapped
+            del old  # its memory goes before the larger slab's is mapped (torch's pinned allocator keeps it cached)
         nbytes = max(self.slab_bytes, slab_bytes(nbytes, SLAB_BYTES))
         if self._pinned is not None:
             return self._pinned.empty(nbytes, staging=True)

@@ -22,8 +22,9 @@ from swapper.host_memory import align_up
 
 def _warn(why: str) -> None:
     warnings.warn(f"nvmeio: host memory could not be registered with CUDA ({why}); training goes on: "
-                  "the buffers that copies stage through come from torch's pinned allocator, and the "
-                  "rest, staying pageable, has slower copies to and from the GPU", RuntimeWarning, stacklevel=4)
+                  "the buffers that copies stage through come from torch's pinned allocator where it "
+                  "allows, and the rest, pageable, has slower copies to and from the GPU", RuntimeWarning,
+                  stacklevel=4)
 
 
 def for_gpu_copies(pin_memory: bool, backend=None) -> Optional[RegisteredHost]:

@@ -33,7 +33,9 @@ gradient before it is reduced, activations) is not a part: it is what the
 check's headroom leaves (memory_check.py :func:`headroom_bytes`); but for the
 host memory a GPU's copies stage through, bounded by design: the gradient
 crossing's slabs (runtime/device_to_host.py) and the write-back ring
-(runtime/write_back.py).
+(runtime/write_back.py), at their size (where CUDA refuses to register host
+memory they come from torch's pinned allocator, rounded up to powers of two:
+nvmeio/_cuda.py [Note: staging memory where CUDA refuses registration]).
 """
 from __future__ import annotations
 
