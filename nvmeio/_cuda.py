@@ -219,7 +219,7 @@ class RegisteredHost:
             del t  # refused just now
         if staging:
             pinned = self._backend.alloc_pinned(nbytes)
-            if pinned is not None and pinned.data_ptr() % 4096 == 0:  # page-aligned, as O_DIRECT needs
+            if pinned is not None and pinned.data_ptr() % 4096 == 0:  # page-aligned, as the memory it replaces
                 return pinned.view(dtype)
         return huge_page_tensor(nbytes).view(dtype)
 
