@@ -689,7 +689,7 @@ def test_where_registration_is_refused_staging_comes_from_torchs_pinned_allocato
 
 @pytest.mark.parametrize("gives,offset", [(False, 0), (True, 64)], ids=["refused too", "not page-aligned"])
 def test_staging_is_plain_memory_where_the_pinned_allocator_fails_or_gives_unaligned_memory(gives, offset):
-    """O_DIRECT reads and writes aio_handle's chunks: a buffer off a page boundary is not taken."""
+    """Staging memory is page-aligned, as the huge-page memory it replaces: a buffer off a page boundary is not taken."""
     from nvmeio import RegisteredHost
 
     backend = PinningBackend("cudaHostRegister returned error 801", gives=gives, offset=offset)
