@@ -30,7 +30,8 @@ Children import nvmeio from the tree when it imports there (a native module buil
 else from the installed package (the install stage's, built from this tree) through a folder
 holding only bench/ and tools/ (the JSON's ``nvmeio_from``).
 
---rehearse runs the same stages on the CPU with tiny sizes: the install stage checks the kit
+--rehearse runs the same stages on the CPU with tiny sizes (its children see no GPU, even on a GPU
+machine, so that the suite's rehearsal test holds there): the install stage checks the kit
 and the commands without running them, pytest runs the tests marked cuda (they skip), and the
 CUDA parts run with the CPU device, each such stage noting "no CUDA: rehearsed on CPU"; all
 training runs share one child process there (on a GPU each has its own).
@@ -594,6 +595,8 @@ def main(argv=None) -> int:
     # Children find the tree only where the install stage puts it first on their path (Run.env).
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != ROOT)
+    if args.rehearse:  # the CPU's way on a GPU machine too: no child sees a GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sizes = REHEARSAL if args.rehearse else REAL
     if args.total_s:
         sizes = replace(sizes, total_s=args.total_s)

@@ -31,6 +31,7 @@ def test_rehearsal_runs_every_stage_and_writes_json_and_markdown(tmp_path):
                         "lora": "ok", "infer": "ok"}, \
         json.dumps({name: {k: st.get(k) for k in ("status", "error", "seconds", "budget_s")}
                     for name, st in record["stages"].items()}, indent=1)
+    assert record["stages"]["install"]["probe"]["cuda"] is False  # its children see no GPU, even on a GPU machine
     for name in ("tests", "aio", "train", "lora", "infer"):  # the CUDA parts say they ran on the CPU
         assert gpu_check.NO_CUDA in record["stages"][name]["note"]
     sanitize = record["stages"]["sanitize"]  # one CUDA-suite test, on the CPU, without the sanitizer (it needs CUDA)
