@@ -92,7 +92,7 @@ class Sizes:
     infer_new_tokens: int = 8
 
 
-REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 240, "sanitize": 120, "disk": 45, "aio": 45, "lora": 170, "infer": 75},
+REAL = Sizes(total_s=470, budgets={"install": 180, "tests": 240, "sanitize": 90, "disk": 45, "aio": 45, "lora": 170, "infer": 75},
              model=io_bound.MODEL,
              ks=(1, 4, 16), dtypes=("fp32", "bf16"), warmup=1, iters=2, torch_iters=3, min_run_s=30, run_cap_s=200,
              tune_io_size="1G", tune_budget_s=25, aio_bytes=1 * GiB, aio_rounds=3, one_process_per_run=True,
